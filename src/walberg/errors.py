@@ -1,0 +1,51 @@
+"""walberg's errors. Every error a user can see says what happened, where, and what to do.
+
+``Transient`` errors (a dropped connection, a conflicting commit) are retried with backoff;
+``Terminal`` errors stop the pipeline with the message as it is.
+"""
+
+from __future__ import annotations
+
+
+class WalbergError(Exception):
+    """Base of every error walberg raises on purpose. ``str(err)`` is the message for people."""
+
+    exit_code = 1
+
+
+class Transient(WalbergError):
+    """Worth retrying: the same call may succeed later."""
+
+
+class Terminal(WalbergError):
+    """Retrying will not help; a person has to act."""
+
+
+class ConfigError(Terminal):
+    """The configuration is wrong: the message names the key and the fix."""
+
+    exit_code = 2
+
+
+class SourceError(Terminal):
+    """Postgres refused something or is set up in a way walberg cannot use."""
+
+    exit_code = 2
+
+
+class DecodeError(Terminal):
+    """A replication message could not be decoded."""
+
+
+class SegmentCorrupt(Terminal):
+    """A sealed segment file failed its checksum."""
+
+
+class ApplyError(Terminal):
+    """Spark or Iceberg could not apply a batch."""
+
+
+class EnvironmentProblem(Terminal):
+    """Something walberg needs on this machine (JVM, jar) is missing or broken."""
+
+    exit_code = 2

@@ -1,0 +1,205 @@
+"""Plain data shared by every stage: LSNs, relations, changes. No I/O here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final, Optional, Union
+
+
+class Lsn(int):
+    """A PostgreSQL WAL position (64-bit), printed the way Postgres prints it: ``16/B374D848``."""
+
+    __slots__ = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Lsn":
+        try:
+            hi, lo = text.strip().split("/")
+            return cls((int(hi, 16) << 32) | int(lo, 16))
+        except ValueError as exc:
+            raise ValueError(f"not an LSN: {text!r} (expected the form 16/B374D848)") from exc
+
+    def __str__(self) -> str:
+        return f"{int(self) >> 32:X}/{int(self) & 0xFFFFFFFF:X}"
+
+    def __repr__(self) -> str:
+        return f"Lsn({self})"
+
+
+class _Unchanged:
+    """A TOASTed value that an UPDATE did not touch: pgoutput sends no value for it."""
+
+    _instance: Optional["_Unchanged"] = None
+
+    def __new__(cls) -> "_Unchanged":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+    def __reduce__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Final = _Unchanged()
+
+# A column value as it travels through walberg: the Postgres text representation (bytes),
+# None for SQL NULL, or UNCHANGED for an untouched TOAST value.
+Value = Union[bytes, None, _Unchanged]
+Row = tuple[Value, ...]
+
+
+class Op(str, Enum):
+    INSERT = "I"
+    UPDATE = "U"
+    DELETE = "D"
+    TRUNCATE = "T"
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    name: str
+    type_oid: int
+    type_modifier: int = -1
+    is_key: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Relation:
+    oid: int
+    schema: str
+    name: str
+    replica_identity: str  # 'd' default, 'n' nothing, 'f' full, 'i' index
+    columns: tuple[Column, ...]
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def key_columns(self) -> tuple[Column, ...]:
+        return tuple(c for c in self.columns if c.is_key)
+
+
+# ---- decoded pgoutput messages -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    final_lsn: Lsn  # LSN of the transaction's commit record
+    commit_ts: int  # microseconds since 2000-01-01 UTC, as Postgres sends it
+    xid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    flags: int
+    commit_lsn: Lsn
+    end_lsn: Lsn  # end of the commit record: the position a consumer confirms
+    commit_ts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    commit_lsn: Lsn
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class TypeInfo:
+    oid: int
+    schema: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Insert:
+    relation_oid: int
+    new: Row
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    relation_oid: int
+    new: Row
+    old: Optional[Row] = None  # present when the key changed ('K') or REPLICA IDENTITY FULL ('O')
+    old_kind: Optional[str] = None  # 'K' or 'O'
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    relation_oid: int
+    old: Row
+    old_kind: str  # 'K' or 'O'
+
+
+@dataclass(frozen=True, slots=True)
+class Truncate:
+    relation_oids: tuple[int, ...]
+    cascade: bool = False
+    restart_identity: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalMessage:
+    transactional: bool
+    lsn: Lsn
+    prefix: str
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStart:
+    """Protocol v2: a chunk of a transaction still in progress follows."""
+
+    xid: int
+    first_segment: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStop:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StreamCommit:
+    xid: int
+    flags: int
+    commit_lsn: Lsn
+    end_lsn: Lsn
+    commit_ts: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAbort:
+    xid: int
+    subxid: int
+
+
+Message = Union[
+    Begin,
+    Commit,
+    Origin,
+    Relation,
+    TypeInfo,
+    Insert,
+    Update,
+    Delete,
+    Truncate,
+    LogicalMessage,
+    StreamStart,
+    StreamStop,
+    StreamCommit,
+    StreamAbort,
+]
+
+
+@dataclass(slots=True)
+class TableState:
+    """What the lake holds for one source table: the LSN its last walberg commit covers."""
+
+    source: str  # schema.table in Postgres
+    committed_lsn: Lsn = field(default_factory=lambda: Lsn(0))
