@@ -1,0 +1,208 @@
+"""Talking to the source database outside the replication stream: connections with walberg's
+session settings, catalog look-ups, publications and slots. psycopg2 lives only in source/."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+from psycopg2 import sql
+
+from walberg.errors import SourceError, Transient
+from walberg.model import Column, Lsn
+
+# Every connection (copy, replication, checks) renders values the same way, so the initial copy
+# and the stream produce byte-identical text for the same value: one type path.
+SESSION_OPTIONS = (
+    "-c TimeZone=UTC -c DateStyle=ISO,YMD -c IntervalStyle=postgres "
+    "-c extra_float_digits=3 -c bytea_output=hex -c client_encoding=UTF8"
+)
+
+
+def redact(dsn: str) -> str:
+    """The DSN with any password removed, for messages and logs."""
+    dsn = re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", dsn)
+    return re.sub(r"(password\s*=\s*)(\S+)", r"\1***", dsn)
+
+
+def connect(dsn: str, *, replication: bool = False, autocommit: bool = True) -> Any:
+    """A psycopg2 connection with walberg's session settings; a failure names the server."""
+    params = psycopg2.extensions.parse_dsn(dsn)
+    options = " ".join(filter(None, [params.get("options", ""), SESSION_OPTIONS]))
+    params["options"] = options
+    params.setdefault("application_name", "walberg")
+    try:
+        if replication:
+            conn = psycopg2.connect(connection_factory=psycopg2.extras.LogicalReplicationConnection,
+                                    **params)
+        else:
+            conn = psycopg2.connect(**params)
+            conn.autocommit = autocommit
+    except psycopg2.OperationalError as exc:
+        raise Transient(
+            f"cannot connect to PostgreSQL at {redact(dsn)}: {str(exc).strip()}. "
+            "Check source.postgres.dsn, that the server is running, and pg_hba.conf."
+        ) from None
+    return conn
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    schema: str
+    name: str
+    oid: int
+    replica_identity: str
+    columns: tuple[Column, ...]
+    estimated_rows: int
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+def split_name(table: str) -> tuple[str, str]:
+    schema, _, name = table.partition(".")
+    return schema, name
+
+
+def describe_table(conn: Any, table: str) -> TableInfo:
+    """Columns (with the replica-identity key flag) exactly as pgoutput's Relation message has them."""
+    schema, name = split_name(table)
+    with conn.cursor() as cur:
+        cur.execute(
+            """SELECT c.oid, c.relreplident, c.reltuples::bigint FROM pg_class c
+               JOIN pg_namespace n ON n.oid = c.relnamespace
+               WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')""",
+            (schema, name),
+        )
+        row = cur.fetchone()
+        if row is None:
+            raise SourceError(
+                f"table {table} (from source.postgres.tables) does not exist in the source "
+                "database. Create it, or fix the name (schema.table, case-sensitive)."
+            )
+        oid, identity, estimate = row
+        cur.execute(
+            """SELECT a.attname, a.atttypid, a.atttypmod,
+                      coalesce(a.attnum = ANY(i.indkey), false)
+               FROM pg_attribute a
+               LEFT JOIN LATERAL (
+                   SELECT ix.indkey FROM pg_index ix
+                   WHERE ix.indrelid = a.attrelid
+                     AND ((%s = 'i' AND ix.indisreplident) OR (%s = 'd' AND ix.indisprimary))
+                   LIMIT 1) i ON true
+               WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
+                 AND a.attgenerated = ''
+               ORDER BY a.attnum""",
+            (identity, identity, oid),
+        )
+        cols = tuple(
+            Column(name=r[0], type_oid=r[1], type_modifier=r[2],
+                   is_key=bool(r[3]) or identity == "f")
+            for r in cur.fetchall()
+        )
+    return TableInfo(schema, name, oid, identity, cols, max(int(estimate), 0))
+
+
+def require_key(info: TableInfo) -> None:
+    if not any(c.is_key for c in info.columns):
+        raise SourceError(
+            f"table {info.qualified_name} has no primary key or replica identity index, so its "
+            "updates and deletes cannot be identified in the replication stream. Add a primary "
+            f"key, or run: ALTER TABLE {quote_table(info.qualified_name)} REPLICA IDENTITY FULL;"
+        )
+
+
+def quote_table(table: str) -> str:
+    schema, name = split_name(table)
+    return f'"{schema.replace(chr(34), chr(34) * 2)}"."{name.replace(chr(34), chr(34) * 2)}"'
+
+
+def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
+    """Create the publication for `tables` if missing; True if created. A publication that
+    exists but lacks tables is an error naming the statement that fixes it."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (publication,))
+        row = cur.fetchone()
+        if row is None:
+            cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.Identifier(publication),
+                sql.SQL(", ").join(sql.Identifier(*split_name(t)) for t in tables)))
+            return True
+        if row[0]:
+            return False
+        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables "
+                    "WHERE pubname = %s", (publication,))
+        published = {r[0] for r in cur.fetchall()}
+    missing = [t for t in tables if t not in published]
+    if missing:
+        names = ", ".join(quote_table(t) for t in missing)
+        raise SourceError(
+            f"publication {publication} (source.postgres.publication) does not include "
+            f"{', '.join(missing)}. Add them with: ALTER PUBLICATION \"{publication}\" ADD TABLE "
+            f"{names};"
+        )
+    return False
+
+
+@dataclass(frozen=True)
+class SlotState:
+    name: str
+    plugin: str
+    confirmed_flush: Lsn
+    restart_lsn: Lsn
+    wal_status: Optional[str]
+    active_pid: Optional[int]
+
+
+def slot_state(conn: Any, slot: str) -> Optional[SlotState]:
+    with conn.cursor() as cur:
+        cur.execute(
+            """SELECT plugin, confirmed_flush_lsn::text, restart_lsn::text, wal_status, active_pid,
+                      database = current_database()
+               FROM pg_replication_slots WHERE slot_name = %s""",
+            (slot,),
+        )
+        row = cur.fetchone()
+    if row is None:
+        return None
+    plugin, flush, restart, wal_status, pid, same_db = row
+    if plugin != "pgoutput" or not same_db:
+        raise SourceError(
+            f"replication slot {slot} (source.postgres.slot) exists but is not a pgoutput slot "
+            "of this database. Choose another slot name, or drop it with "
+            f"SELECT pg_drop_replication_slot('{slot}');"
+        )
+    if wal_status == "lost":
+        raise SourceError(
+            f"replication slot {slot} was invalidated by the server (WAL it needed was removed, "
+            "see max_slot_wal_keep_size). The changes since its position are gone: drop the "
+            f"slot (SELECT pg_drop_replication_slot('{slot}');) and the Iceberg tables' data, "
+            "then run walberg again to copy the tables afresh."
+        )
+    return SlotState(slot, plugin, Lsn.parse(flush) if flush else Lsn(0),
+                     Lsn.parse(restart) if restart else Lsn(0), wal_status, pid)
+
+
+def check_wal_level(conn: Any) -> None:
+    with conn.cursor() as cur:
+        cur.execute("SHOW wal_level")
+        level = cur.fetchone()[0]
+    if level != "logical":
+        raise SourceError(
+            f"the source server runs with wal_level={level}; logical replication needs "
+            "wal_level=logical. Set it in postgresql.conf (ALTER SYSTEM SET wal_level = logical;) "
+            "and restart the server."
+        )
+
+
+def current_wal_lsn(conn: Any) -> Lsn:
+    """The WAL insert position: past every transaction committed so far, also asynchronously
+    committed ones (pg_current_wal_lsn() is only the write position and can lag behind them)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+        return Lsn.parse(cur.fetchone()[0])

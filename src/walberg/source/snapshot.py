@@ -1,0 +1,46 @@
+"""The initial copy: read a table inside the snapshot a replication slot exported, as CSV.
+
+The copy runs ``COPY ... TO STDOUT`` straight into a local file, so memory stays flat whatever the
+table's size. Values come out through the same output functions and session settings as the
+stream's, so both paths hand identical text to the apply stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import psycopg2
+from psycopg2 import sql
+
+from walberg.errors import SourceError
+from walberg.source.postgres import TableInfo, connect, split_name
+
+
+def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Optional[str]) -> int:
+    """Write every row of ``table`` to ``out_path`` as CSV (NULL unquoted-empty, empty string
+    quoted). Returns the number of rows. With ``snapshot_name`` the read sees exactly that
+    snapshot."""
+    conn: Any = connect(dsn, autocommit=False)
+    try:
+        conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
+        with conn.cursor() as cur:
+            if snapshot_name:
+                cur.execute("SET TRANSACTION SNAPSHOT %s", (snapshot_name,))
+            schema, name = split_name(table.qualified_name)
+            query = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT WITH (FORMAT csv)").format(
+                sql.SQL(", ").join(sql.Identifier(c.name) for c in table.columns),
+                sql.Identifier(schema, name),
+            )
+            with open(out_path, "wb", buffering=1 << 20) as out:
+                cur.copy_expert(query, out, size=1 << 20)
+            rows = int(cur.rowcount)
+        conn.rollback()
+        return rows
+    except psycopg2.Error as exc:
+        raise SourceError(
+            f"the initial copy of {table.qualified_name} failed: {str(exc).strip()}. "
+            "The role needs SELECT on the table; if the snapshot is gone, run walberg again."
+        ) from None
+    finally:
+        conn.close()

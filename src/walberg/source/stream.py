@@ -1,0 +1,131 @@
+"""The logical replication connection: slot creation with an exported snapshot, START_REPLICATION
+with pgoutput, reading raw messages, and standby status updates (also when idle)."""
+
+from __future__ import annotations
+
+import select
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import psycopg2
+import psycopg2.extras
+
+from walberg.errors import SourceError, Transient
+from walberg.model import Lsn
+from walberg.source.postgres import connect, redact
+
+
+@dataclass(frozen=True)
+class CreatedSlot:
+    name: str
+    consistent_point: Lsn
+    snapshot_name: str
+
+
+class ReplicationStream:
+    """One replication connection. Not thread-safe: one thread reads and confirms."""
+
+    def __init__(self, dsn: str, slot: str, publication: str, status_interval: float = 10.0) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self.publication = publication
+        self.status_interval = status_interval
+        self._conn: Any = None
+        self._cur: Any = None
+        self._last_feedback = 0.0
+        self._flushed = Lsn(0)
+        self._written = Lsn(0)
+
+    def open(self) -> None:
+        self._conn = connect(self.dsn, replication=True)
+        self._cur = self._conn.cursor()
+
+    def create_slot(self, name: Optional[str] = None, temporary: bool = False) -> CreatedSlot:
+        """Create a pgoutput slot and export its snapshot. The snapshot stays valid only while this
+        connection runs no other command, so copy the tables before calling ``start``."""
+        name = name or self.slot
+        kind = "TEMPORARY " if temporary else ""
+        try:
+            self._cur.execute(
+                f"CREATE_REPLICATION_SLOT \"{name}\" {kind}LOGICAL pgoutput (SNAPSHOT 'export')"
+            )
+            row = self._cur.fetchone()
+        except psycopg2.Error as exc:
+            raise SourceError(
+                f"could not create replication slot {name} on {redact(self.dsn)}: "
+                f"{str(exc).strip()}. The role needs the REPLICATION attribute "
+                "(ALTER ROLE ... REPLICATION) and max_replication_slots must have room."
+            ) from None
+        return CreatedSlot(row[0], Lsn.parse(row[1]), row[2])
+
+    def start(self, start_lsn: Lsn = Lsn(0)) -> None:
+        """Start streaming. The server resumes from the slot's confirmed position or ``start_lsn``,
+        whichever is later."""
+        try:
+            self._cur.start_replication(
+                slot_name=self.slot,
+                slot_type=psycopg2.extras.REPLICATION_LOGICAL,
+                start_lsn=int(start_lsn),
+                options={"proto_version": "1", "publication_names": self.publication,
+                         "messages": "true"},
+                decode=False,
+                status_interval=self.status_interval,
+            )
+        except psycopg2.Error as exc:
+            raise SourceError(
+                f"could not start replication from slot {self.slot} with publication "
+                f"{self.publication}: {str(exc).strip()}"
+            ) from None
+        self._last_feedback = time.monotonic()
+
+    def messages(self, timeout: float) -> Iterator[tuple[int, bytes]]:
+        """Yield ``(wal_start, payload)`` for every message available now; wait up to ``timeout``
+        seconds for the first one. Returns when the socket has nothing more to give."""
+        cur = self._cur
+        try:
+            msg = cur.read_message()
+            if msg is None:
+                self.keepalive()
+                ready = select.select([cur], [], [], timeout)[0]
+                if not ready:
+                    return
+                msg = cur.read_message()
+            while msg is not None:
+                yield msg.data_start, msg.payload
+                msg = cur.read_message()
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+            raise Transient(f"the replication connection to {redact(self.dsn)} was lost: "
+                            f"{str(exc).strip()}") from None
+        self.keepalive()
+
+    @property
+    def wal_end(self) -> Lsn:
+        """The server's WAL position as of its last message or keepalive."""
+        return Lsn(self._cur.wal_end if self._cur is not None else 0)
+
+    def confirm(self, flushed: Lsn, written: Optional[Lsn] = None) -> None:
+        """Remember the positions to report; the next status update sends them."""
+        self._flushed = max(self._flushed, flushed)
+        self._written = max(self._written, written or flushed, self._flushed)
+
+    def keepalive(self, force: bool = False, reply: bool = False) -> None:
+        """Send a standby status update when due (or now with ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._last_feedback < self.status_interval:
+            return
+        try:
+            self._cur.send_feedback(write_lsn=int(self._written), flush_lsn=int(self._flushed),
+                                    reply=reply, force=True)
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+            raise Transient(f"the replication connection to {redact(self.dsn)} was lost: "
+                            f"{str(exc).strip()}") from None
+        self._last_feedback = now
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg2.Error:
+                pass
+            self._conn = self._cur = None
