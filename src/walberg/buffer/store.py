@@ -28,6 +28,7 @@ import fcntl
 import mmap
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -136,6 +137,8 @@ class SegmentStore:
         self._next_seq = 1
         self._sealed: list[SegmentInfo] = []
         self._sealed_bytes = 0
+        # The pipeline reads and seals in one thread and applies and removes in another.
+        self._state_lock = threading.Lock()
         # The active segment; _buf is None while there is none.
         self._buf: Optional[bytearray] = None
         self._fd = -1
@@ -384,8 +387,9 @@ class SegmentStore:
             last_lsn=Lsn(self._last_lsn),
             frames=self._appended,
         )
-        self._sealed.append(info)
-        self._sealed_bytes += info.size_bytes
+        with self._state_lock:
+            self._sealed.append(info)
+            self._sealed_bytes += info.size_bytes
         self._buf = None
         self._next_seq = self._seq + 1
         return info
@@ -445,7 +449,8 @@ class SegmentStore:
     def sealed(self) -> list[SegmentInfo]:
         """The sealed segments not yet removed, oldest first."""
         self._check_recovered()
-        return list(self._sealed)
+        with self._state_lock:
+            return list(self._sealed)
 
     def read(self, info: SegmentInfo) -> Iterator[tuple[int, int, bytes]]:
         """The frames of a sealed segment, preamble first, checking every CRC.
@@ -481,11 +486,12 @@ class SegmentStore:
             )
         if not doomed:
             return
-        for info in self._sealed:
-            if info.seq in doomed:
-                self._unlink(info.path)
-                self._sealed_bytes -= info.size_bytes
-        self._sealed = [info for info in self._sealed if info.seq not in doomed]
+        with self._state_lock:
+            for info in self._sealed:
+                if info.seq in doomed:
+                    self._unlink(info.path)
+                    self._sealed_bytes -= info.size_bytes
+            self._sealed = [info for info in self._sealed if info.seq not in doomed]
         self._sync_dir()
 
     # ---- sizes and age --------------------------------------------------------------------

