@@ -1,0 +1,150 @@
+"""The command line: parse, load the config, call the pipeline, turn errors into one readable
+paragraph and an exit code (``--debug`` shows the stack trace)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import textwrap
+from typing import Any, Callable, Optional, Sequence
+
+from walberg.errors import WalbergError
+
+EXAMPLES = {
+    "run": "walberg run -c pipeline.yaml          # copy, then stream until stopped\n"
+           "  walberg run -c pipeline.yaml --once   # stop once the lake holds today's WAL",
+    "demo": "walberg demo                          # embedded Postgres -> local Iceberg walk-through",
+    "query": "walberg query -c pipeline.yaml \"SELECT count(*) FROM lake.public.employee\"",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="walberg",
+        description="Stream PostgreSQL tables into Apache Iceberg tables, exactly once, with Spark.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  " + "\n  ".join(EXAMPLES.values()),
+    )
+    parser.add_argument("--debug", action="store_true", help="show stack traces on errors")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, epilog="example:\n  " + EXAMPLES[name],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--debug", action="store_true", help="show stack traces on errors")
+        return p
+
+    run = command("run", "initial copy of the configured tables, then stream their changes")
+    run.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    run.add_argument("--once", action="store_true",
+                     help="exit 0 once everything up to the WAL position at start is in Iceberg")
+
+    demo = command("demo", "run a self-contained demo on an embedded PostgreSQL")
+    demo.add_argument("--rows", type=int, default=100_000, help="rows in the employee table")
+    demo.add_argument("--dir", default="walberg-demo", help="where to put the warehouse")
+
+    query = command("query", "run Spark SQL against the lake and print the result")
+    query.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    query.add_argument("sql", help="the query; tables are catalog.namespace.table")
+    query.add_argument("--limit", type=int, default=100, help="print at most this many rows")
+    return parser
+
+
+def _setup_logging(quiet: bool) -> None:
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
+    for noisy in ("py4j", "pyspark"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def _fail(message: str, code: int) -> int:
+    width = 100
+    paragraphs = [textwrap.fill(p, width, subsequent_indent="  ") for p in message.split("\n")]
+    print("walberg: error: " + "\n".join(paragraphs), file=sys.stderr)
+    return code
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+    from walberg.pipeline import Pipeline
+
+    pipeline = Pipeline(load_config(args.config))
+    previous = _on_signals(lambda: pipeline.stop())
+    try:
+        report = pipeline.run(once=args.once)
+    finally:
+        pipeline.close()
+        _restore_signals(previous)
+    logging.getLogger("walberg").info(
+        "stopped: %d batch(es), %d change(s) applied, lake complete up to LSN %s",
+        report.batches, report.changes, report.applied_lsn)
+    return 0
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+    from walberg.pipeline import Pipeline
+
+    pipeline = Pipeline(load_config(args.config))
+    try:
+        rows, names = pipeline.query(args.sql, args.limit)
+    finally:
+        pipeline.close()
+    print(format_table(names, rows))
+    return 0
+
+
+def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+    line = "  ".join(n.ljust(w) for n, w in zip(names, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out)
+
+
+def _on_signals(handler: Callable[[], None]) -> dict[int, Any]:
+    previous: dict[int, Any] = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        logging.getLogger("walberg").info("signal %d: stopping after the current step", signum)
+        handler()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, on_signal)
+    return previous
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, h in previous.items():
+        signal.signal(sig, h)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.quiet)
+    try:
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "demo":
+            from walberg.demo import run_demo
+
+            return run_demo(rows=args.rows, directory=args.dir)
+        if args.command == "query":
+            return _cmd_query(args)
+        raise AssertionError(args.command)
+    except WalbergError as exc:
+        if args.debug:
+            raise
+        return _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The pipeline configuration: one YAML file, validated by pydantic models.
+
+``${VAR}`` anywhere in a string value is replaced from the environment before validation.
+Relative paths are taken relative to the directory of the YAML file, so a pipeline directory can
+be moved as a whole. Unknown keys are errors (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from walberg.errors import ConfigError
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_IDENT = r"[A-Za-z_][A-Za-z0-9_$]*"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PostgresSource(_Model):
+    """Where changes come from."""
+
+    dsn: str = Field(description="libpq connection string or URI; use ${VAR} for the password")
+    slot: str = Field("walberg", description="logical replication slot, created if missing")
+    publication: str = Field("walberg", description="publication, created for `tables` if missing")
+    tables: list[str] = Field(description="tables to mirror, as schema.table (schema defaults to public)")
+    status_interval_seconds: float = Field(
+        10.0, gt=0, description="how often walberg confirms its position to the server, also when idle"
+    )
+
+    @field_validator("slot", "publication")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z0-9_]{1,63}", value):
+            raise ValueError("use 1-63 lower-case letters, digits or underscores")
+        return value
+
+    @field_validator("tables")
+    @classmethod
+    def _qualify(cls, tables: list[str]) -> list[str]:
+        if not tables:
+            raise ValueError("name at least one table, as schema.table")
+        out = []
+        for name in tables:
+            parts = name.split(".")
+            if len(parts) == 1:
+                parts = ["public", parts[0]]
+            if len(parts) != 2 or not all(parts):
+                raise ValueError(f"{name!r} is not of the form schema.table")
+            out.append(".".join(parts))
+        if len(set(out)) != len(out):
+            raise ValueError("a table is listed twice")
+        return out
+
+
+class Source(_Model):
+    postgres: PostgresSource
+
+
+class Catalog(_Model):
+    name: str = Field("lake", pattern=_IDENT, description="Spark catalog name used in SQL")
+    type: Literal["hadoop"] = Field("hadoop", description="Iceberg catalog type")
+    warehouse: str = Field(description="warehouse location (a directory for the hadoop catalog)")
+    properties: dict[str, str] = Field(
+        default_factory=dict, description="extra Iceberg catalog properties, passed through"
+    )
+
+
+class Sink(_Model):
+    catalog: Catalog
+    namespace: Optional[str] = Field(
+        None, pattern=_IDENT, description="Iceberg namespace; default: the Postgres schema name"
+    )
+    mode: Literal["upsert"] = Field("upsert", description="upsert: the table mirrors Postgres")
+
+
+class Buffer(_Model):
+    dir: str = Field("./segments", description="directory for segment files")
+    max_segment_bytes: int = Field(
+        16 * 1024 * 1024, ge=64 * 1024, description="seal a segment when it reaches this size"
+    )
+    max_interval_seconds: float = Field(
+        5.0, gt=0, description="seal and apply at least this often while changes arrive"
+    )
+    max_batch_bytes: int = Field(
+        256 * 1024 * 1024, ge=64 * 1024,
+        description="apply at most this many bytes of sealed segments in one Iceberg commit",
+    )
+
+
+class Spark(_Model):
+    master: str = Field("local[*]", description="Spark master URL")
+    conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings")
+
+
+class Config(_Model):
+    source: Source
+    sink: Sink
+    buffer: Buffer = Field(default_factory=lambda: Buffer())  # type: ignore[call-arg]
+    spark: Spark = Field(default_factory=lambda: Spark())  # type: ignore[call-arg]
+    base_dir: Path = Field(Path("."), exclude=True, description="directory of the YAML file")
+
+    def path(self, value: str) -> Path:
+        """A path from the config, relative to the YAML file's directory."""
+        p = Path(os.path.expanduser(value))
+        return p if p.is_absolute() else (self.base_dir / p).resolve()
+
+    @property
+    def segment_dir(self) -> Path:
+        return self.path(self.buffer.dir)
+
+    @property
+    def warehouse(self) -> str:
+        wh = self.sink.catalog.warehouse
+        return wh if "://" in wh else str(self.path(wh))
+
+    def namespace_for(self, source_table: str) -> str:
+        return self.sink.namespace or source_table.split(".")[0]
+
+    def target_for(self, source_table: str) -> str:
+        """The Iceberg identifier (catalog.namespace.table) for a source table."""
+        return f"{self.sink.catalog.name}.{self.namespace_for(source_table)}.{source_table.split('.')[1]}"
+
+
+def _interpolate(node: Any, where: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _interpolate(v, f"{where}.{k}" if where else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolate(v, f"{where}[{i}]") for i, v in enumerate(node)]
+    if isinstance(node, str):
+        def repl(m: re.Match[str]) -> str:
+            value = os.environ.get(m.group(1))
+            if value is None:
+                raise ConfigError(
+                    f"{where}: the environment variable {m.group(1)} is not set. "
+                    f"Export it before starting walberg, or write the value into the file."
+                )
+            return value
+        return _ENV_REF.sub(repl, node)
+    return node
+
+
+def _describe(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key (check its spelling; see the configuration reference)")
+        elif kind == "missing":
+            lines.append(f"  {loc}: required but missing")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+    return f"{origin} is not a valid walberg configuration:\n" + "\n".join(lines)
+
+
+def parse_config(data: Any, base_dir: Path, origin: str = "the configuration") -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin} must be a YAML mapping with source, sink, buffer and spark keys")
+    data = _interpolate(data, "")
+    try:
+        return Config.model_validate({**data, "base_dir": base_dir})
+    except ValidationError as err:
+        raise ConfigError(_describe(err, origin)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the configuration file {path}: {exc.strerror}. "
+                          "Pass the right path with -c.") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return parse_config(data, path.resolve().parent, str(path))

@@ -1,0 +1,533 @@
+"""The pipeline: the only module that knows all three stages.
+
+    source (replication stream, initial copy) -> buffer (segment files) -> apply (Spark/Iceberg)
+
+Delivery contract. The replication slot delivers at least once; walberg makes replays harmless:
+- every Iceberg commit carries the LSN it covers (``walberg.lsn``), atomically with the data;
+- a transaction is applied to a table only if it committed after that table's LSN;
+- the slot's confirmed flush position only advances to what every table holds in Iceberg;
+- segments are removed only once what they hold is in Iceberg.
+So a crash at any point is followed by a run that ends with each table equal to its source.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from walberg.apply.batch import BatchBuilder, StagedTable, csv_to_parquet
+from walberg.apply.iceberg import IcebergSink
+from walberg.apply.spark import build_session, stop_session
+from walberg.buffer.store import SegmentStore
+from walberg.config import Config, load_config
+from walberg.errors import Terminal, Transient, WalbergError
+from walberg.model import (
+    Begin,
+    Commit,
+    Delete,
+    Insert,
+    Lsn,
+    Op,
+    Relation,
+    Row,
+    Truncate,
+    Update,
+)
+from walberg.source import postgres as pg
+from walberg.source.pgoutput import Decoder
+from walberg.source.snapshot import copy_table
+from walberg.source.stream import CreatedSlot, ReplicationStream
+
+log = logging.getLogger("walberg")
+
+FRAME_PGOUTPUT = 0  # a pgoutput message as the server sent it
+FRAME_PREAMBLE = 1  # a Relation message repeated at the start of a segment (self-contained files)
+
+_TAG_BEGIN, _TAG_COMMIT, _TAG_RELATION = ord("B"), ord("C"), ord("R")
+_BEGIN_FINAL_LSN = struct.Struct(">Q")  # at offset 1 of a Begin
+_COMMIT_END_LSN = struct.Struct(">Q")  # at offset 10 of a Commit (after flags, commit LSN)
+_RELATION_OID = struct.Struct(">I")  # at offset 1 of a Relation (protocol v1)
+
+
+@dataclass
+class SegmentMeta:
+    """What the pipeline knows about a sealed segment without reading it again."""
+
+    last_commit_end: Optional[Lsn]  # end LSN of the last transaction that commits in it
+    clean_end: bool  # its last frame is a Commit (no transaction continues in the next one)
+
+
+@dataclass
+class RunReport:
+    copied: dict[str, int] = field(default_factory=dict)
+    batches: int = 0
+    changes: int = 0
+    applied_lsn: Lsn = Lsn(0)
+
+
+class Pipeline:
+    """Keeps the configured Iceberg tables in step with their Postgres tables."""
+
+    def __init__(self, config: Config, session: Any = None) -> None:
+        """``session``: an existing SparkSession with the sink catalog configured (walberg then
+        leaves it running on close); by default walberg builds and owns one."""
+        self.config = config
+        self._owns_session = session is None
+        self.pg = config.source.postgres
+        self.tables = list(self.pg.tables)
+        self.targets = {t: config.target_for(t) for t in self.tables}
+        self.committed: dict[str, Lsn] = {}
+        self.report = RunReport()
+        self._session: Any = session
+        self._sink: Optional[IcebergSink] = IcebergSink(session) if session is not None else None
+        self._store: Optional[SegmentStore] = None
+        self._meta: dict[int, SegmentMeta] = {}
+        self._relations_raw: dict[int, bytes] = {}
+        self._applied = Lsn(0)  # every table holds everything up to here
+        self._apply_error: Optional[BaseException] = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Pipeline":
+        return cls(load_config(path))
+
+    # ---- wiring ------------------------------------------------------------------------------
+
+    def _preamble(self) -> list[tuple[int, int, bytes]]:
+        return [(0, FRAME_PREAMBLE, raw) for raw in self._relations_raw.values()]
+
+    def session(self) -> Any:
+        if self._session is None:
+            cat = self.config.sink.catalog
+            self._session = build_session(self.config.spark.master, cat.name,
+                                          self.config.warehouse, cat.properties,
+                                          self.config.spark.conf)
+            self._sink = IcebergSink(self._session)
+        return self._session
+
+    @property
+    def sink(self) -> IcebergSink:
+        self.session()
+        assert self._sink is not None
+        return self._sink
+
+    def stop(self) -> None:
+        """Ask a running ``run`` to stop after the current step (safe from signal handlers)."""
+        self._stop.set()
+        self._wake.set()
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._owns_session:
+            stop_session(self._session)
+            self._session = self._sink = None
+
+    @property
+    def applied_lsn(self) -> Lsn:
+        """Every configured table holds every change that committed before this position."""
+        return self._applied
+
+    def wait_for(self, lsn: Lsn, timeout: float = 120.0) -> None:
+        """Block until the lake holds everything that committed before ``lsn``."""
+        deadline = time.monotonic() + timeout
+        while self._applied < lsn:
+            if self._apply_error is not None:
+                raise self._apply_error
+            if time.monotonic() > deadline:
+                raise Terminal(f"the lake did not reach LSN {lsn} within {timeout:.0f} s "
+                               f"(it holds up to {self._applied})")
+            time.sleep(0.05)
+
+    def query(self, statement: str, limit: int = 100) -> tuple[list[tuple[Any, ...]], list[str]]:
+        """Run Spark SQL against the lake; returns (rows, column names)."""
+        return self.sink.query(statement, limit)
+
+    # ---- run ---------------------------------------------------------------------------------
+
+    def run(self, once: bool = False) -> RunReport:
+        """Initial copy where owed, then stream. With ``once``, return as soon as everything up
+        to the WAL position current at the start is committed to Iceberg."""
+        store = SegmentStore(self.config.segment_dir, self.config.buffer.max_segment_bytes,
+                             preamble=self._preamble)
+        self._store = store
+        recovery = store.recover()
+        log.info("segments: %s", recovery)
+        for info in store.sealed():
+            self._meta[info.seq] = self._scan_meta(info)
+
+        conn = pg.connect(self.pg.dsn)
+        try:
+            pg.check_wal_level(conn)
+            infos = {t: pg.describe_table(conn, t) for t in self.tables}
+            for info in infos.values():
+                pg.require_key(info)
+            pg.ensure_publication(conn, self.pg.publication, self.tables)
+            slot = pg.slot_state(conn, self.pg.slot)
+            stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
+                                       self.pg.status_interval_seconds)
+            stream.open()
+            created = stream.create_slot() if slot is None else None
+            if created:
+                log.info("created replication slot %s at %s", created.name, created.consistent_point)
+
+            for t, info in infos.items():
+                self.sink.ensure_table(self.targets[t], info.columns)
+                lsn = self.sink.committed_lsn(self.targets[t])
+                if lsn is not None:
+                    self.committed[t] = lsn
+            if created is not None:
+                # A new slot streams only what commits after its consistent point; a table whose
+                # lake copy is older than that would miss changes, so it is copied again.
+                for t, lsn in list(self.committed.items()):
+                    if lsn < created.consistent_point:
+                        log.warning("%s holds data up to LSN %s but the replication slot is new "
+                                    "(starts at %s): copying it again", t, lsn,
+                                    created.consistent_point)
+                        del self.committed[t]
+            owed = [t for t in self.tables if t not in self.committed]
+            if owed:
+                self._initial_copy([infos[t] for t in owed], created)
+            target = pg.current_wal_lsn(conn) if once else None
+        finally:
+            conn.close()
+
+        # Whatever survived in sealed segments from an earlier run goes first.
+        self._apply_ready(drain=True)
+        self._applied = max(self._applied, min(self.committed.values()))
+
+        applier = threading.Thread(target=self._apply_loop, name="walberg-apply", daemon=True)
+        applier.start()
+        clean = False
+        try:
+            self._stream_loop(stream, target)
+            clean = True
+        finally:
+            self._stop.set()
+            self._wake.set()
+            applier.join()
+            if self._apply_error is None and clean:
+                # Report the final position while the connection is still open.
+                stream.confirm(self._applied)
+                stream.keepalive(force=True)
+                self._await_slot_confirmation()
+            stream.close()
+        if self._apply_error is not None:
+            raise self._apply_error
+        self.report.applied_lsn = self._applied
+        return self.report
+
+    def _await_slot_confirmation(self, timeout: float = 10.0) -> None:
+        """The server takes our last status update asynchronously; wait (briefly) until the slot
+        shows it, so that a finished run leaves the slot exactly where the lake is."""
+        conn = pg.connect(self.pg.dsn)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                state = pg.slot_state(conn, self.pg.slot)
+                if state is None or state.confirmed_flush >= self._applied:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning("slot %s still confirms %s, not %s; the next run resumes from "
+                                "there and skips what the lake already holds", self.pg.slot,
+                                state.confirmed_flush, self._applied)
+                    return
+                time.sleep(0.05)
+        finally:
+            conn.close()
+
+    def _initial_copy(self, infos: list[pg.TableInfo], created: Optional[CreatedSlot]) -> None:
+        """Copy tables inside a snapshot exported by a replication slot: the slot's own when it
+        was just created, else a temporary slot's. Either way the copy is marked with the slot's
+        consistent point, and the stream applies exactly the transactions after it."""
+        temp: Optional[ReplicationStream] = None
+        if created is None:
+            temp = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication)
+            temp.open()
+            created = temp.create_slot(name=f"{self.pg.slot}_copy_{id(self) % 100000}",
+                                       temporary=True)
+        workdir = Path(tempfile.mkdtemp(prefix="walberg-copy-", dir=self.config.segment_dir))
+        try:
+            for info in infos:
+                started = time.monotonic()
+                csv_path = workdir / f"{info.qualified_name}.csv"
+                rows = copy_table(self.pg.dsn, info, csv_path, created.snapshot_name)
+                parquet = workdir / f"{info.qualified_name}.parquet"
+                csv_to_parquet(csv_path, len(info.columns), parquet)
+                csv_path.unlink()
+                target = self.targets[info.qualified_name]
+                self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
+                self.committed[info.qualified_name] = created.consistent_point
+                self.report.copied[info.qualified_name] = rows
+                log.info("initial copy of %s -> %s: %d rows in %.1f s (at LSN %s)",
+                         info.qualified_name, target, rows, time.monotonic() - started,
+                         created.consistent_point)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            if temp is not None:
+                temp.close()
+
+    # ---- reading: stream -> segments ----------------------------------------------------------
+
+    def _stream_loop(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
+        store = self._store
+        assert store is not None
+        durable = max([m.last_commit_end or Lsn(0) for m in self._meta.values()] + [self._applied])
+        skip_before = durable  # transactions already in segments are not written twice
+        stream.confirm(self._applied)
+        stream.start(self._applied)
+        interval = self.config.buffer.max_interval_seconds
+        in_txn = skipping = False
+        active_commit: Optional[Lsn] = None
+        received = durable
+        backlog_limit = 4 * self.config.buffer.max_batch_bytes
+        last_ask = 0.0
+        while not self._stop.is_set():
+            if self._apply_error is not None:
+                return
+            if store.pending_bytes() > backlog_limit:
+                # Spark is behind: stop reading for a moment (status updates keep flowing).
+                stream.confirm(self._applied)
+                stream.keepalive()
+                self._wake.wait(0.2)
+                continue
+            for wal_start, payload in stream.messages(timeout=0.2):
+                tag = payload[0]
+                if tag == _TAG_RELATION:
+                    self._relations_raw[_RELATION_OID.unpack_from(payload, 1)[0]] = bytes(payload)
+                elif tag == _TAG_BEGIN:
+                    in_txn = True
+                    skipping = Lsn(_BEGIN_FINAL_LSN.unpack_from(payload, 1)[0]) < skip_before
+                if skipping:
+                    if tag == _TAG_COMMIT:
+                        skipping = in_txn = False
+                    continue
+                if tag == _TAG_COMMIT:
+                    end = Lsn(_COMMIT_END_LSN.unpack_from(payload, 10)[0])
+                    store.append(end, FRAME_PGOUTPUT, payload)
+                    in_txn = False
+                    active_commit = received = end
+                    if store.should_seal():
+                        self._seal(active_commit, clean=True)
+                        active_commit = None
+                else:
+                    store.append(wal_start, FRAME_PGOUTPUT, payload)
+                    if store.should_seal():
+                        self._seal(active_commit, clean=False)
+                        active_commit = None
+
+            caught_up = target is not None and not in_txn and (
+                received >= target or stream.wal_end >= target)
+            if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
+                self._seal(active_commit, clean=not in_txn)
+                active_commit = None
+            idle = not in_txn and store.pending_bytes() == 0
+            if idle and stream.wal_end > self._applied:
+                # Nothing of ours is pending: positions up to the server's WAL end hold no
+                # change for our tables, so the slot may move on (keeps retained WAL bounded).
+                with self._lock:
+                    self._applied = max(self._applied, stream.wal_end)
+            stream.confirm(self._applied, written=received)
+            if target is not None and idle and self._applied >= target:
+                stream.keepalive(force=True)
+                return
+            if idle and time.monotonic() - last_ask >= (0.2 if target is not None else 1.0):
+                # Ask for a keepalive: its WAL end tells how far the server has looked.
+                stream.keepalive(force=True, reply=True)
+                last_ask = time.monotonic()
+
+    def _seal(self, last_commit: Optional[Lsn], clean: bool) -> None:
+        assert self._store is not None
+        info = self._store.seal()
+        if info is not None:
+            self._meta[info.seq] = SegmentMeta(last_commit, clean)
+            self._wake.set()
+
+    def _scan_meta(self, info: Any) -> SegmentMeta:
+        assert self._store is not None
+        last: Optional[Lsn] = None
+        clean = False
+        for lsn, kind, payload in self._store.read(info):
+            if kind != FRAME_PGOUTPUT:
+                continue
+            if payload[0] == _TAG_COMMIT:
+                last, clean = Lsn(lsn), True
+            else:
+                clean = False
+        return SegmentMeta(last, clean)
+
+    # ---- applying: segments -> Iceberg --------------------------------------------------------
+
+    def _apply_loop(self) -> None:
+        try:
+            while True:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                self._apply_ready(drain=False)
+                if self._stop.is_set():
+                    self._apply_ready(drain=True)
+                    return
+        except BaseException as exc:  # surfaced by run() in the main thread
+            self._apply_error = exc
+            self._stop.set()
+
+    def _apply_ready(self, drain: bool) -> None:
+        """Apply sealed segments, a batch at a time, while some hold unapplied commits."""
+        assert self._store is not None
+        while True:
+            sealed = self._store.sealed()
+            batch: list[Any] = []
+            size = 0
+            end: Optional[Lsn] = None
+            for info in sealed:
+                batch.append(info)
+                size += info.size_bytes
+                meta = self._meta.get(info.seq) or SegmentMeta(None, False)
+                if meta.last_commit_end is not None:
+                    end = meta.last_commit_end
+                    if size >= self.config.buffer.max_batch_bytes:
+                        break
+            if end is None or end <= self._applied:
+                return
+            # Segments after the one holding the batch's last commit wait for their commits.
+            while batch and (self._meta[batch[-1].seq].last_commit_end != end):
+                batch.pop()
+            log.info("applying %d segment(s) up to LSN %s", len(batch), end)
+            self._apply_batch(batch, end)
+            if self._stop.is_set() and not drain:
+                return
+
+    def _apply_batch(self, segments: list[Any], end: Lsn) -> None:
+        assert self._store is not None
+        started = time.monotonic()
+        workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
+        builder = BatchBuilder(workdir)
+        decoder = Decoder()
+        seq = 0
+        txn: Optional[Begin] = None
+        txn_first_seq = 0
+        touched: set[str] = set()
+        live: set[str] = set()  # tables with committed changes in this batch
+        void: list[tuple[int, int]] = []
+        changes = 0
+        done = False
+        try:
+            for info in segments:
+                for lsn, kind, payload in self._store.read(info):
+                    msg = decoder.decode(payload, lsn)
+                    if isinstance(msg, Relation):
+                        continue
+                    if isinstance(msg, Begin):
+                        if txn is not None and seq >= txn_first_seq:
+                            # A transaction cut off by a crash and sent again in full.
+                            void.append((txn_first_seq, seq))
+                        txn, txn_first_seq, touched = msg, seq + 1, set()
+                        continue
+                    if txn is None:
+                        continue  # the tail of a transaction applied in an earlier batch
+                    if isinstance(msg, Commit):
+                        live |= touched
+                        txn = None
+                        if msg.end_lsn >= end:
+                            done = True
+                            break
+                        continue
+                    seq, n = self._stage(builder, decoder, txn, msg, seq, touched)
+                    changes += n
+                if done:
+                    break
+            staged = builder.finish()
+            for source in sorted(live):
+                st = staged[source]
+                self.sink.apply(self.targets[source], st, end, seq, void)
+                self.committed[source] = end
+                log.info("applied %s: %d changes (I %d, U %d, D %d%s) up to LSN %s",
+                         source, st.rows, st.ops["I"], st.ops["U"], st.ops["D"],
+                         ", truncated" if st.truncates else "", end)
+        finally:
+            builder.discard()
+        with self._lock:
+            self._applied = max(self._applied, end)
+        self.report.batches += 1
+        self.report.changes += changes
+        last = self._meta[segments[-1].seq]
+        done_with = segments if last.clean_end else segments[:-1]
+        self._store.remove(done_with)
+        for info in done_with:
+            self._meta.pop(info.seq, None)
+        log.info("batch of %d segment(s), %d changes, committed up to LSN %s in %.2f s",
+                 len(segments), changes, end, time.monotonic() - started)
+
+    def _stage(self, builder: BatchBuilder, decoder: Decoder, txn: Begin, msg: Any, seq: int,
+               touched: set[str]) -> tuple[int, int]:
+        """Stage one change; returns the new sequence number and how many changes it counted."""
+        if isinstance(msg, Truncate):
+            n = 0
+            for oid in msg.relation_oids:
+                rel = decoder.relations.get(oid)
+                if rel is None or not self._wanted(rel, txn):
+                    continue
+                seq += 1
+                builder.truncate(rel.qualified_name, rel.columns, seq)
+                touched.add(rel.qualified_name)
+                n += 1
+            return seq, n
+        if not isinstance(msg, (Insert, Update, Delete)):
+            return seq, 0  # Origin, Type, logical decoding messages: nothing to apply
+        rel = decoder.relations[msg.relation_oid]
+        if not self._wanted(rel, txn):
+            return seq, 0
+        source = rel.qualified_name
+        lsn = int(txn.final_lsn)
+        touched.add(source)
+        if isinstance(msg, Insert):
+            seq += 1
+            builder.add(source, rel.columns, Op.INSERT, seq, lsn, msg.new)
+        elif isinstance(msg, Delete):
+            seq += 1
+            builder.add(source, rel.columns, Op.DELETE, seq, lsn, msg.old)
+        else:
+            old = msg.old
+            if old is not None and _key_of(rel, old) != _key_of(rel, msg.new):
+                # The key changed: the old row goes away and a new one appears.
+                seq += 1
+                builder.add(source, rel.columns, Op.DELETE, seq, lsn, old)
+                seq += 1
+                builder.add(source, rel.columns, Op.INSERT, seq, lsn, msg.new)
+            else:
+                seq += 1
+                builder.add(source, rel.columns, Op.UPDATE, seq, lsn, msg.new)
+        return seq, 1
+
+    def _wanted(self, rel: Relation, txn: Begin) -> bool:
+        committed = self.committed.get(rel.qualified_name)
+        return committed is not None and txn.final_lsn >= committed
+
+
+def _key_of(rel: Relation, row: Row) -> tuple[Any, ...]:
+    return tuple(v for c, v in zip(rel.columns, row) if c.is_key)
+
+
+def run_pipeline(config: Config, once: bool = False,
+                 on_ready: Optional[Callable[[Pipeline], None]] = None) -> RunReport:
+    pipeline = Pipeline(config)
+    try:
+        if on_ready:
+            on_ready(pipeline)
+        return pipeline.run(once=once)
+    finally:
+        pipeline.close()
+
+
+__all__ = ["Pipeline", "RunReport", "run_pipeline", "WalbergError", "Terminal", "Transient",
+           "StagedTable"]
