@@ -1,0 +1,68 @@
+"""Session-wide fixtures: one real PostgreSQL (logical replication on) and one real local Spark
+with the Iceberg catalog, started once for the whole test session."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import psycopg2
+import pytest
+
+from walberg.apply.spark import build_session, stop_session
+from walberg.config import Config, parse_config
+from walberg.embedded_pg import EmbeddedPostgres
+
+CATALOG = "lake"
+_names = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[EmbeddedPostgres]:
+    # Its own temp dir: pytest's are private to root, and the server may run as another user.
+    server = EmbeddedPostgres()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def warehouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("warehouse")
+
+
+@pytest.fixture(scope="session")
+def spark(warehouse: Path) -> Iterator[Any]:
+    session = build_session("local[2]", CATALOG, str(warehouse), {}, {}, app_name="walberg-tests")
+    yield session
+    stop_session(session)
+
+
+@pytest.fixture
+def pg_conn(postgres: EmbeddedPostgres) -> Iterator[Any]:
+    conn = psycopg2.connect(postgres.dsn)
+    conn.autocommit = True
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A name no other test uses: for tables, slots, publications and namespaces."""
+    return f"t{os.getpid() % 1000}_{next(_names)}"
+
+
+def make_config(postgres: EmbeddedPostgres, warehouse: Path, segments: Path, name: str,
+                tables: list[str], **buffer: Any) -> Config:
+    raw = {
+        "source": {"postgres": {"dsn": postgres.dsn, "slot": f"slot_{name}",
+                                "publication": f"pub_{name}", "tables": tables,
+                                "status_interval_seconds": 1}},
+        "sink": {"catalog": {"name": CATALOG, "type": "hadoop", "warehouse": str(warehouse)},
+                 "namespace": f"ns_{name}"},
+        "buffer": {"dir": str(segments), "max_interval_seconds": 0.5, **buffer},
+        "spark": {"master": "local[2]"},
+    }
+    return parse_config(raw, segments.parent, "test config")
