@@ -29,6 +29,31 @@ TABLE_PROPERTIES = {
 }
 
 
+def _fill_unchanged(df: Any, keys: list[str], unchanged: list[int]) -> Any:
+    """An UPDATE that left a TOASTed value untouched does not carry it. If an earlier change in
+    the same batch carried it (an INSERT, or an UPDATE that set it), take the value from there;
+    otherwise the mark stays and the MERGE keeps what the lake already has."""
+    from pyspark.sql import Window
+    from pyspark.sql.functions import col, expr, last, struct, when
+
+    upto = (Window.partitionBy(*keys).orderBy(col("_wb_seq"))
+            .rowsBetween(Window.unboundedPreceding, Window.currentRow))
+    marks = col("_wb_unchanged")
+    for i in unchanged:
+        name = value_column(i)
+        hit = marks.contains(f",{i},")
+        carried = last(when(~hit | marks.isNull(), struct(col(name).alias("v"))), True).over(upto)
+        df = (df.withColumn("_wb_fill", carried)
+              .withColumn(name, when(hit & col("_wb_fill").isNotNull(), col("_wb_fill.v"))
+                          .otherwise(col(name)))
+              .withColumn("_wb_unchanged",
+                          when(hit & col("_wb_fill").isNotNull(),
+                               expr(f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
+                          .otherwise(marks))
+              .drop("_wb_fill"))
+    return df
+
+
 def quote_target(target: str) -> str:
     return ".".join(quote(p) for p in target.split("."))
 
@@ -118,6 +143,8 @@ class IcebergSink:
 
         keys = [value_column(i) for i, c in enumerate(columns) if c.is_key]
         if df is not None:
+            if staged.unchanged_columns:
+                df = _fill_unchanged(df, keys, sorted(staged.unchanged_columns))
             w = Window.partitionBy(*keys).orderBy(col("_wb_seq").desc())
             df = df.withColumn("_wb_rn", row_number().over(w)).where(col("_wb_rn") == 1)
 

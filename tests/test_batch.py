@@ -1,0 +1,136 @@
+"""Staging and netting: what a batch of changes turns into, checked against a plain model.
+
+The netting runs in the real Spark (the shared session) against real Iceberg tables; the model is
+a dict replaying the same changes one by one."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow.parquet as pq
+import pytest
+
+from walberg.apply.batch import (
+    BatchBuilder,
+    csv_to_parquet,
+    effective_truncate,
+    seq_filter,
+)
+from walberg.apply.iceberg import IcebergSink
+from walberg.model import UNCHANGED, Column, Lsn, Op
+
+COLUMNS = (Column("id", 23, -1, True), Column("v", 25), Column("n", 1700, (10 << 16 | 2) + 4))
+
+
+def test_seq_filter_keeps_rows_after_the_last_live_truncate() -> None:
+    assert seq_filter(10, [], []) == "_wb_seq <= 10"
+    # The truncate at 12 is beyond the batch; the one at 5 is inside a voided transaction.
+    assert effective_truncate(10, [(4, 6)], [3, 5, 12]) == 3
+    assert seq_filter(10, [(4, 6)], [3, 5, 12]) == (
+        "_wb_seq <= 10 AND NOT (_wb_seq BETWEEN 4 AND 6) AND _wb_seq > 3")
+    assert effective_truncate(10, [], []) is None
+
+
+def test_builder_writes_text_nulls_and_unchanged_marks_in_chunks(tmp_path: Path) -> None:
+    b = BatchBuilder(tmp_path / "stage", chunk_rows=3)
+    rows: list[tuple[Any, ...]] = [
+        (b"1", b"", None), (b"2", "ünï 🐘".encode(), b"1.50"), (b"3", UNCHANGED, b"2.00"),
+        (b"4", b"x", UNCHANGED), (b"5", b"y", b"0.00"),
+    ]
+    for i, r in enumerate(rows):
+        b.add("public.t", COLUMNS, Op.UPDATE if i == 2 else Op.INSERT, i + 1, 100 + i, r)
+    staged = b.finish()["public.t"]
+    assert staged.rows == 5 and staged.ops == {"I": 4, "U": 1, "D": 0}
+    assert staged.unchanged_columns == {1, 2}
+    table = pq.read_table(staged.files)
+    assert pq.ParquetFile(staged.files[0]).num_row_groups == 2  # flushed every 3 rows
+    assert table.column("c1").to_pylist() == ["", "ünï 🐘", None, "x", "y"]
+    assert table.column("c2").to_pylist() == [None, "1.50", "2.00", None, "0.00"]
+    assert table.column("_wb_unchanged").to_pylist() == [None, None, ",1,", ",2,", None]
+    assert table.column("_wb_seq").to_pylist() == [1, 2, 3, 4, 5]
+
+
+def test_csv_copy_keeps_null_and_empty_string_apart(tmp_path: Path) -> None:
+    csv = tmp_path / "t.csv"
+    csv.write_bytes(b'1,,""\n2,"multi\nline","a,""b"""\n')
+    rows = csv_to_parquet(csv, 3, tmp_path / "t.parquet")
+    assert rows == 2
+    t = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    assert t == [{"c0": "1", "c1": None, "c2": ""}, {"c0": "2", "c1": "multi\nline", "c2": 'a,"b"'}]
+    empty = tmp_path / "e.csv"
+    empty.write_bytes(b"")
+    assert csv_to_parquet(empty, 3, tmp_path / "e.parquet") == 0
+
+
+def _model_apply(state: dict[int, tuple[str, Optional[str]]], op: str, key: int,
+                 row: Optional[tuple[str, Optional[str]]]) -> None:
+    if op == "D":
+        state.pop(key, None)
+    else:
+        assert row is not None
+        state[key] = row
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_netting_matches_replaying_changes_one_by_one(spark: Any, tmp_path: Path, seed: int) -> None:
+    """Random inserts, updates, deletes and truncates on a small key space, many per key, in one
+    batch: the Iceberg table after one commit equals the dict after replaying them in order."""
+    rnd = random.Random(seed)
+    sink = IcebergSink(spark)
+    target = f"lake.netting.t{seed}"
+    spark.sql(f"DROP TABLE IF EXISTS {target}")
+    sink.ensure_table(target, COLUMNS)
+    state: dict[int, tuple[str, Optional[str]]] = {k: (f"init{k}", "1.00") for k in range(20)}
+    init = BatchBuilder(tmp_path / "init")
+    for seq, (k, (v, n)) in enumerate(state.items(), 1):
+        init.add("public.t", COLUMNS, Op.INSERT, seq, 1, (str(k).encode(), v.encode(), n.encode()))
+    sink.apply(target, init.finish()["public.t"], Lsn(1), max_seq=len(state))
+
+    b = BatchBuilder(tmp_path / "batch", chunk_rows=7)
+    seq = 0
+    for _ in range(rnd.randint(20, 80)):
+        seq += 1
+        k = rnd.randrange(30)
+        if rnd.random() < 0.03:
+            b.truncate("public.t", COLUMNS, seq)
+            state.clear()
+            continue
+        if k in state and rnd.random() < 0.4:
+            b.add("public.t", COLUMNS, Op.DELETE, seq, 2, (str(k).encode(), None, None))
+            _model_apply(state, "D", k, None)
+        else:
+            row = (f"v{seq}", rnd.choice([None, f"{rnd.randint(0, 9999)}.{rnd.randint(0, 99):02d}"]))
+            op = Op.UPDATE if k in state else Op.INSERT
+            b.add("public.t", COLUMNS, op, seq, 2,
+                  (str(k).encode(), row[0].encode(), None if row[1] is None else row[1].encode()))
+            _model_apply(state, op.value, k, row)
+    sink.apply(target, b.finish()["public.t"], Lsn(2), max_seq=seq)
+
+    got = {r["id"]: (r["v"], None if r["n"] is None else f"{r['n']:.2f}")
+           for r in spark.sql(f"SELECT * FROM {target}").collect()}
+    assert got == state
+    assert sink.committed_lsn(target) == Lsn(2)
+
+
+def test_unchanged_toast_values_are_never_overwritten(spark: Any, tmp_path: Path) -> None:
+    sink = IcebergSink(spark)
+    target = "lake.netting.toast"
+    spark.sql(f"DROP TABLE IF EXISTS {target}")
+    sink.ensure_table(target, COLUMNS)
+    big = "x" * 100_000
+    first = BatchBuilder(tmp_path / "a")
+    first.add("public.t", COLUMNS, Op.INSERT, 1, 1, (b"1", big.encode(), b"1.00"))
+    sink.apply(target, first.finish()["public.t"], Lsn(1), max_seq=1)
+
+    b = BatchBuilder(tmp_path / "b")
+    # Row 1 existed before the batch: its large value is only in the lake.
+    b.add("public.t", COLUMNS, Op.UPDATE, 1, 2, (b"1", UNCHANGED, b"2.00"))
+    # Row 2 is inserted and then updated in the same batch: the value is in the batch.
+    b.add("public.t", COLUMNS, Op.INSERT, 2, 2, (b"2", b"inserted", b"3.00"))
+    b.add("public.t", COLUMNS, Op.UPDATE, 3, 2, (b"2", UNCHANGED, b"4.00"))
+    b.add("public.t", COLUMNS, Op.UPDATE, 4, 2, (b"2", UNCHANGED, b"5.00"))
+    sink.apply(target, b.finish()["public.t"], Lsn(2), max_seq=4)
+    got = {r["id"]: (r["v"], str(r["n"])) for r in spark.sql(f"SELECT * FROM {target}").collect()}
+    assert got == {1: (big, "2.00"), 2: ("inserted", "5.00")}
