@@ -1,0 +1,95 @@
+"""The command line as a person meets it: help, readable errors, exit codes, and the demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from walberg.cli import main
+
+
+def walberg(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "walberg.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=timeout)
+
+
+def test_help_lists_commands_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("run", "demo", "query", "walberg run -c pipeline.yaml --once"):
+        assert word in out
+
+
+def test_config_error_is_one_paragraph_and_exit_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text("source: {postgres: {dsn: 'postgresql://x@127.0.0.1:1/db', tables: [t]}}\n"
+                   "sink: {catalog: {warehouse: ./w}, mood: happy}\n")
+    proc = walberg("run", "-c", str(cfg))
+    assert proc.returncode == 2
+    assert "sink.mood: unknown key" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unreachable_postgres_names_the_server_without_password(tmp_path: Path) -> None:
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text("source: {postgres: {dsn: 'postgresql://app:hunter2@127.0.0.1:9/db', "
+                   "tables: [t]}}\nsink: {catalog: {warehouse: ./w}}\n")
+    proc = walberg("run", "-c", str(cfg))
+    assert proc.returncode != 0
+    assert "cannot connect to PostgreSQL at postgresql://app:***@127.0.0.1:9/db" in proc.stderr
+    assert "hunter2" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _accepting(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_demo_walks_through_and_cleans_up(tmp_path: Path) -> None:
+    proc = walberg("demo", "--rows", "2000", "--dir", str(tmp_path / "demo"), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "rows in lake.analytics.employee: 2,000" in out
+    assert "rows in lake.analytics.employee: 2,005" in out
+    assert "rows in lake.analytics.employee: 2,003" in out
+    assert "Ada" in out and "100100.00" in out  # 91000.00 * 1.10 after the update
+    assert "snapshot history" in out and "walberg.lsn" in out
+    assert "query it:  walberg query -c" in out
+    assert (tmp_path / "demo" / "warehouse" / "analytics" / "employee" / "metadata").is_dir()
+
+
+def test_demo_ctrl_c_stops_its_server(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "walberg.cli", "demo", "--rows", "1000",
+                             "--dir", str(tmp_path / "demo")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    port = 0
+    for line in proc.stdout:
+        found = re.search(r"@127\.0\.0\.1:(\d+)/app: table employee", line)
+        if found:
+            port = int(found.group(1))
+            break
+    assert port and _accepting(port), "the demo's server should be running now"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted: cleaning up" in out
+    deadline = time.monotonic() + 30
+    while _accepting(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _accepting(port), "the demo left its PostgreSQL running"

@@ -1,0 +1,68 @@
+"""The YAML configuration: defaults, ${ENV} interpolation, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from walberg.config import load_config, parse_config
+from walberg.errors import ConfigError
+
+MINIMAL = """
+source:
+  postgres:
+    dsn: postgresql://app:${WB_TEST_PASSWORD}@127.0.0.1:5432/app
+    tables: [employee, sales.orders]
+sink:
+  catalog: {name: lake, type: hadoop, warehouse: ./warehouse}
+"""
+
+
+def test_minimal_config_with_env_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WB_TEST_PASSWORD", "s3cret")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(MINIMAL)
+    cfg = load_config(path)
+    assert cfg.source.postgres.dsn == "postgresql://app:s3cret@127.0.0.1:5432/app"
+    assert cfg.source.postgres.tables == ["public.employee", "sales.orders"]
+    assert cfg.source.postgres.slot == "walberg"
+    assert cfg.buffer.max_segment_bytes == 16 * 1024 * 1024
+    assert cfg.warehouse == str(tmp_path / "warehouse")
+    assert cfg.segment_dir == tmp_path / "segments"
+    assert cfg.target_for("public.employee") == "lake.public.employee"
+    assert cfg.target_for("sales.orders") == "lake.sales.orders"
+
+
+def test_missing_env_variable_names_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WB_TEST_PASSWORD", raising=False)
+    path = tmp_path / "p.yaml"
+    path.write_text(MINIMAL)
+    with pytest.raises(ConfigError, match=r"source\.postgres\.dsn: the environment variable "
+                                          r"WB_TEST_PASSWORD is not set"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"buffer": {"max_segment_bytes": "lots"}}, r"buffer\.max_segment_bytes"),
+    ({"buffer": {"dirr": "x"}}, r"buffer\.dirr: unknown key"),
+    ({"sink": {"catalog": {"name": "lake"}}}, r"sink\.catalog\.warehouse: required but missing"),
+    ({"sink": {"catalog": {"warehouse": "w", "type": "nessie"}}}, r"sink\.catalog\.type"),
+    ({"source": {"postgres": {"dsn": "x", "tables": []}}}, r"source\.postgres\.tables"),
+    ({"source": {"postgres": {"dsn": "x", "tables": ["a.b.c"]}}}, r"not of the form schema\.table"),
+])
+def test_invalid_values_are_reported_by_path(patch: dict[str, object], message: str) -> None:
+    base = {"source": {"postgres": {"dsn": "postgresql://x/y", "tables": ["t"]}},
+            "sink": {"catalog": {"warehouse": "w"}}}
+    base.update(patch)
+    with pytest.raises(ConfigError, match=message):
+        parse_config(base, Path("."))
+
+
+def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("source: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read the configuration file"):
+        load_config(tmp_path / "nope.yaml")
