@@ -1,0 +1,214 @@
+"""walberg benchmark: one command, one run, every figure next to its baseline from the same run.
+
+    python bench/run.py [--rows 1000000] [--changes 1000000]
+
+1. Initial copy of a table of --rows rows into Iceberg, next to `COPY ... TO STDOUT` of the
+   same table (the fastest Postgres can hand the rows out).
+2. CDC: --changes changes (inserts, updates, deletes) committed in Postgres, then the time until
+   all of them are visible in Iceberg, next to `pg_recvlogical` draining the same changes from a
+   slot of its own (how fast the server can stream them).
+3. Memory: the Python process's peak RSS while applying one small and one large transaction.
+
+These machines are shared and noisy, so the figures that matter are the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psycopg2
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from walberg.apply.spark import build_session, stop_session  # noqa: E402
+from walberg.config import parse_config  # noqa: E402
+from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+from walberg.pipeline import Pipeline  # noqa: E402
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class PeakRss:
+    """Samples this process's RSS in the background; ``peak`` is the highest seen."""
+
+    def __init__(self) -> None:
+        self.peak = rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss_mb())
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t, result
+
+
+def config_for(server: EmbeddedPostgres, work: Path, name: str, table: str) -> Any:
+    raw = {
+        "source": {"postgres": {"dsn": server.dsn, "slot": f"slot_{name}",
+                                "publication": f"pub_{name}", "tables": [table]}},
+        "sink": {"catalog": {"name": "lake", "type": "hadoop",
+                             "warehouse": str(work / "warehouse")}, "namespace": "bench"},
+        "buffer": {"dir": str(work / f"segments_{name}")},
+        "spark": {"master": "local[2]"},
+    }
+    return parse_config(raw, work, "bench config")
+
+
+def run_once(config: Any, session: Any) -> Any:
+    pipeline = Pipeline(config, session=session)
+    try:
+        return pipeline.run(once=True)
+    finally:
+        pipeline.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--changes", type=int, default=1_000_000)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="walberg-bench-"))
+    server = EmbeddedPostgres().start()
+    session = build_session("local[2]", "lake", str(work / "warehouse"), {}, {},
+                            app_name="walberg-bench")
+    results: dict[str, Any] = {"rows": args.rows, "changes": args.changes}
+    try:
+        conn = psycopg2.connect(server.dsn)
+        conn.autocommit = True
+        cur = conn.cursor()
+
+        # ---- 1. initial copy ------------------------------------------------------------------
+        cur.execute("CREATE TABLE copy_src (id bigint PRIMARY KEY, name text, amount numeric(12,2), "
+                    "created timestamptz, flag boolean)")
+        cur.execute("INSERT INTO copy_src SELECT g, 'customer ' || g, (g %% 100000) / 100.0, "
+                    "timestamptz '2020-01-01 00:00:00+00' + g * interval '1 second', g %% 3 = 0 "
+                    "FROM generate_series(1, %s) g", (args.rows,))
+        cur.execute("VACUUM ANALYZE copy_src")
+
+        class Null:
+            def write(self, b: bytes) -> int:
+                return len(b)
+
+        copy_s, _ = timed(lambda: cur.copy_expert("COPY (SELECT * FROM copy_src) TO STDOUT", Null()))
+        cfg = config_for(server, work, "copy", "public.copy_src")
+        walberg_copy_s, report = timed(lambda: run_once(cfg, session))
+        assert report.copied["public.copy_src"] == args.rows
+        results["copy"] = {
+            "pg_copy_to_stdout_rows_per_s": args.rows / copy_s,
+            "walberg_rows_per_s": args.rows / walberg_copy_s,
+            "ratio": copy_s / walberg_copy_s,
+        }
+
+        # ---- 2. CDC ---------------------------------------------------------------------------
+        base_rows = max(args.changes // 5, 1000)
+        cur.execute("CREATE TABLE cdc (id bigint PRIMARY KEY, v int, note text)")
+        cur.execute("INSERT INTO cdc SELECT g, 0, 'row ' || g FROM generate_series(1, %s) g",
+                    (base_rows,))
+        cfg = config_for(server, work, "cdc", "public.cdc")
+        run_once(cfg, session)  # initial copy, creates walberg's slot
+        cur.execute("CREATE PUBLICATION recv_pub FOR TABLE cdc")
+        cur.execute("SELECT pg_create_logical_replication_slot('recv', 'pgoutput')")
+        # The mix: half inserts, three tenths updates, two tenths deletes, in 100 transactions.
+        n_ins, n_upd = args.changes // 2, args.changes * 3 // 10
+        n_del = args.changes - n_ins - n_upd
+        per = max(args.changes // 100, 1)
+        for lo in range(0, n_ins, per):
+            cur.execute("INSERT INTO cdc SELECT g, 1, 'new ' || g FROM generate_series(%s, %s) g",
+                        (base_rows + lo + 1, base_rows + min(lo + per, n_ins)))
+        upd_span = base_rows + n_ins
+        for lo in range(0, n_upd, per):
+            hi = min(lo + per, n_upd)
+            cur.execute("UPDATE cdc SET v = v + 1 WHERE id IN (SELECT (g::bigint * 7919) %% %s + 1 "
+                        "FROM generate_series(%s, %s) g)", (upd_span, lo, hi - 1))
+        cur.execute("SELECT count(*) FROM pg_stat_user_tables")  # (keeps the cursor honest)
+        for lo in range(0, n_del, per):
+            cur.execute("DELETE FROM cdc WHERE id BETWEEN %s AND %s", (lo + 1, min(lo + per, n_del)))
+        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+        end_lsn = cur.fetchone()[0]
+        cur.execute("SELECT count(*) FROM cdc")
+
+        recv = [str(server.bin_dir / "pg_recvlogical"), "-d", server.dsn, "--slot", "recv",
+                "--start", "-o", "proto_version=1", "-o", "publication_names=recv_pub",
+                "--endpos", end_lsn, "-f", "/dev/null", "--no-loop"]
+        recv_s, proc = timed(lambda: subprocess.run(recv, capture_output=True, text=True))
+        if proc.returncode != 0:
+            raise SystemExit(f"pg_recvlogical failed: {proc.stderr}")
+        with PeakRss() as mem:
+            walberg_cdc_s, report = timed(lambda: run_once(cfg, session))
+        results["cdc"] = {
+            "changes_applied": report.changes,
+            "pg_recvlogical_changes_per_s": args.changes / recv_s,
+            "walberg_changes_per_s": args.changes / walberg_cdc_s,
+            "ratio": recv_s / walberg_cdc_s,
+            "peak_rss_mb": mem.peak,
+        }
+        with conn.cursor() as c2:
+            c2.execute("SELECT count(*) FROM cdc")
+            pg_count = c2.fetchone()[0]
+        lake_count = session.sql("SELECT count(*) FROM lake.bench.cdc").collect()[0][0]
+        results["cdc"]["lake_equals_source_count"] = pg_count == lake_count
+
+        # ---- 3. memory against transaction size ------------------------------------------------
+        mem_results = {}
+        for label, size in (("small", max(args.changes // 10, 1000)), ("large", args.changes)):
+            cur.execute("UPDATE cdc SET v = v + 1 WHERE id IN (SELECT id FROM cdc LIMIT %s)", (size,))
+            before = rss_mb()
+            with PeakRss() as mem:
+                run_once(cfg, session)
+            mem_results[label] = {"txn_changes": size, "rss_before_mb": before,
+                                  "peak_rss_mb": mem.peak, "growth_mb": mem.peak - before}
+        results["memory"] = mem_results
+    finally:
+        stop_session(session)
+        server.stop()
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    c, d, m = results["copy"], results["cdc"], results["memory"]
+    print(f"\nwalberg benchmark on {os.cpu_count()} cores ({args.rows:,} rows, {args.changes:,} changes)")
+    print(f"  initial copy : walberg {c['walberg_rows_per_s']:>10,.0f} rows/s    "
+          f"COPY TO STDOUT {c['pg_copy_to_stdout_rows_per_s']:>10,.0f} rows/s    ratio {c['ratio']:.2f}")
+    print(f"  CDC          : walberg {d['walberg_changes_per_s']:>10,.0f} changes/s "
+          f"pg_recvlogical {d['pg_recvlogical_changes_per_s']:>10,.0f} changes/s ratio {d['ratio']:.2f}")
+    print(f"  memory       : txn of {m['small']['txn_changes']:,} changes: +{m['small']['growth_mb']:.0f} MB;"
+          f" txn of {m['large']['txn_changes']:,}: +{m['large']['growth_mb']:.0f} MB (peak RSS "
+          f"{m['large']['peak_rss_mb']:.0f} MB)")
+    print(f"  lake equals source (row count): {d['lake_equals_source_count']}")
+    print(f"  results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
