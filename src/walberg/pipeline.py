@@ -13,6 +13,7 @@ So a crash at any point is followed by a run that ends with each table equal to 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import struct
 import tempfile
@@ -91,6 +92,9 @@ class Pipeline:
         self._meta: dict[int, SegmentMeta] = {}
         self._relations_raw: dict[int, bytes] = {}
         self._applied = Lsn(0)  # every table holds everything up to here
+        self._received = Lsn(0)  # end of the last transaction written to a segment
+        self._active_commit: Optional[Lsn] = None  # ... and to the active segment
+        self._streamed_since_start = False
         self._apply_error: Optional[BaseException] = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -163,8 +167,8 @@ class Pipeline:
         self._store = store
         recovery = store.recover()
         log.info("segments: %s", recovery)
-        for info in store.sealed():
-            self._meta[info.seq] = self._scan_meta(info)
+        for segment in store.sealed():
+            self._meta[segment.seq] = self._scan_meta(segment)
 
         conn = pg.connect(self.pg.dsn)
         try:
@@ -208,24 +212,57 @@ class Pipeline:
 
         applier = threading.Thread(target=self._apply_loop, name="walberg-apply", daemon=True)
         applier.start()
-        clean = False
+        self._received = max([m.last_commit_end or Lsn(0) for m in self._meta.values()]
+                             + [self._applied])
         try:
-            self._stream_loop(stream, target)
-            clean = True
+            self._stream_with_reconnect(stream, target)
         finally:
             self._stop.set()
             self._wake.set()
             applier.join()
-            if self._apply_error is None and clean:
-                # Report the final position while the connection is still open.
-                stream.confirm(self._applied)
-                stream.keepalive(force=True)
-                self._await_slot_confirmation()
-            stream.close()
         if self._apply_error is not None:
             raise self._apply_error
         self.report.applied_lsn = self._applied
         return self.report
+
+    def _stream_with_reconnect(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
+        """Stream until stopped (or, with a target, done). A lost connection is re-opened with
+        exponential backoff and streaming resumes from the slot; what is already in segments is
+        not written twice, and a transaction cut off mid-way is sent again whole and replaces its
+        partial copy. Gives up after ``reconnect_max_seconds`` without a working connection."""
+        give_up_after = self.pg.reconnect_max_seconds
+        failing_since: Optional[float] = None
+        delay = 0.5
+        try:
+            while True:
+                try:
+                    if not stream.is_open:
+                        stream.open()
+                    self._stream_loop(stream, target)
+                    if self._apply_error is None:
+                        # Report the final position while the connection is still open.
+                        stream.confirm(self._applied)
+                        stream.keepalive(force=True)
+                        self._await_slot_confirmation()
+                    return
+                except Transient as exc:
+                    now = time.monotonic()
+                    if failing_since is None or self._streamed_since_start:
+                        failing_since, delay = now, 0.5
+                    if now - failing_since > give_up_after:
+                        raise Terminal(
+                            f"{exc} Gave up after {give_up_after:.0f} s of reconnecting "
+                            "(source.postgres.reconnect_max_seconds); run walberg again once the "
+                            "server is reachable: nothing is lost.") from None
+                    log.warning("%s; reconnecting in %.1f s", exc, delay)
+                    stream.close()
+                    if self._stop.wait(delay):
+                        return
+                    delay = min(delay * 2, 30.0)
+                    stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
+                                               self.pg.status_interval_seconds)
+        finally:
+            stream.close()
 
     def _await_slot_confirmation(self, timeout: float = 10.0) -> None:
         """The server takes our last status update asynchronously; wait (briefly) until the slot
@@ -260,11 +297,8 @@ class Pipeline:
         try:
             for info in infos:
                 started = time.monotonic()
-                csv_path = workdir / f"{info.qualified_name}.csv"
-                rows = copy_table(self.pg.dsn, info, csv_path, created.snapshot_name)
                 parquet = workdir / f"{info.qualified_name}.parquet"
-                csv_to_parquet(csv_path, len(info.columns), parquet)
-                csv_path.unlink()
+                rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet)
                 target = self.targets[info.qualified_name]
                 self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
                 self.committed[info.qualified_name] = created.consistent_point
@@ -277,19 +311,47 @@ class Pipeline:
             if temp is not None:
                 temp.close()
 
+    def _copy_to_parquet(self, info: pg.TableInfo, workdir: Path, snapshot: str,
+                         parquet: Path) -> int:
+        """COPY the table through a named pipe into the Parquet writer: Postgres renders rows
+        while pyarrow parses them, and no CSV file ever lands on disk."""
+        fifo = workdir / f"{info.qualified_name}.csv"
+        os.mkfifo(fifo, 0o600)
+        result: list[int] = []
+        failure: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                result.append(copy_table(self.pg.dsn, info, fifo, snapshot))
+            except BaseException as exc:
+                failure.append(exc)
+                # Unblock the reader side if the writer never opened the pipe.
+                with open(fifo, "wb"):
+                    pass
+
+        producer = threading.Thread(target=produce, name=f"copy-{info.qualified_name}")
+        producer.start()
+        try:
+            csv_to_parquet(fifo, len(info.columns), parquet)
+        finally:
+            producer.join()
+            fifo.unlink(missing_ok=True)
+        if failure:
+            raise failure[0]
+        return result[0]
+
     # ---- reading: stream -> segments ----------------------------------------------------------
 
     def _stream_loop(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
         store = self._store
         assert store is not None
-        durable = max([m.last_commit_end or Lsn(0) for m in self._meta.values()] + [self._applied])
-        skip_before = durable  # transactions already in segments are not written twice
+        self._streamed_since_start = False
+        skip_before = self._received  # transactions already in segments are not written twice
+        received = self._received
         stream.confirm(self._applied)
         stream.start(self._applied)
         interval = self.config.buffer.max_interval_seconds
         in_txn = skipping = False
-        active_commit: Optional[Lsn] = None
-        received = durable
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
         last_ask = 0.0
         while not self._stop.is_set():
@@ -316,21 +378,19 @@ class Pipeline:
                     end = Lsn(_COMMIT_END_LSN.unpack_from(payload, 10)[0])
                     store.append(end, FRAME_PGOUTPUT, payload)
                     in_txn = False
-                    active_commit = received = end
+                    self._active_commit = received = self._received = end
+                    self._streamed_since_start = True
                     if store.should_seal():
-                        self._seal(active_commit, clean=True)
-                        active_commit = None
+                        self._seal(clean=True)
                 else:
                     store.append(wal_start, FRAME_PGOUTPUT, payload)
                     if store.should_seal():
-                        self._seal(active_commit, clean=False)
-                        active_commit = None
+                        self._seal(clean=False)
 
             caught_up = target is not None and not in_txn and (
                 received >= target or stream.wal_end >= target)
             if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
-                self._seal(active_commit, clean=not in_txn)
-                active_commit = None
+                self._seal(clean=not in_txn)
             idle = not in_txn and store.pending_bytes() == 0
             if idle and stream.wal_end > self._applied:
                 # Nothing of ours is pending: positions up to the server's WAL end hold no
@@ -346,11 +406,12 @@ class Pipeline:
                 stream.keepalive(force=True, reply=True)
                 last_ask = time.monotonic()
 
-    def _seal(self, last_commit: Optional[Lsn], clean: bool) -> None:
+    def _seal(self, clean: bool) -> None:
         assert self._store is not None
         info = self._store.seal()
         if info is not None:
-            self._meta[info.seq] = SegmentMeta(last_commit, clean)
+            self._meta[info.seq] = SegmentMeta(self._active_commit, clean)
+            self._active_commit = None
             self._wake.set()
 
     def _scan_meta(self, info: Any) -> SegmentMeta:
@@ -423,7 +484,7 @@ class Pipeline:
         done = False
         try:
             for info in segments:
-                for lsn, kind, payload in self._store.read(info):
+                for lsn, _kind, payload in self._store.read(info):
                     msg = decoder.decode(payload, lsn)
                     if isinstance(msg, Relation):
                         continue
@@ -447,6 +508,7 @@ class Pipeline:
                 if done:
                     break
             staged = builder.finish()
+            staged_s = time.monotonic() - started
             for source in sorted(live):
                 st = staged[source]
                 self.sink.apply(self.targets[source], st, end, seq, void)
@@ -465,8 +527,9 @@ class Pipeline:
         self._store.remove(done_with)
         for info in done_with:
             self._meta.pop(info.seq, None)
-        log.info("batch of %d segment(s), %d changes, committed up to LSN %s in %.2f s",
-                 len(segments), changes, end, time.monotonic() - started)
+        log.info("batch of %d segment(s), %d changes, committed up to LSN %s in %.2f s "
+                 "(decode and staging %.2f s)", len(segments), changes, end,
+                 time.monotonic() - started, staged_s)
 
     def _stage(self, builder: BatchBuilder, decoder: Decoder, txn: Begin, msg: Any, seq: int,
                touched: set[str]) -> tuple[int, int]:
@@ -515,7 +578,7 @@ class Pipeline:
 
 
 def _key_of(rel: Relation, row: Row) -> tuple[Any, ...]:
-    return tuple(v for c, v in zip(rel.columns, row) if c.is_key)
+    return tuple(v for c, v in zip(rel.columns, row, strict=False) if c.is_key)
 
 
 def run_pipeline(config: Config, once: bool = False,

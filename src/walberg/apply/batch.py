@@ -55,16 +55,15 @@ class StagedTable:
 
 
 class _TableStage:
+    # Rows are kept as the tuples the decoder made, plus their metadata, and turned into columns
+    # only at flush time (zip(*rows) runs in C): the per-change cost stays a few list appends.
     def __init__(self, source: str, columns: tuple[Column, ...], directory: Path, chunk_rows: int):
         self.staged = StagedTable(source, columns)
         self.directory = directory
         self.chunk_rows = chunk_rows
         self.ncols = len(columns)
-        self.values: list[list[Optional[bytes]]] = [[] for _ in range(self.ncols)]
-        self.seq: list[int] = []
-        self.op: list[str] = []
-        self.lsn: list[int] = []
-        self.unchanged: list[Optional[str]] = []
+        self.rows: list[Row] = []
+        self.meta: list[tuple[int, str, int, Optional[str]]] = []  # seq, op, lsn, unchanged marks
         self.schema = _schema(self.ncols)
         self.writer: Optional[pq.ParquetWriter] = None
 
@@ -73,20 +72,15 @@ class _TableStage:
             raise ValueError(f"{self.staged.source}: a change has {len(row)} columns, the relation "
                              f"has {self.ncols}")
         marks: Optional[str] = None
-        for i, v in enumerate(row):
-            if v is UNCHANGED:
-                self.values[i].append(None)
-                marks = f"{marks or ','}{i},"
-                self.staged.unchanged_columns.add(i)
-            else:
-                self.values[i].append(v)  # type: ignore[arg-type]
-        self.unchanged.append(marks)
-        self.seq.append(seq)
-        self.op.append(op)
-        self.lsn.append(lsn)
+        if UNCHANGED in row:
+            marks = "," + "".join(f"{i}," for i, v in enumerate(row) if v is UNCHANGED)
+            self.staged.unchanged_columns.update(i for i, v in enumerate(row) if v is UNCHANGED)
+            row = tuple(None if v is UNCHANGED else v for v in row)
+        self.rows.append(row)
+        self.meta.append((seq, op, lsn, marks))
         self.staged.rows += 1
         self.staged.ops[op] += 1
-        if len(self.seq) >= self.chunk_rows:
+        if len(self.rows) >= self.chunk_rows:
             self.flush()
 
     def truncate(self, seq: int) -> None:
@@ -94,23 +88,21 @@ class _TableStage:
         # transaction may turn out not to be part of this batch.
         self.staged.truncates.append(seq)
 
-    def _reset(self) -> None:
-        self.values = [[] for _ in range(self.ncols)]
-        self.seq, self.op, self.lsn, self.unchanged = [], [], [], []
-
     def flush(self) -> None:
-        if not self.seq:
+        if not self.rows:
             return
-        arrays = [pa.array(v, pa.binary()).cast(pa.string()) for v in self.values]
-        arrays += [pa.array(self.seq, pa.int64()), pa.array(self.op, pa.string()),
-                   pa.array(self.lsn, pa.int64()), pa.array(self.unchanged, pa.string())]
+        values = zip(*self.rows, strict=False) if self.ncols else iter(())
+        arrays = [pa.array(v, pa.binary()).cast(pa.string()) for v in values]
+        seq, op, lsn, unchanged = zip(*self.meta, strict=False)
+        arrays += [pa.array(seq, pa.int64()), pa.array(op, pa.string()),
+                   pa.array(lsn, pa.int64()), pa.array(unchanged, pa.string())]
         table = pa.Table.from_arrays(arrays, schema=self.schema)
         if self.writer is None:
             path = self.directory / f"{len(self.staged.files):05d}-{self.staged.source}.parquet"
             self.staged.files.append(path)
             self.writer = pq.ParquetWriter(path, self.schema, compression="snappy")
         self.writer.write_table(table)
-        self._reset()
+        self.rows, self.meta = [], []
 
     def close(self) -> None:
         self.flush()
@@ -171,22 +163,27 @@ def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path) -> int:
     is told exactly that, so the two never mix."""
     names = [value_column(i) for i in range(ncols)]
     schema = pa.schema([pa.field(n, pa.string()) for n in names])
-    if csv_path.stat().st_size == 0:
-        pq.write_table(schema.empty_table(), out_path)
-        return 0
-    reader = pacsv.open_csv(
-        csv_path,
-        read_options=pacsv.ReadOptions(column_names=names, block_size=16 << 20),
-        parse_options=pacsv.ParseOptions(newlines_in_values=True, double_quote=True),
-        convert_options=pacsv.ConvertOptions(
-            column_types={n: pa.string() for n in names}, null_values=[""],
-            strings_can_be_null=True, quoted_strings_can_be_null=False),
-    )
-    rows = 0
-    with pq.ParquetWriter(out_path, schema, compression="snappy") as writer:
-        for chunk in reader:
-            writer.write_batch(chunk)
-            rows += chunk.num_rows
+    # Opened as a plain stream: the path may be a named pipe that COPY is writing into.
+    with open(csv_path, "rb", buffering=0) as raw:
+        try:
+            reader = pacsv.open_csv(
+                pa.PythonFile(raw, mode="r"),
+                read_options=pacsv.ReadOptions(column_names=names, block_size=16 << 20),
+                parse_options=pacsv.ParseOptions(newlines_in_values=True, double_quote=True),
+                convert_options=pacsv.ConvertOptions(
+                    column_types={n: pa.string() for n in names}, null_values=[""],
+                    strings_can_be_null=True, quoted_strings_can_be_null=False),
+            )
+        except pa.ArrowInvalid as exc:
+            if "Empty CSV" not in str(exc):
+                raise
+            pq.write_table(schema.empty_table(), out_path)
+            return 0
+        rows = 0
+        with pq.ParquetWriter(out_path, schema, compression="snappy") as writer:
+            for chunk in reader:
+                writer.write_batch(chunk)
+                rows += chunk.num_rows
     return rows
 
 
