@@ -463,9 +463,19 @@ class SegmentStore:
                 if len(data) < len(MAGIC):
                     raise FrameCorrupt(0, "sealed segment is shorter than its magic")
                 check_magic(data)
-                for frame in Scanner(data, sealed=True):
+                scanner = Scanner(data, sealed=True)
+                release = getattr(data, "madvise", None) if hasattr(mmap, "MADV_DONTNEED") else None
+                released = 0
+                for n, frame in enumerate(scanner, 1):
                     if frame[1] != KIND_PREAMBLE_END:
                         yield frame
+                    if release is not None and n % 65536 == 0:
+                        # Pages already read go back to the OS, so reading a large segment
+                        # does not grow the process's resident memory with the file's size.
+                        upto = scanner.valid_end - scanner.valid_end % mmap.PAGESIZE
+                        if upto > released:
+                            release(mmap.MADV_DONTNEED, 0, upto)
+                            released = upto
         except FrameCorrupt as exc:
             raise self._corrupt(info.path, exc) from exc
         except OSError as exc:
