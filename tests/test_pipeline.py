@@ -13,7 +13,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from conftest import make_config
@@ -249,3 +248,50 @@ def test_kill_9_while_applying_then_rerun_is_exact(pg_conn: Any, postgres: Any, 
     assert_lake_equals(pg_conn, warehouse, table, target)
     lsns = [Lsn.parse(x) for x in snapshot_lsns(warehouse, target) if x]
     assert lsns == sorted(lsns), "a commit went backwards"
+
+
+def test_reconnects_after_the_replication_connection_is_killed(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: Any) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    pipeline = Pipeline(config, session=spark)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pipeline.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+
+    def insert_and_wait(lo: int, hi: int) -> None:
+        with pg_conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(%s, %s) g",
+                        (lo, hi))
+            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+            lsn = Lsn.parse(cur.fetchone()[0])
+        pipeline.wait_for(lsn, timeout=120)
+
+    try:
+        insert_and_wait(1, 100)
+        for _ in range(2):
+            with pg_conn.cursor() as cur:
+                cur.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                            "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                            (config.source.postgres.slot,))
+                assert cur.fetchone()[0] is True
+            insert_and_wait(101 + _ * 100, 200 + _ * 100)
+    finally:
+        pipeline.stop()
+        runner.join(timeout=60)
+        pipeline.close()
+    assert not failure, failure
+    assert "reconnecting" in caplog.text
+    assert_lake_equals(pg_conn, warehouse, table, target)
+    assert len(iceberg_rows(warehouse, target)) == 300

@@ -35,6 +35,9 @@ class PostgresSource(_Model):
     status_interval_seconds: float = Field(
         10.0, gt=0, description="how often walberg confirms its position to the server, also when idle"
     )
+    reconnect_max_seconds: float = Field(
+        300.0, ge=0, description="keep reconnecting a lost source for this long before failing"
+    )
 
     @field_validator("slot", "publication")
     @classmethod

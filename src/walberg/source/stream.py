@@ -37,6 +37,10 @@ class ReplicationStream:
         self._flushed = Lsn(0)
         self._written = Lsn(0)
 
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
     def open(self) -> None:
         self._conn = connect(self.dsn, replication=True)
         self._cur = self._conn.cursor()
@@ -59,19 +63,29 @@ class ReplicationStream:
             ) from None
         return CreatedSlot(row[0], Lsn.parse(row[1]), row[2])
 
-    def start(self, start_lsn: Lsn = Lsn(0)) -> None:
+    def start(self, start_lsn: Optional[Lsn] = None) -> None:
         """Start streaming. The server resumes from the slot's confirmed position or ``start_lsn``,
         whichever is later."""
         try:
             self._cur.start_replication(
                 slot_name=self.slot,
                 slot_type=psycopg2.extras.REPLICATION_LOGICAL,
-                start_lsn=int(start_lsn),
+                start_lsn=int(start_lsn or 0),
                 options={"proto_version": "1", "publication_names": self.publication,
                          "messages": "true"},
                 decode=False,
                 status_interval=self.status_interval,
             )
+        except psycopg2.OperationalError as exc:
+            if "is active for PID" in str(exc):
+                # After a lost connection the server may not have noticed yet; after a while it
+                # does. A second walberg on the same slot is refused at start, see pipeline.
+                raise Transient(f"replication slot {self.slot} is still in use: "
+                                f"{str(exc).strip()}") from None
+            raise SourceError(
+                f"could not start replication from slot {self.slot} with publication "
+                f"{self.publication}: {str(exc).strip()}"
+            ) from None
         except psycopg2.Error as exc:
             raise SourceError(
                 f"could not start replication from slot {self.slot} with publication "
