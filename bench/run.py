@@ -71,12 +71,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, result
 
 
-def config_for(server: EmbeddedPostgres, work: Path, name: str, table: str) -> Any:
+def config_for(server: EmbeddedPostgres, work: Path, name: str, table: str,
+               namespace: str = "bench") -> Any:
     raw = {
         "source": {"postgres": {"dsn": server.dsn, "slot": f"slot_{name}",
                                 "publication": f"pub_{name}", "tables": [table]}},
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
-                             "warehouse": str(work / "warehouse")}, "namespace": "bench"},
+                             "warehouse": str(work / "warehouse")}, "namespace": namespace},
         "buffer": {"dir": str(work / f"segments_{name}")},
         "spark": {"master": "local[2]"},
     }
@@ -121,12 +122,19 @@ def main() -> int:
                 return len(b)
 
         copy_s, _ = timed(lambda: cur.copy_expert("COPY (SELECT * FROM copy_src) TO STDOUT", Null()))
-        cfg = config_for(server, work, "copy", "public.copy_src")
-        walberg_copy_s, report = timed(lambda: run_once(cfg, session))
+        # The first copy in a fresh JVM pays for class loading and JIT compilation; a pipeline
+        # that copies many tables pays it once. Both are reported; the ratio uses the second.
+        cold_s, report = timed(lambda: run_once(config_for(server, work, "copy1", "public.copy_src",
+                                                           "cold"), session))
+        assert report.copied["public.copy_src"] == args.rows
+        walberg_copy_s, report = timed(lambda: run_once(config_for(server, work, "copy2",
+                                                                   "public.copy_src", "warm"),
+                                                        session))
         assert report.copied["public.copy_src"] == args.rows
         results["copy"] = {
             "pg_copy_to_stdout_rows_per_s": args.rows / copy_s,
             "walberg_rows_per_s": args.rows / walberg_copy_s,
+            "walberg_cold_jvm_rows_per_s": args.rows / cold_s,
             "ratio": copy_s / walberg_copy_s,
         }
 
@@ -199,7 +207,8 @@ def main() -> int:
     c, d, m = results["copy"], results["cdc"], results["memory"]
     print(f"\nwalberg benchmark on {os.cpu_count()} cores ({args.rows:,} rows, {args.changes:,} changes)")
     print(f"  initial copy : walberg {c['walberg_rows_per_s']:>10,.0f} rows/s    "
-          f"COPY TO STDOUT {c['pg_copy_to_stdout_rows_per_s']:>10,.0f} rows/s    ratio {c['ratio']:.2f}")
+          f"COPY TO STDOUT {c['pg_copy_to_stdout_rows_per_s']:>10,.0f} rows/s    ratio {c['ratio']:.2f}"
+          f"   (first copy in a cold JVM: {c['walberg_cold_jvm_rows_per_s']:,.0f} rows/s)")
     print(f"  CDC          : walberg {d['walberg_changes_per_s']:>10,.0f} changes/s "
           f"pg_recvlogical {d['pg_recvlogical_changes_per_s']:>10,.0f} changes/s ratio {d['ratio']:.2f}")
     print(f"  memory       : txn of {m['small']['txn_changes']:,} changes: +{m['small']['growth_mb']:.0f} MB;"

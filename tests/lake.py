@@ -26,7 +26,7 @@ def postgres_rows(conn: Any, table: str, key: str = "id") -> list[dict[str, Any]
     with conn.cursor() as cur:
         cur.execute(f"SELECT * FROM {table} ORDER BY {key}")
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in cur.fetchall()]
+        return [dict(zip(names, row, strict=False)) for row in cur.fetchall()]
 
 
 def snapshot_lsns(warehouse: Path, target: str) -> list[str]:

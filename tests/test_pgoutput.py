@@ -5,12 +5,12 @@ from __future__ import annotations
 import struct
 from typing import Any, Callable, Optional
 
-# tests/ is not a package: pytest puts this directory on sys.path.
-import pgoutput_encoder as enc
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+# tests/ is not a package: pytest puts this directory on sys.path.
+import pgoutput_encoder as enc
 from walberg.errors import DecodeError
 from walberg.model import (
     UNCHANGED,

@@ -101,9 +101,9 @@ def _cmd_query(args: argparse.Namespace) -> int:
 def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
-    line = "  ".join(n.ljust(w) for n, w in zip(names, widths))
+    line = "  ".join(n.ljust(w) for n, w in zip(names, widths, strict=False))
     out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) for r in cells]
     out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
     return "\n".join(out)
 

@@ -103,7 +103,7 @@ class EmbeddedPostgres:
             kwargs["group"] = self._os_user.pw_gid
             kwargs["extra_groups"] = []
         env = dict(os.environ, LC_ALL="C", LANG="C")
-        proc = subprocess.run(
+        proc: subprocess.CompletedProcess[str] = subprocess.run(
             list(args), capture_output=True, text=True, env=env, cwd=str(self.base_dir),
             **kwargs,  # type: ignore[call-overload]
         )

