@@ -23,14 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from walberg.apply.batch import BatchBuilder, StagedTable, csv_to_parquet
+from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, csv_to_parquet
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.spark import build_session, stop_session
+from walberg.apply.types import spark_type
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config, load_config
 from walberg.errors import Terminal, Transient, WalbergError
 from walberg.model import (
     Begin,
+    Column,
     Commit,
     Delete,
     Insert,
@@ -503,7 +505,12 @@ class Pipeline:
                             done = True
                             break
                         continue
-                    seq, n = self._stage(builder, decoder, txn, msg, seq, touched)
+                    try:
+                        seq, n = self._stage(builder, decoder, txn, msg, seq, touched)
+                    except SchemaChanged as exc:
+                        rel = next(r for r in decoder.relations.values()
+                                   if r.qualified_name == exc.source)
+                        raise self._schema_error(exc.source, rel.columns, txn.final_lsn) from None
                     changes += n
                 if done:
                     break
@@ -511,6 +518,8 @@ class Pipeline:
             staged_s = time.monotonic() - started
             for source in sorted(live):
                 st = staged[source]
+                if not self.sink.columns_match(self.targets[source], st.columns):
+                    raise self._schema_error(source, st.columns, end)
                 self.sink.apply(self.targets[source], st, end, seq, void)
                 self.committed[source] = end
                 log.info("applied %s: %d changes (I %d, U %d, D %d%s) up to LSN %s",
@@ -530,6 +539,18 @@ class Pipeline:
         log.info("batch of %d segment(s), %d changes, committed up to LSN %s in %.2f s "
                  "(decode and staging %.2f s)", len(segments), changes, end,
                  time.monotonic() - started, staged_s)
+
+    def _schema_error(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> Terminal:
+        target = self.targets[source]
+        now = ", ".join(f"{c.name} {spark_type(c).sql.lower()}" for c in columns)
+        return Terminal(
+            f"{source} changed its columns in Postgres (ALTER TABLE) before LSN {lsn}; it now "
+            f"has ({now}), which {target} does not match. This version of walberg does not "
+            f"evolve Iceberg schemas. To go on: drop the Iceberg table (DROP TABLE {target} in "
+            "Spark SQL, or remove its directory from the warehouse) and run walberg again: it "
+            "copies the table afresh and streams on from there. Nothing after the last commit "
+            "was confirmed to the slot, so nothing is lost meanwhile."
+        )
 
     def _stage(self, builder: BatchBuilder, decoder: Decoder, txn: Begin, msg: Any, seq: int,
                touched: set[str]) -> tuple[int, int]:

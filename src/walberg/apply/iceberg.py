@@ -61,6 +61,7 @@ def quote_target(target: str) -> str:
 class IcebergSink:
     def __init__(self, session: Any) -> None:
         self.spark = session
+        self._schemas: dict[str, list[tuple[str, str]]] = {}
 
     def sql(self, what: str, statement: str) -> Any:
         return spark_call(what, lambda: self.spark.sql(statement))
@@ -78,6 +79,15 @@ class IcebergSink:
                  f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({cols}, "
                  f"{quote(LSN_COLUMN)} BIGINT) USING iceberg TBLPROPERTIES ({props})")
         return True
+
+    def columns_match(self, target: str, columns: Sequence[Column]) -> bool:
+        """Whether the Iceberg table has exactly these source columns (names and types)."""
+        want = [(c.name, spark_type(c).sql.lower()) for c in columns] + [(LSN_COLUMN, "bigint")]
+        if self._schemas.get(target) != want:
+            schema = spark_call(f"reading the schema of {target}",
+                                lambda: self.spark.table(target).schema)
+            self._schemas[target] = [(f.name, f.dataType.simpleString()) for f in schema.fields]
+        return self._schemas[target] == want
 
     def table_exists(self, target: str) -> bool:
         return bool(spark_call(f"looking up {target}",

@@ -60,7 +60,11 @@ def iceberg_jar() -> Path:
         raise EnvironmentProblem(
             f"The Iceberg Spark runtime jar is not installed: `pip install {JAR_PACKAGE}`."
         ) from None
-    jar = Path(pkg.__file__).parent / "jars" / ICEBERG_JAR
+    return check_jar(Path(pkg.__file__).parent / "jars" / ICEBERG_JAR)
+
+
+def check_jar(jar: Path) -> Path:
+    """The jar, if it is a complete Iceberg runtime; else a clear error naming the fix."""
     try:
         with zipfile.ZipFile(jar) as zf:
             zf.getinfo(_JAR_PROBE)
