@@ -19,6 +19,7 @@ import struct
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -65,6 +66,21 @@ class SegmentMeta:
 
     last_commit_end: Optional[Lsn]  # end LSN of the last transaction that commits in it
     clean_end: bool  # its last frame is a Commit (no transaction continues in the next one)
+
+
+@dataclass
+class PreparedBatch:
+    """A batch decoded and staged, waiting for its Spark commit."""
+
+    segments: list[Any]
+    end: Lsn  # end LSN of its last transaction: what its commits record
+    builder: BatchBuilder
+    staged: dict[str, StagedTable]
+    live: set[str]  # tables with changes from committed transactions
+    max_seq: int
+    void: list[tuple[int, int]]
+    changes: int
+    staged_s: float
 
 
 @dataclass
@@ -445,32 +461,66 @@ class Pipeline:
             self._stop.set()
 
     def _apply_ready(self, drain: bool) -> None:
-        """Apply sealed segments, a batch at a time, while some hold unapplied commits."""
-        assert self._store is not None
-        while True:
-            sealed = self._store.sealed()
-            batch: list[Any] = []
-            size = 0
-            end: Optional[Lsn] = None
-            for info in sealed:
-                batch.append(info)
-                size += info.size_bytes
-                meta = self._meta.get(info.seq) or SegmentMeta(None, False)
-                if meta.last_commit_end is not None:
-                    end = meta.last_commit_end
-                    if size >= self.config.buffer.max_batch_bytes:
-                        break
-            if end is None or end <= self._applied:
-                return
-            # Segments after the one holding the batch's last commit wait for their commits.
-            while batch and (self._meta[batch[-1].seq].last_commit_end != end):
-                batch.pop()
-            log.info("applying %d segment(s) up to LSN %s", len(batch), end)
-            self._apply_batch(batch, end)
-            if self._stop.is_set() and not drain:
-                return
+        """Apply sealed segments, a batch at a time, while some hold unapplied commits.
 
-    def _apply_batch(self, segments: list[Any], end: Lsn) -> None:
+        Batch N+1 is decoded and staged (Python, pyarrow) in a helper thread while Spark
+        commits batch N, so the two kinds of work overlap."""
+        prepared = self._prepare_next(self._applied, None)
+        if prepared is None:
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="walberg-stage") as pool:
+            while prepared is not None:
+                upcoming = pool.submit(self._prepare_next, prepared.end, prepared)
+                try:
+                    self._commit_batch(prepared)
+                except BaseException:
+                    self._discard(upcoming)
+                    raise
+                if self._stop.is_set() and not drain:
+                    self._discard(upcoming)
+                    return
+                prepared = upcoming.result()
+
+    @staticmethod
+    def _discard(upcoming: "Future[Optional[PreparedBatch]]") -> None:
+        try:
+            batch = upcoming.result()
+        except BaseException:
+            return
+        if batch is not None:
+            batch.builder.discard()
+
+    def _prepare_next(self, floor: Lsn, after: "Optional[PreparedBatch]") -> "Optional[PreparedBatch]":
+        """Choose the sealed segments of the next batch (those holding commits after ``floor``)
+        and decode them into staged Parquet. ``after`` is the batch before it, not yet
+        committed: its segments are left out, except a last one that a transaction runs on
+        from."""
+        assert self._store is not None
+        first_seq = 0
+        if after is not None:
+            last = after.segments[-1]
+            first_seq = last.seq if not self._meta[last.seq].clean_end else last.seq + 1
+        batch: list[Any] = []
+        size = 0
+        end: Optional[Lsn] = None
+        for info in self._store.sealed():
+            if info.seq < first_seq:
+                continue
+            batch.append(info)
+            size += info.size_bytes
+            meta = self._meta.get(info.seq) or SegmentMeta(None, False)
+            if meta.last_commit_end is not None:
+                end = meta.last_commit_end
+                if size >= self.config.buffer.max_batch_bytes:
+                    break
+        if end is None or end <= floor:
+            return None
+        # Segments after the one holding the batch's last commit wait for their commits.
+        while batch and (self._meta[batch[-1].seq].last_commit_end != end):
+            batch.pop()
+        return self._stage_batch(batch, end, floor)
+
+    def _stage_batch(self, segments: list[Any], end: Lsn, floor: Lsn) -> "PreparedBatch":
         assert self._store is not None
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
@@ -495,6 +545,8 @@ class Pipeline:
                             # A transaction cut off by a crash and sent again in full.
                             void.append((txn_first_seq, seq))
                         txn, txn_first_seq, touched = msg, seq + 1, set()
+                        if msg.final_lsn < floor:
+                            txn = None  # already in the batch before this one
                         continue
                     if txn is None:
                         continue  # the tail of a transaction applied in an earlier batch
@@ -515,30 +567,42 @@ class Pipeline:
                 if done:
                     break
             staged = builder.finish()
-            staged_s = time.monotonic() - started
-            for source in sorted(live):
-                st = staged[source]
+        except BaseException:
+            builder.discard()
+            raise
+        return PreparedBatch(segments, end, builder, staged, live, seq, void, changes,
+                             time.monotonic() - started)
+
+    def _commit_batch(self, batch: "PreparedBatch") -> None:
+        """Commit a staged batch to Iceberg (one commit per table), then let go of its segments."""
+        assert self._store is not None
+        started = time.monotonic()
+        log.info("applying %d segment(s) up to LSN %s", len(batch.segments), batch.end)
+        try:
+            for source in sorted(batch.live):
+                st = batch.staged[source]
                 if not self.sink.columns_match(self.targets[source], st.columns):
-                    raise self._schema_error(source, st.columns, end)
-                self.sink.apply(self.targets[source], st, end, seq, void)
-                self.committed[source] = end
+                    raise self._schema_error(source, st.columns, batch.end)
+                self.sink.apply(self.targets[source], st, batch.end, batch.max_seq, batch.void)
+                self.committed[source] = batch.end
                 log.info("applied %s: %d changes (I %d, U %d, D %d%s) up to LSN %s",
                          source, st.rows, st.ops["I"], st.ops["U"], st.ops["D"],
-                         ", truncated" if st.truncates else "", end)
+                         ", truncated" if st.truncates else "", batch.end)
         finally:
-            builder.discard()
+            batch.builder.discard()
         with self._lock:
-            self._applied = max(self._applied, end)
+            self._applied = max(self._applied, batch.end)
         self.report.batches += 1
-        self.report.changes += changes
+        self.report.changes += batch.changes
+        segments = batch.segments
         last = self._meta[segments[-1].seq]
         done_with = segments if last.clean_end else segments[:-1]
         self._store.remove(done_with)
         for info in done_with:
             self._meta.pop(info.seq, None)
-        log.info("batch of %d segment(s), %d changes, committed up to LSN %s in %.2f s "
-                 "(decode and staging %.2f s)", len(segments), changes, end,
-                 time.monotonic() - started, staged_s)
+        log.info("batch of %d segment(s), %d changes, committed up to LSN %s: staged in %.2f s, "
+                 "committed in %.2f s", len(segments), batch.changes, batch.end, batch.staged_s,
+                 time.monotonic() - started)
 
     def _schema_error(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> Terminal:
         target = self.targets[source]
