@@ -24,27 +24,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, csv_to_parquet
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.spark import build_session, stop_session
 from walberg.apply.types import spark_type
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config, load_config
-from walberg.errors import Terminal, Transient, WalbergError
+from walberg.errors import DecodeError, Terminal, Transient, WalbergError
 from walberg.model import (
     Begin,
     Column,
     Commit,
-    Delete,
-    Insert,
     Lsn,
-    Op,
     Relation,
-    Row,
     Truncate,
-    Update,
 )
 from walberg.source import postgres as pg
+from walberg.source.columnar import Changes, Malformed, decode_changes
 from walberg.source.pgoutput import Decoder
 from walberg.source.snapshot import copy_table
 from walberg.source.stream import CreatedSlot, ReplicationStream
@@ -55,6 +56,8 @@ FRAME_PGOUTPUT = 0  # a pgoutput message as the server sent it
 FRAME_PREAMBLE = 1  # a Relation message repeated at the start of a segment (self-contained files)
 
 _TAG_BEGIN, _TAG_COMMIT, _TAG_RELATION = ord("B"), ord("C"), ord("R")
+_TAG_INSERT, _TAG_UPDATE, _TAG_DELETE = ord("I"), ord("U"), ord("D")
+_CHANGE_TAGS = frozenset((_TAG_INSERT, _TAG_UPDATE, _TAG_DELETE))
 _BEGIN_FINAL_LSN = struct.Struct(">Q")  # at offset 1 of a Begin
 _COMMIT_END_LSN = struct.Struct(">Q")  # at offset 10 of a Commit (after flags, commit LSN)
 _RELATION_OID = struct.Struct(">I")  # at offset 1 of a Relation (protocol v1)
@@ -521,57 +524,95 @@ class Pipeline:
         return self._stage_batch(batch, end, floor)
 
     def _stage_batch(self, segments: list[Any], end: Lsn, floor: Lsn) -> "PreparedBatch":
+        """Decode the segments' transactions up to ``end`` into staged Parquet, per table.
+
+        Control messages go through the scalar decoder; Insert/Update/Delete messages are only
+        routed here (a byte and a relation id per message) and decoded in columnar chunks."""
         assert self._store is not None
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
         builder = BatchBuilder(workdir)
+        chunks = _Chunks(builder)
         decoder = Decoder()
         seq = 0
         txn: Optional[Begin] = None
         txn_first_seq = 0
+        wanted: dict[int, _Chunk] = {}  # relations this transaction applies to
         touched: set[str] = set()
-        live: set[str] = set()  # tables with committed changes in this batch
+        live: set[str] = set()  # tables with changes from committed transactions
         void: list[tuple[int, int]] = []
         changes = 0
         done = False
         try:
             for info in segments:
                 for lsn, _kind, payload in self._store.read(info):
+                    tag = payload[0]
+                    if tag in _CHANGE_TAGS:
+                        if txn is None:
+                            continue  # the tail of a transaction applied in an earlier batch
+                        chunk = wanted.get(_RELATION_OID.unpack_from(payload, 1)[0])
+                        if chunk is None:
+                            self._check_known(decoder, payload, lsn)
+                            continue
+                        seq += 2  # room for the delete half of a key-changing update
+                        chunk.add(payload, seq, lsn)
+                        touched.add(chunk.relation.qualified_name)
+                        changes += 1
+                        continue
                     msg = decoder.decode(payload, lsn)
                     if isinstance(msg, Relation):
-                        continue
-                    if isinstance(msg, Begin):
+                        chunks.relation_changed(msg)
+                        if txn is not None:
+                            wanted = self._wanted_chunks(decoder, chunks, txn)
+                    elif isinstance(msg, Begin):
                         if txn is not None and seq >= txn_first_seq:
                             # A transaction cut off by a crash and sent again in full.
                             void.append((txn_first_seq, seq))
                         txn, txn_first_seq, touched = msg, seq + 1, set()
                         if msg.final_lsn < floor:
                             txn = None  # already in the batch before this one
+                        else:
+                            wanted = self._wanted_chunks(decoder, chunks, txn)
+                    elif txn is None:
                         continue
-                    if txn is None:
-                        continue  # the tail of a transaction applied in an earlier batch
-                    if isinstance(msg, Commit):
+                    elif isinstance(msg, Commit):
                         live |= touched
                         txn = None
                         if msg.end_lsn >= end:
                             done = True
                             break
-                        continue
-                    try:
-                        seq, n = self._stage(builder, decoder, txn, msg, seq, touched)
-                    except SchemaChanged as exc:
-                        rel = next(r for r in decoder.relations.values()
-                                   if r.qualified_name == exc.source)
-                        raise self._schema_error(exc.source, rel.columns, txn.final_lsn) from None
-                    changes += n
+                    elif isinstance(msg, Truncate):
+                        for oid in msg.relation_oids:
+                            if oid in wanted:
+                                seq += 2
+                                rel = wanted[oid].relation
+                                builder.truncate(rel.qualified_name, rel.columns, seq)
+                                touched.add(rel.qualified_name)
+                                changes += 1
                 if done:
                     break
+            chunks.flush_all()
             staged = builder.finish()
+        except SchemaChanged as exc:
+            builder.discard()
+            rel = next(r for r in decoder.relations.values() if r.qualified_name == exc.source)
+            raise self._schema_error(exc.source, rel.columns, txn.final_lsn if txn else end) from None
         except BaseException:
             builder.discard()
             raise
         return PreparedBatch(segments, end, builder, staged, live, seq, void, changes,
                              time.monotonic() - started)
+
+    def _wanted_chunks(self, decoder: Decoder, chunks: "_Chunks", txn: Begin) -> dict[int, "_Chunk"]:
+        return {oid: chunks.for_relation(rel) for oid, rel in decoder.relations.items()
+                if self._wanted(rel, txn)}
+
+    @staticmethod
+    def _check_known(decoder: Decoder, payload: bytes, lsn: int) -> None:
+        """A change for a relation nobody described is a broken stream: let the scalar decoder
+        say so, with the LSN."""
+        if _RELATION_OID.unpack_from(payload, 1)[0] not in decoder.relations:
+            decoder.decode(payload, lsn)
 
     def _commit_batch(self, batch: "PreparedBatch") -> None:
         """Commit a staged batch to Iceberg (one commit per table), then let go of its segments."""
@@ -616,54 +657,112 @@ class Pipeline:
             "was confirmed to the slot, so nothing is lost meanwhile."
         )
 
-    def _stage(self, builder: BatchBuilder, decoder: Decoder, txn: Begin, msg: Any, seq: int,
-               touched: set[str]) -> tuple[int, int]:
-        """Stage one change; returns the new sequence number and how many changes it counted."""
-        if isinstance(msg, Truncate):
-            n = 0
-            for oid in msg.relation_oids:
-                rel = decoder.relations.get(oid)
-                if rel is None or not self._wanted(rel, txn):
-                    continue
-                seq += 1
-                builder.truncate(rel.qualified_name, rel.columns, seq)
-                touched.add(rel.qualified_name)
-                n += 1
-            return seq, n
-        if not isinstance(msg, (Insert, Update, Delete)):
-            return seq, 0  # Origin, Type, logical decoding messages: nothing to apply
-        rel = decoder.relations[msg.relation_oid]
-        if not self._wanted(rel, txn):
-            return seq, 0
-        source = rel.qualified_name
-        lsn = int(txn.final_lsn)
-        touched.add(source)
-        if isinstance(msg, Insert):
-            seq += 1
-            builder.add(source, rel.columns, Op.INSERT, seq, lsn, msg.new)
-        elif isinstance(msg, Delete):
-            seq += 1
-            builder.add(source, rel.columns, Op.DELETE, seq, lsn, msg.old)
-        else:
-            old = msg.old
-            if old is not None and _key_of(rel, old) != _key_of(rel, msg.new):
-                # The key changed: the old row goes away and a new one appears.
-                seq += 1
-                builder.add(source, rel.columns, Op.DELETE, seq, lsn, old)
-                seq += 1
-                builder.add(source, rel.columns, Op.INSERT, seq, lsn, msg.new)
-            else:
-                seq += 1
-                builder.add(source, rel.columns, Op.UPDATE, seq, lsn, msg.new)
-        return seq, 1
-
     def _wanted(self, rel: Relation, txn: Begin) -> bool:
         committed = self.committed.get(rel.qualified_name)
         return committed is not None and txn.final_lsn >= committed
 
 
-def _key_of(rel: Relation, row: Row) -> tuple[Any, ...]:
-    return tuple(v for c, v in zip(rel.columns, row, strict=False) if c.is_key)
+class _Chunk:
+    """Change messages of one relation waiting to be decoded together."""
+
+    def __init__(self, relation: Relation, builder: BatchBuilder, size: int) -> None:
+        self.relation = relation
+        self.builder = builder
+        self.size = size
+        self.payloads: list[bytes] = []
+        self.seqs: list[int] = []
+        self.lsns: list[int] = []
+
+    def add(self, payload: bytes, seq: int, lsn: int) -> None:
+        self.payloads.append(payload)
+        self.seqs.append(seq)
+        self.lsns.append(lsn)
+        if len(self.payloads) >= self.size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.payloads:
+            return
+        rel = self.relation
+        try:
+            decoded = decode_changes(self.payloads, len(rel.columns))
+        except Malformed:
+            # The scalar decoder names the exact message, LSN and byte.
+            scalar = Decoder()
+            scalar.relations[rel.oid] = rel
+            for payload, lsn in zip(self.payloads, self.lsns, strict=True):
+                scalar.decode(payload, lsn)
+            raise DecodeError(f"could not decode changes of {rel.qualified_name} near LSN "
+                              f"{Lsn(self.lsns[0])}: the messages are malformed") from None
+        _stage_changes(self.builder, rel, decoded, np.asarray(self.seqs, dtype=np.int64),
+                       np.asarray(self.lsns, dtype=np.int64))
+        self.payloads, self.seqs, self.lsns = [], [], []
+
+
+class _Chunks:
+    """One ``_Chunk`` per relation oid, re-made when a relation's description changes."""
+
+    SIZE = 100_000
+
+    def __init__(self, builder: BatchBuilder) -> None:
+        self.builder = builder
+        self._by_oid: dict[int, _Chunk] = {}
+
+    def for_relation(self, rel: Relation) -> _Chunk:
+        chunk = self._by_oid.get(rel.oid)
+        if chunk is None or chunk.relation != rel:
+            if chunk is not None:
+                chunk.flush()  # decoded with the columns they were sent with
+            chunk = self._by_oid[rel.oid] = _Chunk(rel, self.builder, self.SIZE)
+        return chunk
+
+    def relation_changed(self, rel: Relation) -> None:
+        chunk = self._by_oid.get(rel.oid)
+        if chunk is not None and chunk.relation != rel:
+            chunk.flush()
+            del self._by_oid[rel.oid]
+
+    def flush_all(self) -> None:
+        for chunk in self._by_oid.values():
+            chunk.flush()
+
+
+def _stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
+                   seq: npt.NDArray[np.int64], lsn: npt.NDArray[np.int64]) -> None:
+    """Turn decoded changes into staged rows: inserts and updates from their new tuple,
+    deletes from their old one, and an update that changed the key into a delete of the old key
+    (one sequence number earlier) plus an insert of the new row."""
+    tag = changes.tag
+    is_delete = tag == _TAG_DELETE
+    key_changed = np.zeros(len(tag), dtype=np.bool_)
+    if changes.old is not None:
+        is_update_with_old = (tag == _TAG_UPDATE) & changes.has_old
+        if is_update_with_old.any():
+            same = np.ones(len(tag), dtype=np.bool_)
+            for i, col in enumerate(rel.columns):
+                if col.is_key:
+                    old_v, new_v = changes.old.values[i], changes.new.values[i]
+                    eq = pc.fill_null(pc.equal(old_v, new_v), False)
+                    both_null = pc.and_(pc.is_null(old_v), pc.is_null(new_v))
+                    same &= pc.or_(eq, both_null).to_numpy(zero_copy_only=False)
+            key_changed = is_update_with_old & ~same
+    source, columns = rel.qualified_name, rel.columns
+    new_rows = np.flatnonzero(~is_delete)
+    if len(new_rows):
+        ops = np.where((tag[new_rows] == _TAG_INSERT) | key_changed[new_rows], "I", "U")
+        take = pa.array(new_rows)
+        builder.add_columns(
+            source, columns, ops, seq[new_rows], lsn[new_rows],
+            [v.take(take) for v in changes.new.values],
+            [None if u is None else u[new_rows] for u in changes.new.unchanged])
+    old_rows = np.flatnonzero(is_delete | key_changed)
+    if len(old_rows):
+        assert changes.old is not None
+        take = pa.array(old_rows)
+        builder.add_columns(
+            source, columns, np.full(len(old_rows), "D"),
+            np.where(key_changed[old_rows], seq[old_rows] - 1, seq[old_rows]), lsn[old_rows],
+            [v.take(take) for v in changes.old.values], [None] * len(columns))
 
 
 def run_pipeline(config: Config, once: bool = False,

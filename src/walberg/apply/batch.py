@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
@@ -83,6 +85,30 @@ class _TableStage:
         if len(self.rows) >= self.chunk_rows:
             self.flush()
 
+    def add_columns(self, ops: Sequence[str] | npt.NDArray[np.str_],
+                    seq: Sequence[int] | npt.NDArray[np.int64],
+                    lsn: Sequence[int] | npt.NDArray[np.int64], values: Sequence[pa.Array],
+                    unchanged: Sequence[Optional[npt.NDArray[np.bool_]]]) -> None:
+        """Stage many changes at once, already in columns (binary values, null for NULL);
+        ``unchanged[i]`` flags the rows whose column i is an untouched TOAST value."""
+        self.flush()  # keeps this object's rows and columns in separate row groups
+        op_array = np.asarray(ops)
+        n = len(op_array)
+        marks: list[Optional[str]] = [None] * n
+        for i, flags in enumerate(unchanged):
+            if flags is None:
+                continue
+            for r in np.flatnonzero(flags).tolist():
+                marks[r] = f"{marks[r] or ','}{i},"
+            self.staged.unchanged_columns.add(i)
+        arrays = [v.cast(pa.string()) for v in values]
+        arrays += [pa.array(seq, pa.int64()), pa.array(op_array, pa.string()),
+                   pa.array(lsn, pa.int64()), pa.array(marks, pa.string())]
+        self._write(pa.Table.from_arrays(arrays, schema=self.schema))
+        for op in ("I", "U", "D"):
+            self.staged.ops[op] += int(np.count_nonzero(op_array == op))
+        self.staged.rows += n
+
     def truncate(self, seq: int) -> None:
         # Rows before it become void at apply time; they stay staged because the TRUNCATE's own
         # transaction may turn out not to be part of this batch.
@@ -96,13 +122,15 @@ class _TableStage:
         seq, op, lsn, unchanged = zip(*self.meta, strict=False)
         arrays += [pa.array(seq, pa.int64()), pa.array(op, pa.string()),
                    pa.array(lsn, pa.int64()), pa.array(unchanged, pa.string())]
-        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        self._write(pa.Table.from_arrays(arrays, schema=self.schema))
+        self.rows, self.meta = [], []
+
+    def _write(self, table: pa.Table) -> None:
         if self.writer is None:
             path = self.directory / f"{len(self.staged.files):05d}-{self.staged.source}.parquet"
             self.staged.files.append(path)
             self.writer = pq.ParquetWriter(path, self.schema, compression="snappy")
         self.writer.write_table(table)
-        self.rows, self.meta = [], []
 
     def close(self) -> None:
         self.flush()
@@ -132,6 +160,13 @@ class BatchBuilder:
     def add(self, source: str, columns: tuple[Column, ...], op: Op, seq: int, lsn: int,
             row: Row) -> None:
         self._stage(source, columns).add(op.value, seq, lsn, row)
+
+    def add_columns(self, source: str, columns: tuple[Column, ...],
+                    ops: Sequence[str] | npt.NDArray[np.str_],
+                    seq: Sequence[int] | npt.NDArray[np.int64],
+                    lsn: Sequence[int] | npt.NDArray[np.int64], values: Sequence[pa.Array],
+                    unchanged: Sequence[Optional[npt.NDArray[np.bool_]]]) -> None:
+        self._stage(source, columns).add_columns(ops, seq, lsn, values, unchanged)
 
     def truncate(self, source: str, columns: tuple[Column, ...], seq: int) -> None:
         self._stage(source, columns).truncate(seq)

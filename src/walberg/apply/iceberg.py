@@ -25,6 +25,11 @@ TABLE_PROPERTIES = {
     "write.update.mode": "merge-on-read",
     "write.delete.mode": "merge-on-read",
     "write.parquet.compression-codec": "zstd",
+    # Unpartitioned tables: no shuffle before writing; files are sized by the batch anyway.
+    "write.distribution-mode": "none",
+    "write.merge.distribution-mode": "none",
+    "write.update.distribution-mode": "none",
+    "write.delete.distribution-mode": "none",
     "walberg.managed": "true",
 }
 

@@ -114,7 +114,7 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
         "spark.sql.extensions": "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions",
         "spark.sql.session.timeZone": "UTC",
-        "spark.sql.shuffle.partitions": "4",
+        "spark.sql.shuffle.partitions": "2",
         "spark.sql.adaptive.enabled": "true",
         "spark.driver.memory": "2g",
         # A value that does not fit its type must fail loudly, never become NULL.
