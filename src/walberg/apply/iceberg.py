@@ -181,9 +181,6 @@ class IcebergSink:
         assert df is not None
         view = f"walberg_batch_{abs(hash(target))}"
         typed = self._typed(df, columns, "_wb_lsn", keep=["_wb_op", "_wb_unchanged"])
-        # Net and convert once: the MERGE plan would otherwise evaluate its source more than once.
-        typed = spark_call(f"netting a batch for {target}",
-                           lambda: typed.localCheckpoint(eager=True))
         typed.createOrReplaceTempView(view)
         names = [c.name for c in columns] + [LSN_COLUMN]
         on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
