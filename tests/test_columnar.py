@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pgoutput_encoder as enc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pgoutput_encoder as enc
 from walberg.model import UNCHANGED, Column, Delete, Insert, Relation, Update
 from walberg.source.columnar import Changes, Malformed, decode_changes
 from walberg.source.pgoutput import Decoder

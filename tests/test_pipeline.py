@@ -18,8 +18,8 @@ import yaml
 
 from conftest import make_config
 from lake import iceberg_rows, postgres_rows, snapshot_lsns
-from walberg.model import Lsn
 from walberg.errors import Terminal
+from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
 
@@ -319,3 +319,35 @@ def test_schema_change_stops_with_the_fix_and_the_fix_works(
         cur.execute(f"INSERT INTO {table} VALUES (3, 'c', 3.5)")
     run_once(config, spark)
     assert_lake_equals(pg_conn, warehouse, table, target)
+
+
+def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, spark: Any,
+                                                  warehouse: Path, tmp_path: Path,
+                                                  unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"CREATE TABLE {table}_nokey (v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'x' FROM generate_series(1, 50) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    before = Pipeline(config).status()
+    assert before["slot"] == {"name": config.source.postgres.slot, "missing": True}
+    assert before["tables"][table]["last_lsn"] is None
+
+    results = {r.name: r for r in Pipeline(config).check()}
+    assert all(r.ok for r in results.values()), results
+    assert "will create it" in results["publication"].detail
+
+    run_once(config, spark)
+    after = Pipeline(config).status()
+    t = after["tables"][table]
+    assert t["rows"] == 50 and t["data_files"] >= 1
+    assert Lsn.parse(t["last_lsn"]) <= Lsn.parse(after["slot"]["confirmed_flush_lsn"])
+    assert after["pipeline"]["running"] is False and after["pipeline"]["pending_segments"] == 0
+
+    # A table without a key fails its check with the statement that fixes it.
+    bad = make_config(postgres, warehouse, tmp_path / "segments2", unique + "b",
+                      [table, f"{table}_nokey"])
+    failed = {r.name: r for r in Pipeline(bad).check() if not r.ok}
+    assert list(failed) == ["tables"]
+    assert f'ALTER TABLE "public"."{unique}_nokey" REPLICA IDENTITY FULL;' in failed["tables"].detail

@@ -17,6 +17,8 @@ EXAMPLES = {
            "  walberg run -c pipeline.yaml --once   # stop once the lake holds today's WAL",
     "demo": "walberg demo                          # embedded Postgres -> local Iceberg walk-through",
     "query": "walberg query -c pipeline.yaml \"SELECT count(*) FROM lake.public.employee\"",
+    "check": "walberg check -c pipeline.yaml         # exit 0 only when every check passes",
+    "status": "walberg status -c pipeline.yaml --json",
 }
 
 
@@ -50,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     query.add_argument("sql", help="the query; tables are catalog.namespace.table")
     query.add_argument("--limit", type=int, default=100, help="print at most this many rows")
+
+    check = command("check", "check the source, the machine and the lake before running")
+    check.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+
+    status = command("status", "where each table and the replication slot stand")
+    status.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    status.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
 
@@ -98,6 +107,51 @@ def _cmd_query(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+    from walberg.pipeline import Pipeline
+
+    results = Pipeline(load_config(args.config)).check()
+    for r in results:
+        mark = "ok  " if r.ok else "FAIL"
+        print(f"[{mark}] {r.name}: {r.detail}")
+    failed = [r for r in results if not r.ok]
+    print(f"{len(results) - len(failed)} of {len(results)} checks passed")
+    return 0 if not failed else 1
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from walberg.config import load_config
+    from walberg.pipeline import Pipeline
+
+    status = Pipeline(load_config(args.config)).status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    p = status["pipeline"]
+    running = f"running (pid {p['pid']})" if p["running"] else "not running"
+    print(f"walberg: {running}; {p['pending_segments']} sealed segment(s) pending, "
+          f"{p['pending_bytes']:,} bytes in {p['segment_dir']}")
+    rows = [(name, t["iceberg_table"], t["last_lsn"] or "-", t["last_commit_at"] or "-",
+             "-" if t["rows"] is None else f"{t['rows']:,}", t["data_files"] or 0,
+             t["delete_files"] or 0, t["snapshot_id"] or "-")
+            for name, t in status["tables"].items()]
+    print(format_table(["source", "iceberg table", "lsn", "committed at", "rows", "files",
+                        "delete files", "snapshot"], rows))
+    slot = status["slot"] or {}
+    if "error" in slot:
+        print(f"slot: {slot['error']}")
+    elif slot.get("missing"):
+        print(f"slot {slot['name']}: does not exist yet (created by the first run)")
+    else:
+        print(f"slot {slot['name']}: confirmed {slot['confirmed_flush_lsn']}, server at "
+              f"{slot['server_wal_lsn']}, lag {slot['lag_bytes']:,} bytes, retains "
+              f"{slot['retained_wal_bytes']:,} bytes of WAL ({slot['wal_status']})")
+    return 0
+
+
 def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
@@ -137,6 +191,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_demo(rows=args.rows, directory=args.dir)
         if args.command == "query":
             return _cmd_query(args)
+        if args.command == "check":
+            return _cmd_check(args)
+        if args.command == "status":
+            return _cmd_status(args)
         raise AssertionError(args.command)
     except WalbergError as exc:
         if args.debug:

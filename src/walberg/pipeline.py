@@ -21,6 +21,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,9 +32,10 @@ import pyarrow.compute as pc
 
 from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, csv_to_parquet
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.spark import build_session, stop_session
+from walberg.apply.metadata import read_hadoop_table
+from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
 from walberg.apply.types import spark_type
-from walberg.buffer.store import SegmentStore
+from walberg.buffer.store import SegmentStore, inspect_directory
 from walberg.config import Config, load_config
 from walberg.errors import DecodeError, Terminal, Transient, WalbergError
 from walberg.model import (
@@ -84,6 +86,13 @@ class PreparedBatch:
     void: list[tuple[int, int]]
     changes: int
     staged_s: float
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
 
 
 @dataclass
@@ -177,6 +186,161 @@ class Pipeline:
     def query(self, statement: str, limit: int = 100) -> tuple[list[tuple[Any, ...]], list[str]]:
         """Run Spark SQL against the lake; returns (rows, column names)."""
         return self.sink.query(statement, limit)
+
+    # ---- inspection: check and status ---------------------------------------------------------
+
+    def check(self) -> list["CheckResult"]:
+        """Everything walberg needs, checked without changing anything: one result per item."""
+        results: list[CheckResult] = []
+
+        def item(name: str, fn: Callable[[], str]) -> bool:
+            try:
+                results.append(CheckResult(name, True, fn()))
+                return True
+            except WalbergError as exc:
+                results.append(CheckResult(name, False, str(exc)))
+            except Exception as exc:  # a check must report, never crash the command
+                results.append(CheckResult(name, False, f"{type(exc).__name__}: {exc}"))
+            return False
+
+        conn: Any = None
+
+        def reach() -> str:
+            nonlocal conn
+            conn = pg.connect(self.pg.dsn)
+            with conn.cursor() as cur:
+                cur.execute("SHOW server_version")
+                return f"PostgreSQL {cur.fetchone()[0]} at {pg.redact(self.pg.dsn)}"
+
+        if item("postgres reachable", reach):
+            def wal() -> str:
+                pg.check_wal_level(conn)
+                return "wal_level = logical"
+
+            def role() -> str:
+                name, ok = pg.role_can_replicate(conn)
+                if not ok:
+                    raise Terminal(f"role {name} may not replicate: ALTER ROLE \"{name}\" "
+                                   "REPLICATION;")
+                denied = [t for t in self.tables if not pg.can_select(conn, t)]
+                if denied:
+                    raise Terminal(f"role {name} cannot SELECT {', '.join(denied)}: GRANT SELECT "
+                                   f"ON {', '.join(pg.quote_table(t) for t in denied)} TO "
+                                   f"\"{name}\";")
+                return f"role {name} has REPLICATION and SELECT on the tables"
+
+            def tables() -> str:
+                for t in self.tables:
+                    pg.require_key(pg.describe_table(conn, t))
+                return f"{len(self.tables)} table(s) exist with a usable replica identity"
+
+            def publication() -> str:
+                missing = pg.publication_missing(conn, self.pg.publication, self.tables)
+                if missing is None:
+                    return f"publication {self.pg.publication} missing: walberg will create it"
+                if missing:
+                    raise Terminal(pg.missing_tables_message(self.pg.publication, missing))
+                return f"publication {self.pg.publication} covers the tables"
+
+            def slot() -> str:
+                state = pg.slot_state(conn, self.pg.slot)
+                if state is None:
+                    return f"slot {self.pg.slot} missing: walberg will create it"
+                used = f", in use by server pid {state.active_pid}" if state.active_pid else ""
+                return (f"slot {self.pg.slot} at {state.confirmed_flush} "
+                        f"(wal_status {state.wal_status}){used}")
+
+            item("wal_level", wal)
+            item("replication role", role)
+            item("tables", tables)
+            item("publication", publication)
+            item("replication slot", slot)
+            conn.close()
+
+        def space() -> str:
+            directory = self.config.segment_dir
+            probe = directory if directory.exists() else next(
+                p for p in directory.parents if p.exists())
+            free = shutil.disk_usage(probe).free
+            need = 4 * self.config.buffer.max_segment_bytes
+            if free < need:
+                raise Terminal(f"only {free >> 20} MiB free under {probe}; walberg wants at "
+                               f"least {need >> 20} MiB (4 segments) for buffer.dir")
+            return f"{free >> 30} GiB free for segments under {probe}"
+
+        def java() -> str:
+            path = find_java()
+            check_java(path)
+            return f"Java at {path}"
+
+        def jar() -> str:
+            return f"{iceberg_jar().name} intact"
+
+        def warehouse() -> str:
+            wh = self.config.warehouse
+            if "://" in wh and not wh.startswith("file:"):
+                return f"{wh}: not checked (remote storage)"
+            root = Path(wh.removeprefix("file:"))
+            root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=root, prefix=".walberg-check-"):
+                pass
+            return f"hadoop catalog {self.config.sink.catalog.name} at {root} is writable"
+
+        item("segment space", space)
+        item("java", java)
+        item("iceberg jar", jar)
+        item("catalog and warehouse", warehouse)
+        return results
+
+    def status(self) -> dict[str, Any]:
+        """Where each table and the slot stand, read from Postgres, the segment directory and
+        the Iceberg metadata; starts no Spark and changes nothing."""
+        buffer = inspect_directory(self.config.segment_dir)
+        out: dict[str, Any] = {
+            "pipeline": {"running": buffer.holder_pid is not None, "pid": buffer.holder_pid,
+                         "segment_dir": str(self.config.segment_dir),
+                         "pending_segments": buffer.sealed_segments,
+                         "pending_bytes": buffer.sealed_bytes + buffer.active_bytes},
+            "tables": {},
+            "slot": None,
+        }
+        for t in self.tables:
+            _, namespace, table = self.targets[t].split(".")
+            summary = (read_hadoop_table(Path(self.config.warehouse), namespace, table)
+                       if "://" not in self.config.warehouse else None)
+            out["tables"][t] = {
+                "iceberg_table": self.targets[t],
+                "snapshot_id": summary.snapshot_id if summary else None,
+                "last_lsn": summary.walberg_lsn if summary else None,
+                "last_commit_at": _iso(summary.walberg_committed_at_ms) if summary else None,
+                "rows": summary.records if summary else None,
+                "data_files": summary.data_files if summary else None,
+                "delete_files": summary.delete_files if summary else None,
+                "snapshots": summary.snapshots if summary else 0,
+            }
+        try:
+            conn = pg.connect(self.pg.dsn)
+        except Transient as exc:
+            out["slot"] = {"error": str(exc)}
+            return out
+        try:
+            state = pg.slot_state(conn, self.pg.slot)
+            now = pg.current_wal_lsn(conn)
+            if state is not None:
+                out["slot"] = {
+                    "name": state.name, "confirmed_flush_lsn": str(state.confirmed_flush),
+                    "server_wal_lsn": str(now),
+                    "lag_bytes": max(int(now) - int(state.confirmed_flush), 0),
+                    "retained_wal_bytes": max(int(now) - int(state.restart_lsn), 0),
+                    "wal_status": state.wal_status, "active_pid": state.active_pid,
+                }
+            else:
+                out["slot"] = {"name": self.pg.slot, "missing": True}
+        except WalbergError as exc:
+            out["slot"] = {"error": str(exc)}
+        finally:
+            conn.close()
+        return out
 
     # ---- run ---------------------------------------------------------------------------------
 
@@ -763,6 +927,12 @@ def _stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
             source, columns, np.full(len(old_rows), "D"),
             np.where(key_changed[old_rows], seq[old_rows] - 1, seq[old_rows]), lsn[old_rows],
             [v.take(take) for v in changes.old.values], [None] * len(columns))
+
+
+def _iso(ms: Optional[int]) -> Optional[str]:
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="seconds")
 
 
 def run_pipeline(config: Config, once: bool = False,

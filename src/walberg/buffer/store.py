@@ -670,3 +670,32 @@ def _reason(exc: OSError) -> str:
         name = errno.errorcode.get(exc.errno, exc.errno)
         return f"{exc.strerror or os.strerror(exc.errno)} ({name})"
     return str(exc)
+
+
+@dataclass(frozen=True)
+class DirectoryState:
+    """What a segment directory holds, seen from outside (no lock taken, nothing changed)."""
+
+    sealed_segments: int
+    sealed_bytes: int
+    active_bytes: int
+    holder_pid: Optional[str]  # the walberg process holding the directory, if any
+
+
+def inspect_directory(directory: Path) -> DirectoryState:
+    """Look at a segment directory without taking it: for `walberg status`."""
+    sealed = [p for p in directory.glob("*.sealed")] if directory.is_dir() else []
+    active = [p for p in directory.glob("*.active")] if directory.is_dir() else []
+    holder: Optional[str] = None
+    lock = directory / LOCK_NAME
+    if lock.exists():
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:
+            holder = _read_pid(fd)
+        finally:
+            os.close(fd)
+    return DirectoryState(len(sealed), sum(p.stat().st_size for p in sealed),
+                          sum(p.stat().st_size for p in active), holder)

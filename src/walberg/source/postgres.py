@@ -43,8 +43,9 @@ def connect(dsn: str, *, replication: bool = False, autocommit: bool = True) -> 
             conn = psycopg2.connect(**params)
             conn.autocommit = autocommit
     except psycopg2.OperationalError as exc:
+        reason = " ".join(str(exc).split())
         raise Transient(
-            f"cannot connect to PostgreSQL at {redact(dsn)}: {str(exc).strip()}. "
+            f"cannot connect to PostgreSQL at {redact(dsn)}: {reason} "
             "Check source.postgres.dsn, that the server is running, and pg_hba.conf."
         ) from None
     return conn
@@ -125,28 +126,23 @@ def quote_table(table: str) -> str:
 def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
     """Create the publication for `tables` if missing; True if created. A publication that
     exists but lacks tables is an error naming the statement that fixes it."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (publication,))
-        row = cur.fetchone()
-        if row is None:
+    missing = publication_missing(conn, publication, tables)
+    if missing is None:
+        with conn.cursor() as cur:
             cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
                 sql.Identifier(publication),
                 sql.SQL(", ").join(sql.Identifier(*split_name(t)) for t in tables)))
-            return True
-        if row[0]:
-            return False
-        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables "
-                    "WHERE pubname = %s", (publication,))
-        published = {r[0] for r in cur.fetchall()}
-    missing = [t for t in tables if t not in published]
+        return True
     if missing:
-        names = ", ".join(quote_table(t) for t in missing)
-        raise SourceError(
-            f"publication {publication} (source.postgres.publication) does not include "
-            f"{', '.join(missing)}. Add them with: ALTER PUBLICATION \"{publication}\" ADD TABLE "
-            f"{names};"
-        )
+        raise SourceError(missing_tables_message(publication, missing))
     return False
+
+
+def missing_tables_message(publication: str, missing: list[str]) -> str:
+    names = ", ".join(quote_table(t) for t in missing)
+    return (f"publication {publication} (source.postgres.publication) does not include "
+            f"{', '.join(missing)}. Add them with: ALTER PUBLICATION \"{publication}\" ADD TABLE "
+            f"{names};")
 
 
 @dataclass(frozen=True)
@@ -206,3 +202,33 @@ def current_wal_lsn(conn: Any) -> Lsn:
     with conn.cursor() as cur:
         cur.execute("SELECT pg_current_wal_insert_lsn()::text")
         return Lsn.parse(cur.fetchone()[0])
+
+
+def role_can_replicate(conn: Any) -> tuple[str, bool]:
+    """The connected role and whether it may use replication (REPLICATION or superuser)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT rolname, rolreplication OR rolsuper FROM pg_roles "
+                    "WHERE rolname = current_user")
+        name, ok = cur.fetchone()
+    return str(name), bool(ok)
+
+
+def can_select(conn: Any, table: str) -> bool:
+    with conn.cursor() as cur:
+        cur.execute("SELECT has_table_privilege(%s, 'SELECT')", (quote_table(table),))
+        return bool(cur.fetchone()[0])
+
+
+def publication_missing(conn: Any, publication: str, tables: list[str]) -> Optional[list[str]]:
+    """The tables the publication lacks; None if the publication does not exist."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (publication,))
+        row = cur.fetchone()
+        if row is None:
+            return None
+        if row[0]:
+            return []
+        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables "
+                    "WHERE pubname = %s", (publication,))
+        published = {r[0] for r in cur.fetchall()}
+    return [t for t in tables if t not in published]

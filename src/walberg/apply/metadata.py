@@ -1,0 +1,61 @@
+"""Reading an Iceberg table's metadata without Spark, for `walberg status`: the current
+snapshot, the LSN of walberg's last commit, and sizes. Hadoop catalog layout only
+(``<warehouse>/<namespace>/<table>/metadata/v<N>.metadata.json`` + ``version-hint.text``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from walberg.apply.iceberg import LSN_PROPERTY
+
+
+@dataclass(frozen=True)
+class TableSummary:
+    snapshot_id: Optional[int]
+    committed_at_ms: Optional[int]
+    walberg_lsn: Optional[str]  # of the newest walberg commit in the current history
+    walberg_committed_at_ms: Optional[int]
+    records: Optional[int]  # live rows: records in data files less position-deleted ones
+    data_files: Optional[int]
+    delete_files: Optional[int]
+    snapshots: int
+
+
+def read_hadoop_table(warehouse: Path, namespace: str, table: str) -> Optional[TableSummary]:
+    """The summary of a hadoop-catalog table, or None if it does not exist."""
+    meta_dir = warehouse / namespace / table / "metadata"
+    hint = meta_dir / "version-hint.text"
+    if not hint.exists():
+        return None
+    version = hint.read_text().strip()
+    meta: dict[str, Any] = json.loads((meta_dir / f"v{version}.metadata.json").read_text())
+    snapshots = {s["snapshot-id"]: s for s in meta.get("snapshots", [])}
+    current_id = meta.get("current-snapshot-id")
+    current = snapshots.get(current_id) if current_id not in (None, -1) else None
+    lsn: Optional[str] = None
+    lsn_at: Optional[int] = None
+    walk = current
+    while walk is not None:
+        if LSN_PROPERTY in walk.get("summary", {}):
+            lsn, lsn_at = walk["summary"][LSN_PROPERTY], walk.get("timestamp-ms")
+            break
+        walk = snapshots.get(walk.get("parent-snapshot-id"))
+
+    def total(key: str) -> Optional[int]:
+        if current is None:
+            return None
+        value = current.get("summary", {}).get(key)
+        return int(value) if value is not None else None
+
+    return TableSummary(
+        snapshot_id=current["snapshot-id"] if current else None,
+        committed_at_ms=current.get("timestamp-ms") if current else None,
+        walberg_lsn=lsn, walberg_committed_at_ms=lsn_at,
+        records=(None if current is None
+                 else (total("total-records") or 0) - (total("total-position-deletes") or 0)),
+        data_files=total("total-data-files"),
+        delete_files=total("total-delete-files"), snapshots=len(snapshots),
+    )
