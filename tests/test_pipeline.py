@@ -351,3 +351,73 @@ def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, s
     failed = {r.name: r for r in Pipeline(bad).check() if not r.ok}
     assert list(failed) == ["tables"]
     assert f'ALTER TABLE "public"."{unique}_nokey" REPLICA IDENTITY FULL;' in failed["tables"].detail
+
+
+def test_a_second_walberg_on_the_same_slot_is_refused(pg_conn: Any, postgres: Any, spark: Any,
+                                                      warehouse: Path, tmp_path: Path,
+                                                      unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    first = Pipeline(make_config(postgres, warehouse, tmp_path / "a", unique, [table]),
+                     session=spark)
+    runner = threading.Thread(target=first.run, daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with pg_conn.cursor() as cur:
+                cur.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                            (f"slot_{unique}",))
+                row = cur.fetchone()
+            if row and row[0]:
+                break
+            time.sleep(0.2)
+        # Same slot, another segment directory: the slot itself tells them apart.
+        second = Pipeline(make_config(postgres, warehouse, tmp_path / "b", unique, [table]),
+                          session=spark)
+        second.slot_wait_seconds = 1.0
+        with pytest.raises(Terminal, match=rf"replication slot slot_{unique} is in use by another "
+                                           r"process: server process \d+ for application walberg"):
+            second.run(once=True)
+        second.close()
+        # Same segment directory: refused by its lock, naming the holder's pid.
+        third = Pipeline(make_config(postgres, warehouse, tmp_path / "a", unique, [table]),
+                         session=spark)
+        with pytest.raises(Terminal, match=rf"in use by another walberg process \(pid {os.getpid()}"):
+            third.run(once=True)
+    finally:
+        first.stop()
+        runner.join(timeout=60)
+        first.close()
+
+
+def test_sigterm_stops_cleanly_with_exit_0(pg_conn: Any, postgres: Any, warehouse: Path,
+                                           tmp_path: Path, unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'x' FROM generate_series(1, 1000) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    cfg_path = _write_config(config, tmp_path / "pipeline.yaml")
+    proc = _walberg(["run", "-c", str(cfg_path)])
+    assert proc.stdout is not None
+    watchdog = threading.Timer(180, proc.kill)
+    watchdog.start()
+    for line in proc.stdout:
+        if "initial copy of" in line:
+            break
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 'y' WHERE id <= 500")
+    time.sleep(1.0)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    watchdog.cancel()
+    assert proc.returncode == 0, out
+    assert time.monotonic() - started < 60
+    assert "stopping after the current step" in out
+    final = _walberg(["run", "-c", str(cfg_path), "--once"])
+    out, _ = final.communicate(timeout=600)
+    assert final.returncode == 0, out
+    assert_lake_equals(pg_conn, warehouse, table, config.target_for(table))

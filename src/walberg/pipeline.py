@@ -106,6 +106,9 @@ class RunReport:
 class Pipeline:
     """Keeps the configured Iceberg tables in step with their Postgres tables."""
 
+    # How long a run waits for a replication slot that another process still streams from.
+    slot_wait_seconds = 15.0
+
     def __init__(self, config: Config, session: Any = None) -> None:
         """``session``: an existing SparkSession with the sink catalog configured (walberg then
         leaves it running on close); by default walberg builds and owns one."""
@@ -363,6 +366,8 @@ class Pipeline:
                 pg.require_key(info)
             pg.ensure_publication(conn, self.pg.publication, self.tables)
             slot = pg.slot_state(conn, self.pg.slot)
+            if slot is not None and slot.active_pid is not None:
+                slot = self._wait_for_free_slot(conn, slot)
             stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
                                        self.pg.status_interval_seconds)
             stream.open()
@@ -448,6 +453,24 @@ class Pipeline:
                                                self.pg.status_interval_seconds)
         finally:
             stream.close()
+
+    def _wait_for_free_slot(self, conn: Any, slot: pg.SlotState) -> Optional[pg.SlotState]:
+        """Another process streams from our slot. A walberg that just died leaves its server
+        process behind for a moment, so wait a little; then refuse, naming the other side."""
+        deadline = time.monotonic() + self.slot_wait_seconds
+        state: Optional[pg.SlotState] = slot
+        while state is not None and state.active_pid is not None:
+            if time.monotonic() > deadline:
+                who = pg.describe_backend(conn, state.active_pid)
+                raise Terminal(
+                    f"replication slot {self.pg.slot} is in use by another process: {who}. "
+                    "Another walberg may be running this pipeline already; stop it first, or "
+                    "give this pipeline its own slot (source.postgres.slot). If that process "
+                    "died, the server frees the slot within wal_sender_timeout; run again then."
+                )
+            time.sleep(0.2)
+            state = pg.slot_state(conn, self.pg.slot)
+        return state
 
     def _await_slot_confirmation(self, timeout: float = 10.0) -> None:
         """The server takes our last status update asynchronously; wait (briefly) until the slot
@@ -619,10 +642,11 @@ class Pipeline:
             while True:
                 self._wake.wait(0.5)
                 self._wake.clear()
-                self._apply_ready(drain=False)
                 if self._stop.is_set():
-                    self._apply_ready(drain=True)
+                    # Stopping: the batch in flight has finished; what is still sealed is
+                    # durable and is applied by the next run, so shutdown stays short.
                     return
+                self._apply_ready(drain=False)
         except BaseException as exc:  # surfaced by run() in the main thread
             self._apply_error = exc
             self._stop.set()

@@ -232,3 +232,16 @@ def publication_missing(conn: Any, publication: str, tables: list[str]) -> Optio
                     "WHERE pubname = %s", (publication,))
         published = {r[0] for r in cur.fetchall()}
     return [t for t in tables if t not in published]
+
+
+def describe_backend(conn: Any, pid: int) -> str:
+    """Who is behind a server process, for messages: application, client address, since when."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT application_name, client_addr::text, backend_start::text "
+                    "FROM pg_stat_activity WHERE pid = %s", (pid,))
+        row = cur.fetchone()
+    if row is None:
+        return f"server process {pid}"
+    app, addr, since = row
+    return (f"server process {pid} for application {app or '(unnamed)'} from "
+            f"{addr or 'a local socket'}, connected since {since}")
