@@ -19,6 +19,8 @@ EXAMPLES = {
     "query": "walberg query -c pipeline.yaml \"SELECT count(*) FROM lake.public.employee\"",
     "check": "walberg check -c pipeline.yaml         # exit 0 only when every check passes",
     "status": "walberg status -c pipeline.yaml --json",
+    "maintain": "walberg maintain -c pipeline.yaml --table public.employee",
+    "history": "walberg history -c pipeline.yaml public.employee",
 }
 
 
@@ -59,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     status = command("status", "where each table and the replication slot stand")
     status.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    maintain = command("maintain", "compact files, apply deletes, expire snapshots, "
+                                   "remove orphan files")
+    maintain.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    maintain.add_argument("--table", action="append", help="source table (schema.table); "
+                                                           "repeat for several; default: all")
+
+    history = command("history", "snapshots of a table: time, operation, LSN, rows")
+    history.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    history.add_argument("table", help="source table, schema.table")
     return parser
 
 
@@ -152,6 +164,41 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_maintain(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+    from walberg.pipeline import Pipeline
+
+    pipeline = Pipeline(load_config(args.config))
+    try:
+        reports = pipeline.maintain(args.table)
+    finally:
+        pipeline.close()
+    rows = [(r["table"], f"{r['before']['data_files']} -> {r['after']['data_files']}",
+             f"{r['before']['delete_files']} -> {r['after']['delete_files']}",
+             f"{r['before']['snapshots']} -> {r['after']['snapshots']}",
+             f"{r['before']['bytes']:,} -> {r['after']['bytes']:,}", r["seconds"])
+            for r in reports]
+    print(format_table(["table", "data files", "delete files", "snapshots", "bytes", "seconds"],
+                       rows))
+    return 0
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+    from walberg.pipeline import Pipeline
+
+    pipeline = Pipeline(load_config(args.config))
+    try:
+        history = pipeline.history(args.table)
+    finally:
+        pipeline.close()
+    print(format_table(
+        ["committed at", "snapshot", "operation", "walberg.lsn", "rows added", "rows deleted"],
+        [(h["made_current_at"], h["snapshot_id"], h["operation"], h["lsn"] or "-",
+          h["added"] or 0, h["pos_deletes"] or h["deleted"] or 0) for h in history]))
+    return 0
+
+
 def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
@@ -195,6 +242,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_check(args)
         if args.command == "status":
             return _cmd_status(args)
+        if args.command == "maintain":
+            return _cmd_maintain(args)
+        if args.command == "history":
+            return _cmd_history(args)
         raise AssertionError(args.command)
     except WalbergError as exc:
         if args.debug:

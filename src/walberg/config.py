@@ -99,6 +99,41 @@ class Buffer(_Model):
     )
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from 90, "90s", "15m", "1h" or "7d"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a duration like 90s, 15m, 1h or 7d")
+    return float(match.group(1)) * _UNIT[match.group(2)]
+
+
+class Maintenance(_Model):
+    """Compaction and cleanup of the Iceberg tables (`walberg maintain`, or on a schedule)."""
+
+    every: Optional[float] = Field(
+        None, description="run maintenance from `walberg run` this often (e.g. 1h); off if unset")
+    target_file_size_bytes: int = Field(
+        128 * 1024 * 1024, ge=1024 * 1024, description="data file size compaction aims for")
+    snapshot_retention: float = Field(
+        7 * 86400.0, ge=0, description="expire snapshots older than this (e.g. 7d)")
+    retain_last: int = Field(10, ge=1, description="but always keep this many newest snapshots")
+    orphan_retention: float = Field(
+        3 * 86400.0, ge=3600,
+        description="remove unreferenced files older than this (at least 1h: newer ones may "
+                    "belong to a commit in progress)")
+
+    @field_validator("every", "snapshot_retention", "orphan_retention", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> Optional[float]:
+        return None if value is None else parse_duration(value)
+
+
 class Spark(_Model):
     master: str = Field("local[*]", description="Spark master URL")
     conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings")
@@ -109,6 +144,7 @@ class Config(_Model):
     sink: Sink
     buffer: Buffer = Field(default_factory=lambda: Buffer())  # type: ignore[call-arg]
     spark: Spark = Field(default_factory=lambda: Spark())  # type: ignore[call-arg]
+    maintenance: Maintenance = Field(default_factory=lambda: Maintenance())  # type: ignore[call-arg]
     base_dir: Path = Field(Path("."), exclude=True, description="directory of the YAML file")
 
     def path(self, value: str) -> Path:

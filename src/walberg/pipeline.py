@@ -128,6 +128,7 @@ class Pipeline:
         self._received = Lsn(0)  # end of the last transaction written to a segment
         self._active_commit: Optional[Lsn] = None  # ... and to the active segment
         self._streamed_since_start = False
+        self._last_maintenance = time.monotonic()
         self._apply_error: Optional[BaseException] = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -189,6 +190,41 @@ class Pipeline:
     def query(self, statement: str, limit: int = 100) -> tuple[list[tuple[Any, ...]], list[str]]:
         """Run Spark SQL against the lake; returns (rows, column names)."""
         return self.sink.query(statement, limit)
+
+    def history(self, source: str) -> list[dict[str, Any]]:
+        """The snapshots of a source table's Iceberg table, oldest first."""
+        source = source if "." in source else f"public.{source}"
+        if source not in self.targets:
+            raise Terminal(f"{source} is not one of this pipeline's tables "
+                           f"({', '.join(self.tables)}); see source.postgres.tables")
+        return self.sink.history(self.targets[source])
+
+    # ---- maintenance ---------------------------------------------------------------------------
+
+    def maintain(self, tables: Optional[list[str]] = None) -> list[dict[str, Any]]:
+        """Compact and clean up the Iceberg tables of these source tables (default: all)."""
+        m = self.config.maintenance
+        now_ms = int(time.time() * 1000)
+        reports = []
+        for source in tables or self.tables:
+            if source not in self.targets:
+                raise Terminal(f"{source} is not one of this pipeline's tables "
+                               f"({', '.join(self.tables)}); see source.postgres.tables")
+            target = self.targets[source]
+            if not self.sink.table_exists(target):
+                continue
+            started = time.monotonic()
+            report = self.sink.maintain(
+                target, m.target_file_size_bytes, now_ms - int(m.snapshot_retention * 1000),
+                m.retain_last, now_ms - int(m.orphan_retention * 1000))
+            report["seconds"] = round(time.monotonic() - started, 2)
+            b, a = report["before"], report["after"]
+            log.info("maintained %s in %.1f s: data files %d -> %d, delete files %d -> %d, "
+                     "snapshots %d -> %d, %d -> %d bytes", target, report["seconds"],
+                     b["data_files"], a["data_files"], b["delete_files"], a["delete_files"],
+                     b["snapshots"], a["snapshots"], b["bytes"], a["bytes"])
+            reports.append(report)
+        return reports
 
     # ---- inspection: check and status ---------------------------------------------------------
 
@@ -647,6 +683,12 @@ class Pipeline:
                     # durable and is applied by the next run, so shutdown stays short.
                     return
                 self._apply_ready(drain=False)
+                every = self.config.maintenance.every
+                if every and time.monotonic() - self._last_maintenance >= every:
+                    # Between batches, in this thread: never racing walberg's own commits.
+                    # The reader keeps filling segments meanwhile.
+                    self.maintain()
+                    self._last_maintenance = time.monotonic()
         except BaseException as exc:  # surfaced by run() in the main thread
             self._apply_error = exc
             self._stop.set()

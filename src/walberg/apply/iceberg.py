@@ -99,8 +99,9 @@ class IcebergSink:
                                lambda: self.spark.catalog.tableExists(target)))
 
     def committed_lsn(self, target: str) -> Optional[Lsn]:
-        """The LSN covered by the table's newest walberg commit in its current history, or None
-        when walberg has never committed to it (the initial copy is still owed)."""
+        """The LSN covered by walberg's commits in the table's current history (the highest:
+        a maintenance commit may carry an older one), or None when walberg has never committed
+        to it (the initial copy is still owed)."""
         if not self.table_exists(target):
             return None
         t = quote_target(target)
@@ -108,10 +109,71 @@ class IcebergSink:
             f"reading the snapshot history of {target}",
             f"SELECT s.summary['{LSN_PROPERTY}'] AS lsn FROM {t}.snapshots s "
             f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
-            f"WHERE h.is_current_ancestor AND s.summary['{LSN_PROPERTY}'] IS NOT NULL "
-            f"ORDER BY h.made_current_at DESC LIMIT 1",
+            f"WHERE h.is_current_ancestor AND s.summary['{LSN_PROPERTY}'] IS NOT NULL",
         ).collect()
-        return Lsn.parse(rows[0]["lsn"]) if rows else None
+        return max((Lsn.parse(r["lsn"]) for r in rows), default=None)
+
+    def files(self, target: str) -> dict[str, int]:
+        """Data and delete files of the current snapshot, their bytes, and the snapshot count."""
+        t = quote_target(target)
+        rows = self.sql(f"listing the files of {target}",
+                        f"SELECT content, count(*) AS n, coalesce(sum(file_size_in_bytes), 0) AS b "
+                        f"FROM {t}.files GROUP BY content").collect()
+        by = {r["content"]: (int(r["n"]), int(r["b"])) for r in rows}
+        snaps = self.sql(f"counting snapshots of {target}",
+                         f"SELECT count(*) AS n FROM {t}.snapshots").collect()[0]["n"]
+        return {"data_files": by.get(0, (0, 0))[0],
+                "delete_files": by.get(1, (0, 0))[0] + by.get(2, (0, 0))[0],
+                "bytes": sum(b for _, b in by.values()), "snapshots": int(snaps)}
+
+    def maintain(self, target: str, target_file_size: int, expire_older_than_ms: int,
+                 retain_last: int, orphans_older_than_ms: int) -> dict[str, Any]:
+        """Compact data files (applying position deletes), drop dangling deletes, rewrite
+        manifests, expire old snapshots and remove orphan files. Commits that replace files
+        carry the table's walberg.lsn, so what the lake holds stays known after expiry."""
+        before = self.files(target)
+        lsn = self.committed_lsn(target)
+        jvm = self.spark._jvm
+        jspark = self.spark._jsparkSession
+        # The actions look up helper catalogs through the JVM thread's active session, which a
+        # py4j thread other than the one that built the session does not have.
+        jvm.org.apache.spark.sql.SparkSession.setActiveSession(jspark)
+        actions = jvm.org.apache.iceberg.spark.actions.SparkActions.get(jspark)
+
+        def table() -> Any:  # reloaded for each action: each one commits a new version
+            return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(jspark, target)
+
+        def marked(action: Any) -> Any:
+            return action.snapshotProperty(LSN_PROPERTY, str(lsn)) if lsn is not None else action
+
+        options = {"target-file-size-bytes": str(target_file_size), "min-input-files": "2",
+                   "delete-file-threshold": "1", "remove-dangling-deletes": "true",
+                   "partial-progress.enabled": "false"}
+        rewrite = marked(actions.rewriteDataFiles(table()))
+        for key, value in options.items():
+            rewrite = rewrite.option(key, value)
+        result = spark_call(f"compacting {target}", rewrite.execute)
+        # Position deletes whose data files were just rewritten are void now: drop them.
+        spark_call(f"dropping applied delete files of {target}",
+                   marked(actions.rewritePositionDeletes(table()).option("rewrite-all", "true"))
+                   .execute)
+        spark_call(f"rewriting the manifests of {target}",
+                   marked(actions.rewriteManifests(table())).execute)
+        expired = spark_call(
+            f"expiring snapshots of {target}",
+            actions.expireSnapshots(table()).expireOlderThan(expire_older_than_ms)
+            .retainLast(retain_last).execute)
+        orphans = spark_call(
+            f"removing orphan files of {target}",
+            actions.deleteOrphanFiles(table()).olderThan(orphans_older_than_ms).execute)
+        after = self.files(target)
+        return {
+            "table": target, "before": before, "after": after,
+            "rewritten_data_files": int(result.rewrittenDataFilesCount()),
+            "added_data_files": int(result.addedDataFilesCount()),
+            "expired_snapshots": int(expired.deletedManifestListsCount()),
+            "orphan_files_removed": sum(1 for _ in orphans.orphanFileLocations()),
+        }
 
     def _typed(self, df: Any, columns: Sequence[Column], lsn_expr: str,
                keep: Sequence[str] = ()) -> Any:

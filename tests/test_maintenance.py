@@ -1,0 +1,87 @@
+"""Maintenance against the small-files problem: many small commits, then `maintain`."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import make_config
+from lake import iceberg_rows
+from walberg.apply.batch import BatchBuilder
+from walberg.apply.iceberg import IcebergSink
+from walberg.config import parse_config
+from walberg.model import Column, Lsn, Op
+from walberg.pipeline import Pipeline
+
+COLUMNS = (Column("id", 23, -1, True), Column("v", 25))
+COMMITS = int(os.environ.get("WALBERG_TEST_COMMITS", "200"))
+
+
+def test_maintenance_after_many_small_commits(postgres: Any, spark: Any, warehouse: Path,
+                                              tmp_path: Path, unique: str) -> None:
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [f"public.{unique}"])
+    target = config.target_for(f"public.{unique}")
+    sink = IcebergSink(spark)
+    sink.ensure_table(target, COLUMNS)
+    # Many small commits, as a busy stream with a short interval makes them: inserts, and
+    # every fifth commit an update of earlier rows (merge-on-read: position delete files).
+    for i in range(1, COMMITS + 1):
+        b = BatchBuilder(tmp_path / f"b{i}")
+        if i % 5 == 0:
+            b.add("public.t", COLUMNS, Op.UPDATE, 1, i, (str(i - 4).encode(), f"u{i}".encode()))
+        else:
+            b.add("public.t", COLUMNS, Op.INSERT, 1, i, (str(i).encode(), f"v{i}".encode()))
+        sink.apply(target, b.finish()["public.t"], Lsn(i), max_seq=1)
+    before_rows = iceberg_rows(warehouse, target)
+    before = sink.files(target)
+    assert before["data_files"] >= COMMITS and before["delete_files"] >= COMMITS // 5
+
+    raw = config.model_dump(mode="json", exclude={"base_dir"})
+    raw["maintenance"] = {"snapshot_retention": "0s", "retain_last": 3}
+    pipeline = Pipeline(parse_config(raw, tmp_path, "test"), session=spark)
+    (report,) = pipeline.maintain()
+    after = report["after"]
+    assert after["data_files"] <= 3 and after["delete_files"] == 0
+    assert after["snapshots"] <= 3
+    assert report["before"]["data_files"] == before["data_files"]
+    assert iceberg_rows(warehouse, target) == before_rows  # the data is unchanged
+    # What the lake holds stays known: the compaction carried walberg.lsn along.
+    assert sink.committed_lsn(target) == Lsn(COMMITS)
+    history = pipeline.history(f"public.{unique}")
+    assert history[-1]["lsn"] == str(Lsn(COMMITS))
+
+
+def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, spark: Any,
+                                                   warehouse: Path, tmp_path: Path,
+                                                   unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
+        mode="json", exclude={"base_dir"})
+    raw["maintenance"] = {"every": "2s", "snapshot_retention": "0s", "retain_last": 2}
+    pipeline = Pipeline(parse_config(raw, tmp_path, "test"), session=spark)
+    runner = threading.Thread(target=pipeline.run, daemon=True)
+    runner.start()
+    try:
+        for i in range(6):
+            with pg_conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {table} VALUES (%s, 'x')", (i,))
+                cur.execute(f"UPDATE {table} SET v = 'y' WHERE id = %s", (i,))
+                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if "replace" in [h["operation"] for h in pipeline.history(table)]:
+                break
+            time.sleep(0.5)
+    finally:
+        pipeline.stop()
+        runner.join(timeout=60)
+        pipeline.close()
+    assert "replace" in [h["operation"] for h in pipeline.history(table)]
+    rows = iceberg_rows(warehouse, pipeline.targets[table])
+    assert [(r["id"], r["v"]) for r in rows] == [(i, "y") for i in range(6)]
