@@ -38,3 +38,32 @@ def snapshot_lsns(warehouse: Path, target: str) -> list[str]:
 
 
 __all__ = ["iceberg_rows", "postgres_rows", "snapshot_lsns", "Decimal"]
+
+
+def duckdb_rows(warehouse: Path, target: str, key: str = "id") -> list[dict[str, Any]]:
+    """The same as ``iceberg_rows``, read by DuckDB's iceberg extension (loaded from the
+    duckdb-extension-* wheels, offline)."""
+    import os
+
+    import duckdb
+    import duckdb_extension_avro
+    import duckdb_extension_iceberg
+
+    def ext(module: Any, name: str) -> str:
+        return os.path.join(os.path.dirname(module.__file__), "extensions",
+                            f"v{duckdb.__version__}", f"{name}.duckdb_extension")
+
+    con = duckdb.connect(config={"autoinstall_known_extensions": "false",
+                                 "autoload_known_extensions": "false",
+                                 "allow_unsigned_extensions": "true"})
+    try:
+        con.execute(f"LOAD '{ext(duckdb_extension_avro, 'avro')}'")
+        con.execute(f"LOAD '{ext(duckdb_extension_iceberg, 'iceberg')}'")
+        _, namespace, table = target.split(".")
+        cur = con.execute(f"SELECT * FROM iceberg_scan('{warehouse / namespace / table}')")
+        names = [d[0] for d in cur.description]
+        rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+    finally:
+        con.close()
+    rows = [{k: v for k, v in r.items() if not k.startswith("_walberg_")} for r in rows]
+    return sorted(rows, key=lambda r: r[key])

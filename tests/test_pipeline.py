@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import make_config
-from lake import iceberg_rows, postgres_rows, snapshot_lsns
+from lake import duckdb_rows, iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.errors import Terminal
 from walberg.model import Lsn
 from walberg.pipeline import Pipeline
@@ -35,6 +35,12 @@ def assert_lake_equals(pg_conn: Any, warehouse: Path, table: str, target: str) -
     expected = postgres_rows(pg_conn, table)
     actual = iceberg_rows(warehouse, target)
     assert actual == expected
+
+
+def assert_every_reader_agrees(pg_conn: Any, warehouse: Path, table: str, target: str) -> None:
+    """PyIceberg and DuckDB, two Iceberg readers independent of Spark, both see Postgres."""
+    assert_lake_equals(pg_conn, warehouse, table, target)
+    assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
 
 def slot_flush(pg_conn: Any, slot: str) -> Lsn:
@@ -59,7 +65,7 @@ def test_snapshot_then_insert_update_delete_truncate(pg_conn: Any, postgres: Any
 
     report = run_once(config, spark)
     assert report.copied == {table: 5000}
-    assert_lake_equals(pg_conn, warehouse, table, target)
+    assert_every_reader_agrees(pg_conn, warehouse, table, target)
 
     with pg_conn.cursor() as cur:
         cur.execute(f"INSERT INTO {table} (id, name, salary) VALUES (6001, '', NULL), "
@@ -74,7 +80,7 @@ def test_snapshot_then_insert_update_delete_truncate(pg_conn: Any, postgres: Any
     report = run_once(config, spark)
     assert report.copied == {}
     assert report.changes > 0
-    assert_lake_equals(pg_conn, warehouse, table, target)
+    assert_every_reader_agrees(pg_conn, warehouse, table, target)
     rows = {r["id"]: r for r in iceberg_rows(warehouse, target)}
     assert rows[6001]["name"] == "" and rows[6001]["salary"] is None
     assert rows[6002]["salary"] == Decimal("99999999.99")
@@ -87,7 +93,7 @@ def test_snapshot_then_insert_update_delete_truncate(pg_conn: Any, postgres: Any
         cur.execute(f"INSERT INTO {table} (id, name) VALUES (10, 'after'), (11, 'truncate')")
         cur.execute(f"UPDATE {table} SET name = 'changed' WHERE id = 11")
     run_once(config, spark)
-    assert_lake_equals(pg_conn, warehouse, table, target)
+    assert_every_reader_agrees(pg_conn, warehouse, table, target)
     assert [r["id"] for r in iceberg_rows(warehouse, target)] == [10, 11]
 
     # The slot only ever confirms what the lake holds.
