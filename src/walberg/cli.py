@@ -8,9 +8,13 @@ import logging
 import signal
 import sys
 import textwrap
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from walberg.errors import WalbergError
+
+if TYPE_CHECKING:
+    from walberg.pipeline import Pipeline
 
 EXAMPLES = {
     "run": "walberg run -c pipeline.yaml          # copy, then stream until stopped\n"
@@ -106,24 +110,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_query(args: argparse.Namespace) -> int:
+@contextmanager
+def _opened(args: argparse.Namespace) -> Iterator["Pipeline"]:
+    """The pipeline of ``-c``, closed (and its Spark stopped) however the command ends."""
     from walberg.config import load_config
     from walberg.pipeline import Pipeline
 
     pipeline = Pipeline(load_config(args.config))
     try:
-        rows, names = pipeline.query(args.sql, args.limit)
+        yield pipeline
     finally:
         pipeline.close()
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    with _opened(args) as pipeline:
+        rows, names = pipeline.query(args.sql, args.limit)
     print(format_table(names, rows))
     return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from walberg.config import load_config
-    from walberg.pipeline import Pipeline
-
-    results = Pipeline(load_config(args.config)).check()
+    with _opened(args) as pipeline:
+        results = pipeline.check()
     for r in results:
         mark = "ok  " if r.ok else "FAIL"
         print(f"[{mark}] {r.name}: {r.detail}")
@@ -135,10 +144,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from walberg.config import load_config
-    from walberg.pipeline import Pipeline
-
-    status = Pipeline(load_config(args.config)).status()
+    with _opened(args) as pipeline:
+        status = pipeline.status()
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -165,14 +172,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_maintain(args: argparse.Namespace) -> int:
-    from walberg.config import load_config
-    from walberg.pipeline import Pipeline
-
-    pipeline = Pipeline(load_config(args.config))
-    try:
+    with _opened(args) as pipeline:
         reports = pipeline.maintain(args.table)
-    finally:
-        pipeline.close()
     rows = [(r["table"], f"{r['before']['data_files']} -> {r['after']['data_files']}",
              f"{r['before']['delete_files']} -> {r['after']['delete_files']}",
              f"{r['before']['snapshots']} -> {r['after']['snapshots']}",
@@ -184,14 +185,8 @@ def _cmd_maintain(args: argparse.Namespace) -> int:
 
 
 def _cmd_history(args: argparse.Namespace) -> int:
-    from walberg.config import load_config
-    from walberg.pipeline import Pipeline
-
-    pipeline = Pipeline(load_config(args.config))
-    try:
+    with _opened(args) as pipeline:
         history = pipeline.history(args.table)
-    finally:
-        pipeline.close()
     print(format_table(
         ["committed at", "snapshot", "operation", "walberg.lsn", "rows added", "rows deleted"],
         [(h["made_current_at"], h["snapshot_id"], h["operation"], h["lsn"] or "-",
