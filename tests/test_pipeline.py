@@ -427,3 +427,47 @@ def test_sigterm_stops_cleanly_with_exit_0(pg_conn: Any, postgres: Any, warehous
     out, _ = final.communicate(timeout=600)
     assert final.returncode == 0, out
     assert_lake_equals(pg_conn, warehouse, table, config.target_for(table))
+
+
+def test_prometheus_metrics_count_what_was_written(pg_conn: Any, postgres: Any, spark: Any,
+                                                   warehouse: Path, tmp_path: Path,
+                                                   unique: str) -> None:
+    import socket
+    import urllib.request
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'x' FROM generate_series(1, 10) g")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
+        mode="json", exclude={"base_dir"})
+    raw["metrics"] = {"port": port}
+    from walberg.config import parse_config
+
+    config = parse_config(raw, tmp_path, "test")
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (11, 'y'), (12, 'y')")
+        cur.execute(f"UPDATE {table} SET v = 'z' WHERE id <= 3")
+        cur.execute(f"DELETE FROM {table} WHERE id = 4")
+    run_once(config, spark)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+    def value(line_start: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(line_start):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{line_start} not in /metrics")
+
+    assert value(f'walberg_records_written_total{{op="insert",table="{table}"}}') == 2
+    assert value(f'walberg_records_written_total{{op="update",table="{table}"}}') == 3
+    assert value(f'walberg_records_written_total{{op="delete",table="{table}"}}') == 1
+    assert value(f'walberg_commits_total{{result="success",table="{table}"}}') == 1
+    assert value(f'walberg_initial_copy_rows_total{{table="{table}"}}') == 10
+    lsn = Lsn.parse(snapshot_lsns(warehouse, config.target_for(table))[-1])
+    assert value(f'walberg_committed_lsn{{table="{table}"}}') == int(lsn)
+    assert value("walberg_segments_sealed_total") >= 1
+    assert value("walberg_end_to_end_seconds_count") >= 1

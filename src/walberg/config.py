@@ -134,6 +134,12 @@ class Maintenance(_Model):
         return None if value is None else parse_duration(value)
 
 
+class Metrics(_Model):
+    port: Optional[int] = Field(None, ge=1, le=65535,
+                                description="serve Prometheus metrics at /metrics on this port")
+    host: str = Field("127.0.0.1", description="address to serve metrics on (0.0.0.0: all)")
+
+
 class Spark(_Model):
     master: str = Field("local[*]", description="Spark master URL")
     conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings")
@@ -145,6 +151,7 @@ class Config(_Model):
     buffer: Buffer = Field(default_factory=lambda: Buffer())  # type: ignore[call-arg]
     spark: Spark = Field(default_factory=lambda: Spark())  # type: ignore[call-arg]
     maintenance: Maintenance = Field(default_factory=lambda: Maintenance())  # type: ignore[call-arg]
+    metrics: Metrics = Field(default_factory=lambda: Metrics())  # type: ignore[call-arg]
     base_dir: Path = Field(Path("."), exclude=True, description="directory of the YAML file")
 
     def path(self, value: str) -> Path:

@@ -30,6 +30,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from walberg import metrics
 from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, csv_to_parquet
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.metadata import read_hadoop_table
@@ -86,6 +87,7 @@ class PreparedBatch:
     void: list[tuple[int, int]]
     changes: int
     staged_s: float
+    last_commit_ts: Optional[int]  # Postgres commit time of its last transaction (µs since 2000)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class Pipeline:
         self._active_commit: Optional[Lsn] = None  # ... and to the active segment
         self._streamed_since_start = False
         self._last_maintenance = time.monotonic()
+        self._gauge_conn: Any = None
+        self._oldest_unapplied_ts: Optional[float] = None  # wall time the oldest pending change arrived
         self._apply_error: Optional[BaseException] = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -386,6 +390,8 @@ class Pipeline:
     def run(self, once: bool = False) -> RunReport:
         """Initial copy where owed, then stream. With ``once``, return as soon as everything up
         to the WAL position current at the start is committed to Iceberg."""
+        if self.config.metrics.port:
+            metrics.serve(self.config.metrics.port, self.config.metrics.host)
         store = SegmentStore(self.config.segment_dir, self.config.buffer.max_segment_bytes,
                              preamble=self._preamble)
         self._store = store
@@ -446,6 +452,9 @@ class Pipeline:
             self._stop.set()
             self._wake.set()
             applier.join()
+            if self._gauge_conn is not None:
+                self._gauge_conn.close()
+                self._gauge_conn = None
         if self._apply_error is not None:
             raise self._apply_error
         self.report.applied_lsn = self._applied
@@ -547,6 +556,8 @@ class Pipeline:
                 self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
                 self.committed[info.qualified_name] = created.consistent_point
                 self.report.copied[info.qualified_name] = rows
+                metrics.COPIED_ROWS.labels(info.qualified_name).inc(rows)
+                metrics.COMMITTED_LSN.labels(info.qualified_name).set(int(created.consistent_point))
                 log.info("initial copy of %s -> %s: %d rows in %.1f s (at LSN %s)",
                          info.qualified_name, target, rows, time.monotonic() - started,
                          created.consistent_point)
@@ -597,7 +608,7 @@ class Pipeline:
         interval = self.config.buffer.max_interval_seconds
         in_txn = skipping = False
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
-        last_ask = 0.0
+        last_ask = last_gauges = 0.0
         while not self._stop.is_set():
             if self._apply_error is not None:
                 return
@@ -642,6 +653,15 @@ class Pipeline:
                 with self._lock:
                     self._applied = max(self._applied, stream.wal_end)
             stream.confirm(self._applied, written=received)
+            pending = store.pending_bytes()
+            metrics.PENDING_BYTES.set(pending)
+            if pending == 0:
+                self._oldest_unapplied_ts = None
+            elif self._oldest_unapplied_ts is None:
+                self._oldest_unapplied_ts = time.time()
+            if time.monotonic() - last_gauges >= self.pg.status_interval_seconds:
+                self._update_slot_gauges()
+                last_gauges = time.monotonic()
             if target is not None and idle and self._applied >= target:
                 stream.keepalive(force=True)
                 return
@@ -650,10 +670,28 @@ class Pipeline:
                 stream.keepalive(force=True, reply=True)
                 last_ask = time.monotonic()
 
+    def _update_slot_gauges(self) -> None:
+        """Lag and retained WAL as the server sees them; a failed look is tried next time."""
+        try:
+            if self._gauge_conn is None or self._gauge_conn.closed:
+                self._gauge_conn = pg.connect(self.pg.dsn)
+            state = pg.slot_state(self._gauge_conn, self.pg.slot)
+            now = pg.current_wal_lsn(self._gauge_conn)
+        except (WalbergError, Exception) as exc:  # metrics must never stop the stream
+            log.debug("slot metrics not updated: %s", exc)
+            self._gauge_conn = None
+            return
+        if state is not None:
+            metrics.LAG_BYTES.set(max(int(now) - int(state.confirmed_flush), 0))
+            metrics.RETAINED_WAL_BYTES.set(max(int(now) - int(state.restart_lsn), 0))
+        oldest = self._oldest_unapplied_ts
+        metrics.LAG_SECONDS.set(0.0 if oldest is None else max(time.time() - oldest, 0.0))
+
     def _seal(self, clean: bool) -> None:
         assert self._store is not None
         info = self._store.seal()
         if info is not None:
+            metrics.SEGMENTS_SEALED.inc()
             self._meta[info.seq] = SegmentMeta(self._active_commit, clean)
             self._active_commit = None
             self._wake.set()
@@ -773,6 +811,7 @@ class Pipeline:
         void: list[tuple[int, int]] = []
         changes = 0
         done = False
+        last_commit_ts: Optional[int] = None
         try:
             for info in segments:
                 for lsn, _kind, payload in self._store.read(info):
@@ -808,6 +847,7 @@ class Pipeline:
                     elif isinstance(msg, Commit):
                         live |= touched
                         txn = None
+                        last_commit_ts = msg.commit_ts
                         if msg.end_lsn >= end:
                             done = True
                             break
@@ -831,7 +871,7 @@ class Pipeline:
             builder.discard()
             raise
         return PreparedBatch(segments, end, builder, staged, live, seq, void, changes,
-                             time.monotonic() - started)
+                             time.monotonic() - started, last_commit_ts)
 
     def _wanted_chunks(self, decoder: Decoder, chunks: "_Chunks", txn: Begin) -> dict[int, "_Chunk"]:
         return {oid: chunks.for_relation(rel) for oid, rel in decoder.relations.items()
@@ -854,7 +894,17 @@ class Pipeline:
                 st = batch.staged[source]
                 if not self.sink.columns_match(self.targets[source], st.columns):
                     raise self._schema_error(source, st.columns, batch.end)
-                self.sink.apply(self.targets[source], st, batch.end, batch.max_seq, batch.void)
+                commit_started = time.monotonic()
+                try:
+                    self.sink.apply(self.targets[source], st, batch.end, batch.max_seq, batch.void)
+                except BaseException:
+                    metrics.COMMITS.labels(source, "failure").inc()
+                    raise
+                metrics.COMMITS.labels(source, "success").inc()
+                metrics.COMMIT_SECONDS.labels(source).observe(time.monotonic() - commit_started)
+                for op in ("I", "U", "D"):
+                    metrics.RECORDS_WRITTEN.labels(source, _OP_NAMES[op]).inc(st.ops[op])
+                metrics.COMMITTED_LSN.labels(source).set(int(batch.end))
                 self.committed[source] = batch.end
                 log.info("applied %s: %d changes (I %d, U %d, D %d%s) up to LSN %s",
                          source, st.rows, st.ops["I"], st.ops["U"], st.ops["D"],
@@ -871,6 +921,13 @@ class Pipeline:
         self._store.remove(done_with)
         for info in done_with:
             self._meta.pop(info.seq, None)
+        metrics.BATCHES.inc()
+        metrics.SEGMENTS_APPLIED.inc(len(done_with))
+        metrics.BATCH_CHANGES.observe(batch.changes)
+        metrics.BATCH_SECONDS.observe(batch.staged_s + time.monotonic() - started)
+        if batch.last_commit_ts is not None:
+            metrics.END_TO_END_SECONDS.observe(max(time.time() - _pg_epoch(batch.last_commit_ts),
+                                                   0.0))
         log.info("batch of %d segment(s), %d changes, committed up to LSN %s: staged in %.2f s, "
                  "committed in %.2f s", len(segments), batch.changes, batch.end, batch.staged_s,
                  time.monotonic() - started)
@@ -993,6 +1050,15 @@ def _stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
             source, columns, np.full(len(old_rows), "D"),
             np.where(key_changed[old_rows], seq[old_rows] - 1, seq[old_rows]), lsn[old_rows],
             [v.take(take) for v in changes.old.values], [None] * len(columns))
+
+
+_OP_NAMES = {"I": "insert", "U": "update", "D": "delete"}
+_PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc).timestamp()
+
+
+def _pg_epoch(micros: int) -> float:
+    """Unix time of a Postgres timestamp sent as microseconds since 2000-01-01 UTC."""
+    return _PG_EPOCH + micros / 1_000_000
 
 
 def _iso(ms: Optional[int]) -> Optional[str]:

@@ -1,0 +1,49 @@
+"""Every Prometheus metric walberg exports, in one place (served at /metrics when
+``metrics.port`` is set). Names and labels are documented in the README."""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+RECORDS_WRITTEN = Counter("walberg_records_written", "Changes committed to Iceberg",
+                          ["table", "op"])
+COMMITS = Counter("walberg_commits", "Iceberg commits by walberg", ["table", "result"])
+BATCHES = Counter("walberg_batches", "Batches applied (one Iceberg commit per changed table)")
+SEGMENTS_SEALED = Counter("walberg_segments_sealed", "Segment files sealed")
+SEGMENTS_APPLIED = Counter("walberg_segments_applied", "Segment files applied and removed")
+COPIED_ROWS = Counter("walberg_initial_copy_rows", "Rows written by initial copies", ["table"])
+
+COMMIT_SECONDS = Histogram("walberg_commit_seconds", "Duration of one table's Iceberg commit",
+                           ["table"], buckets=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
+BATCH_SECONDS = Histogram("walberg_batch_seconds", "Staging plus commit time of a batch",
+                          buckets=(0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
+BATCH_CHANGES = Histogram("walberg_batch_changes", "Changes per batch",
+                          buckets=(10, 100, 1e3, 1e4, 1e5, 1e6, 1e7))
+END_TO_END_SECONDS = Histogram(
+    "walberg_end_to_end_seconds",
+    "From the Postgres commit of a batch's last transaction to its Iceberg commit",
+    buckets=(1, 2, 5, 10, 30, 60, 120, 300, 900, 3600))
+
+COMMITTED_LSN = Gauge("walberg_committed_lsn", "LSN covered by the table's last walberg commit",
+                      ["table"])
+PENDING_BYTES = Gauge("walberg_pending_segment_bytes", "Segment bytes not yet applied")
+LAG_BYTES = Gauge("walberg_replication_lag_bytes",
+                  "Server WAL position minus the slot's confirmed flush position")
+RETAINED_WAL_BYTES = Gauge("walberg_slot_retained_wal_bytes", "WAL the slot keeps on the server")
+LAG_SECONDS = Gauge("walberg_replication_lag_seconds",
+                    "Age of the oldest change received but not yet in Iceberg (0 when none)")
+
+_served: Optional[int] = None
+_lock = threading.Lock()
+
+
+def serve(port: int, host: str) -> None:
+    """Serve /metrics once per process (further pipelines in the process share it)."""
+    global _served
+    with _lock:
+        if _served is None:
+            start_http_server(port, addr=host)
+            _served = port
