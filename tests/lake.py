@@ -10,15 +10,17 @@ from typing import Any
 from pyiceberg.table import StaticTable
 
 
-def iceberg_rows(warehouse: Path, target: str, key: str = "id") -> list[dict[str, Any]]:
+def iceberg_rows(warehouse: Path, target: str, key: str = "id",
+                 keep_own: bool = False) -> list[dict[str, Any]]:
     """All rows of an Iceberg table of the hadoop catalog, read by PyIceberg, sorted by ``key``,
-    without walberg's own columns."""
+    without walberg's own columns unless ``keep_own``."""
     _, namespace, table = target.split(".")
     meta_dir = warehouse / namespace / table / "metadata"
     version = (meta_dir / "version-hint.text").read_text().strip()
     tbl = StaticTable.from_metadata(str(meta_dir / f"v{version}.metadata.json"))
     rows = tbl.scan().to_arrow().to_pylist()
-    rows = [{k: v for k, v in r.items() if not k.startswith("_walberg_")} for r in rows]
+    if not keep_own:
+        rows = [{k: v for k, v in r.items() if not k.startswith("_walberg_")} for r in rows]
     return sorted(rows, key=lambda r: r[key])
 
 

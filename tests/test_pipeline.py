@@ -83,6 +83,11 @@ def test_snapshot_then_insert_update_delete_truncate(pg_conn: Any, postgres: Any
     assert_every_reader_agrees(pg_conn, warehouse, table, target)
     rows = {r["id"]: r for r in iceberg_rows(warehouse, target)}
     assert rows[6001]["name"] == "" and rows[6001]["salary"] is None
+    # _walberg_lsn is the commit LSN of the row's last change: one UPDATE, one LSN.
+    lsn_of = {r["id"]: r["_walberg_lsn"] for r in iceberg_rows(warehouse, target, keep_own=True)}
+    assert len({lsn_of[i] for i in range(3, 101)}) == 1
+    assert lsn_of[3] < max(Lsn.parse(x) for x in snapshot_lsns(warehouse, target) if x)
+    assert lsn_of[1] > lsn_of[3]  # updated again, later
     assert rows[6002]["salary"] == Decimal("99999999.99")
     assert rows[1]["name"] == "v4" and rows[2]["name"] == "reborn"
 

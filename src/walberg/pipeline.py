@@ -812,6 +812,7 @@ class Pipeline:
         changes = 0
         done = False
         last_commit_ts: Optional[int] = None
+        txn_lsn = 0
         try:
             for info in segments:
                 for lsn, _kind, payload in self._store.read(info):
@@ -824,7 +825,7 @@ class Pipeline:
                             self._check_known(decoder, payload, lsn)
                             continue
                         seq += 2  # room for the delete half of a key-changing update
-                        chunk.add(payload, seq, lsn)
+                        chunk.add(payload, seq, txn_lsn)
                         touched.add(chunk.relation.qualified_name)
                         changes += 1
                         continue
@@ -838,6 +839,7 @@ class Pipeline:
                             # A transaction cut off by a crash and sent again in full.
                             void.append((txn_first_seq, seq))
                         txn, txn_first_seq, touched = msg, seq + 1, set()
+                        txn_lsn = int(msg.final_lsn)  # _walberg_lsn: the commit LSN
                         if msg.final_lsn < floor:
                             txn = None  # already in the batch before this one
                         else:
