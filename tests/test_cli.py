@@ -93,3 +93,26 @@ def test_demo_ctrl_c_stops_its_server(tmp_path: Path) -> None:
     while _accepting(port) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _accepting(port), "the demo left its PostgreSQL running"
+
+
+def test_init_writes_a_starter_config_that_loads(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from walberg.config import load_config
+
+    target = tmp_path / "pipeline.yaml"
+    assert main(["init", str(target)]) == 0
+    monkeypatch.setenv("PGPASSWORD", "x")
+    config = load_config(target)
+    assert config.source.postgres.tables == ["public.employee"]
+    assert main(["init", str(target)]) == 2  # never overwrites
+
+
+def test_json_log_lines(tmp_path: Path) -> None:
+    import json
+
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text("source: {postgres: {dsn: 'postgresql://x@127.0.0.1:9/db', tables: [t], "
+                   "reconnect_max_seconds: 0}}\nsink: {catalog: {warehouse: ./w}}\n")
+    proc = walberg("--log-format", "json", "run", "-c", str(cfg))
+    lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert lines and all({"time", "level", "message"} <= set(e) for e in lines)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from walberg.config import load_config, parse_config
 from walberg.errors import ConfigError
@@ -66,3 +68,37 @@ def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read the configuration file"):
         load_config(tmp_path / "nope.yaml")
+
+
+yaml_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True),
+                      st.text(max_size=20))
+yaml_tree = st.recursive(
+    yaml_leaf,
+    lambda children: st.one_of(st.lists(children, max_size=4),
+                               st.dictionaries(st.sampled_from(
+                                   ["source", "sink", "buffer", "spark", "postgres", "dsn",
+                                    "tables", "catalog", "warehouse", "slot", "name", "x"]),
+                                   children, max_size=4)),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(yaml_tree)
+def test_any_yaml_gives_a_config_or_a_config_error(tree: object) -> None:
+    """Fuzzing the loader: whatever the YAML holds, the answer is a Config or a ConfigError."""
+    try:
+        parse_config(tree, Path("."))
+    except ConfigError as exc:
+        assert str(exc)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_any_text_file_gives_a_config_or_a_config_error(tmp_path_factory: pytest.TempPathFactory,
+                                                        text: str) -> None:
+    path = tmp_path_factory.mktemp("fuzz") / "pipeline.yaml"
+    path.write_text(text)
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        assert str(exc)

@@ -25,7 +25,36 @@ EXAMPLES = {
     "status": "walberg status -c pipeline.yaml --json",
     "maintain": "walberg maintain -c pipeline.yaml --table public.employee",
     "history": "walberg history -c pipeline.yaml public.employee",
+    "init": "walberg init pipeline.yaml                # then edit the dsn and the tables",
 }
+
+STARTER = """\
+# walberg pipeline: PostgreSQL tables -> Apache Iceberg tables, kept in step.
+# Every key is in the README's configuration reference. ${VAR} is read from the environment.
+source:
+  postgres:
+    # libpq URI or key=value string; keep the password out of the file
+    dsn: postgresql://app:${PGPASSWORD}@127.0.0.1:5432/app
+    slot: walberg              # logical replication slot, created if missing
+    publication: walberg       # created for the tables below if missing
+    tables: [public.employee]  # schema.table; each needs a primary key (or replica identity)
+sink:
+  catalog:
+    name: lake                 # the name Spark SQL uses: lake.<namespace>.<table>
+    type: hadoop
+    warehouse: ./warehouse     # relative to this file
+  namespace: analytics         # default: the Postgres schema name
+  mode: upsert                 # the Iceberg table mirrors the Postgres table
+buffer:
+  dir: ./segments              # local segment files (changes not yet in Iceberg)
+  max_segment_bytes: 16777216  # seal a segment at this size ...
+  max_interval_seconds: 5      # ... or after this long, whichever comes first
+spark:
+  master: "local[*]"           # or spark://host:7077
+  conf: {}
+# metrics: {port: 9187}        # Prometheus /metrics
+# maintenance: {every: 1h, snapshot_retention: 7d, retain_last: 10}
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show stack traces on errors")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="json: one JSON object per log line, for log shippers")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
@@ -72,16 +103,31 @@ def _parser() -> argparse.ArgumentParser:
     maintain.add_argument("--table", action="append", help="source table (schema.table); "
                                                            "repeat for several; default: all")
 
+    init = command("init", "write a commented starter pipeline.yaml")
+    init.add_argument("path", nargs="?", default="pipeline.yaml", help="where to write it")
+
     history = command("history", "snapshots of a table: time, operation, LSN, rows")
     history.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     history.add_argument("table", help="source table, schema.table")
     return parser
 
 
-def _setup_logging(quiet: bool) -> None:
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+                 "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(quiet: bool, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if log_format == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
     for noisy in ("py4j", "pyspark"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -171,6 +217,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    path = Path(args.path)
+    if path.exists():
+        return _fail(f"{path} exists already; walberg init does not overwrite files. Pass "
+                     "another path, or remove it first.", 2)
+    path.write_text(STARTER)
+    print(f"wrote {path}: set source.postgres.dsn and tables, then `walberg check -c {path}`")
+    return 0
+
+
 def _cmd_maintain(args: argparse.Namespace) -> int:
     with _opened(args) as pipeline:
         reports = pipeline.maintain(args.table)
@@ -223,7 +281,7 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    _setup_logging(args.quiet)
+    _setup_logging(args.quiet, args.log_format)
     try:
         if args.command == "run":
             return _cmd_run(args)
@@ -237,6 +295,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_check(args)
         if args.command == "status":
             return _cmd_status(args)
+        if args.command == "init":
+            return _cmd_init(args)
         if args.command == "maintain":
             return _cmd_maintain(args)
         if args.command == "history":
