@@ -57,15 +57,15 @@ class StagedTable:
 
 
 class _TableStage:
-    # Rows are kept as the tuples the decoder made, plus their metadata, and turned into columns
-    # only at flush time (zip(*rows) runs in C): the per-change cost stays a few list appends.
+    # Changes arrive in columns (the pipeline's columnar decoder) or one row at a time (kept as
+    # tuples and transposed at flush); both are written by _write_columns.
     def __init__(self, source: str, columns: tuple[Column, ...], directory: Path, chunk_rows: int):
         self.staged = StagedTable(source, columns)
         self.directory = directory
         self.chunk_rows = chunk_rows
         self.ncols = len(columns)
         self.rows: list[Row] = []
-        self.meta: list[tuple[int, str, int, Optional[str]]] = []  # seq, op, lsn, unchanged marks
+        self.meta: list[tuple[int, str, int]] = []  # seq, op, lsn
         self.schema = _schema(self.ncols)
         self.writer: Optional[pq.ParquetWriter] = None
 
@@ -73,15 +73,8 @@ class _TableStage:
         if len(row) != self.ncols:
             raise ValueError(f"{self.staged.source}: a change has {len(row)} columns, the relation "
                              f"has {self.ncols}")
-        marks: Optional[str] = None
-        if UNCHANGED in row:
-            marks = "," + "".join(f"{i}," for i, v in enumerate(row) if v is UNCHANGED)
-            self.staged.unchanged_columns.update(i for i, v in enumerate(row) if v is UNCHANGED)
-            row = tuple(None if v is UNCHANGED else v for v in row)
         self.rows.append(row)
-        self.meta.append((seq, op, lsn, marks))
-        self.staged.rows += 1
-        self.staged.ops[op] += 1
+        self.meta.append((seq, op, lsn))
         if len(self.rows) >= self.chunk_rows:
             self.flush()
 
@@ -91,7 +84,13 @@ class _TableStage:
                     unchanged: Sequence[Optional[npt.NDArray[np.bool_]]]) -> None:
         """Stage many changes at once, already in columns (binary values, null for NULL);
         ``unchanged[i]`` flags the rows whose column i is an untouched TOAST value."""
-        self.flush()  # keeps this object's rows and columns in separate row groups
+        self.flush()  # rows added one by one go first, in their own row group
+        self._write_columns(ops, seq, lsn, values, unchanged)
+
+    def _write_columns(self, ops: Sequence[str] | npt.NDArray[np.str_],
+                       seq: Sequence[int] | npt.NDArray[np.int64],
+                       lsn: Sequence[int] | npt.NDArray[np.int64], values: Sequence[pa.Array],
+                       unchanged: Sequence[Optional[npt.NDArray[np.bool_]]]) -> None:
         op_array = np.asarray(ops)
         n = len(op_array)
         marks: list[Optional[str]] = [None] * n
@@ -115,15 +114,23 @@ class _TableStage:
         self.staged.truncates.append(seq)
 
     def flush(self) -> None:
+        """Turn the rows added one by one into columns (the transposition runs in C) and write
+        them like any other columns."""
         if not self.rows:
             return
-        values = zip(*self.rows, strict=False) if self.ncols else iter(())
-        arrays = [pa.array(v, pa.binary()).cast(pa.string()) for v in values]
-        seq, op, lsn, unchanged = zip(*self.meta, strict=False)
-        arrays += [pa.array(seq, pa.int64()), pa.array(op, pa.string()),
-                   pa.array(lsn, pa.int64()), pa.array(unchanged, pa.string())]
-        self._write(pa.Table.from_arrays(arrays, schema=self.schema))
+        rows, meta = self.rows, self.meta
         self.rows, self.meta = [], []
+        seq, ops, lsn = zip(*meta, strict=True)
+        values: list[pa.Array] = []
+        unchanged: list[Optional[npt.NDArray[np.bool_]]] = []
+        for col in zip(*rows, strict=True):
+            if UNCHANGED in col:
+                unchanged.append(np.fromiter((v is UNCHANGED for v in col), np.bool_, len(col)))
+                col = tuple(None if v is UNCHANGED else v for v in col)
+            else:
+                unchanged.append(None)
+            values.append(pa.array(col, pa.binary()))
+        self._write_columns(ops, seq, lsn, values, unchanged)
 
     def _write(self, table: pa.Table) -> None:
         if self.writer is None:
