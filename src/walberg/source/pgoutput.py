@@ -371,12 +371,16 @@ class Decoder:
             )
         return len(relation.columns)
 
-    def _insert(self, buf: bytes) -> Insert:
+    def _change_head(self, buf: bytes) -> tuple[Optional[int], int, int, int]:
+        """The part every Insert/Update/Delete starts with: (xid in a streamed chunk, relation
+        oid, the relation's column count, the offset after them)."""
         pos = self._body
         xid = _U32(buf, 1)[0] if pos != 1 else None
         (oid,) = _U32(buf, pos)
-        width = self._width(oid, pos)
-        pos += 4
+        return xid, oid, self._width(oid, pos), pos + 4
+
+    def _insert(self, buf: bytes) -> Insert:
+        xid, oid, width, pos = self._change_head(buf)
         if buf[pos] != _MARK_NEW:
             raise _Malformed(
                 f"expected 'N' before the new tuple, found {_show_byte(buf[pos])}", pos
@@ -388,11 +392,7 @@ class Decoder:
         return Insert(oid, new)
 
     def _update(self, buf: bytes) -> Update:
-        pos = self._body
-        xid = _U32(buf, 1)[0] if pos != 1 else None
-        (oid,) = _U32(buf, pos)
-        width = self._width(oid, pos)
-        pos += 4
+        xid, oid, width, pos = self._change_head(buf)
         marker = buf[pos]
         old: Optional[Row] = None
         old_kind: Optional[str] = None
@@ -413,11 +413,7 @@ class Decoder:
         return Update(oid, new, old, old_kind)
 
     def _delete(self, buf: bytes) -> Delete:
-        pos = self._body
-        xid = _U32(buf, 1)[0] if pos != 1 else None
-        (oid,) = _U32(buf, pos)
-        width = self._width(oid, pos)
-        pos += 4
+        xid, oid, width, pos = self._change_head(buf)
         marker = buf[pos]
         if marker != _MARK_KEY and marker != _MARK_OLD:
             raise _Malformed(
