@@ -677,7 +677,7 @@ class Pipeline:
                 self._gauge_conn = pg.connect(self.pg.dsn)
             state = pg.slot_state(self._gauge_conn, self.pg.slot)
             now = pg.current_wal_lsn(self._gauge_conn)
-        except (WalbergError, Exception) as exc:  # metrics must never stop the stream
+        except Exception as exc:  # metrics must never stop the stream
             log.debug("slot metrics not updated: %s", exc)
             self._gauge_conn = None
             return
@@ -1069,16 +1069,4 @@ def _iso(ms: Optional[int]) -> Optional[str]:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def run_pipeline(config: Config, once: bool = False,
-                 on_ready: Optional[Callable[[Pipeline], None]] = None) -> RunReport:
-    pipeline = Pipeline(config)
-    try:
-        if on_ready:
-            on_ready(pipeline)
-        return pipeline.run(once=once)
-    finally:
-        pipeline.close()
-
-
-__all__ = ["Pipeline", "RunReport", "run_pipeline", "WalbergError", "Terminal", "Transient",
-           "StagedTable"]
+__all__ = ["CheckResult", "Pipeline", "RunReport"]
