@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,6 +16,7 @@ import pytest
 from walberg.apply.spark import build_session, stop_session
 from walberg.config import Config, parse_config
 from walberg.embedded_pg import EmbeddedPostgres
+from walberg.pipeline import Pipeline
 
 CATALOG = "lake"
 _names = itertools.count(1)
@@ -66,3 +69,25 @@ def make_config(postgres: EmbeddedPostgres, warehouse: Path, segments: Path, nam
         "spark": {"master": "local[2]"},
     }
     return parse_config(raw, segments.parent, "test config")
+
+
+@contextmanager
+def running(pipeline: Pipeline) -> Iterator[list[BaseException]]:
+    """Run ``pipeline`` (streaming, until stopped) in a thread for the ``with`` block; yields
+    the list its failure lands in. Leaving the block stops, joins and closes it."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pipeline.run()
+        except BaseException as exc:
+            failures.append(exc)
+
+    runner = threading.Thread(target=run, name="test-pipeline", daemon=True)
+    runner.start()
+    try:
+        yield failures
+    finally:
+        pipeline.stop()
+        runner.join(timeout=60)
+        pipeline.close()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from conftest import make_config
+from conftest import make_config, running
 from lake import iceberg_rows
 from walberg.apply.batch import BatchBuilder
 from walberg.apply.iceberg import IcebergSink
@@ -64,9 +63,7 @@ def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, 
         mode="json", exclude={"base_dir"})
     raw["maintenance"] = {"every": "2s", "snapshot_retention": "0s", "retain_last": 2}
     pipeline = Pipeline(parse_config(raw, tmp_path, "test"), session=spark)
-    runner = threading.Thread(target=pipeline.run, daemon=True)
-    runner.start()
-    try:
+    with running(pipeline) as failures:
         for i in range(6):
             with pg_conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {table} VALUES (%s, 'x')", (i,))
@@ -78,10 +75,7 @@ def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, 
             if "replace" in [h["operation"] for h in pipeline.history(table)]:
                 break
             time.sleep(0.5)
-    finally:
-        pipeline.stop()
-        runner.join(timeout=60)
-        pipeline.close()
+    assert not failures, failures
     assert "replace" in [h["operation"] for h in pipeline.history(table)]
     rows = iceberg_rows(warehouse, pipeline.targets[table])
     assert [(r["id"], r["v"]) for r in rows] == [(i, "y") for i in range(6)]

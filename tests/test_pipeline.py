@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import make_config
+from conftest import make_config, running
 from lake import duckdb_rows, iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.errors import Terminal
 from walberg.model import Lsn
@@ -272,16 +272,6 @@ def test_reconnects_after_the_replication_connection_is_killed(
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     target = config.target_for(table)
     pipeline = Pipeline(config, session=spark)
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            pipeline.run()
-        except BaseException as exc:
-            failure.append(exc)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
 
     def insert_and_wait(lo: int, hi: int) -> None:
         with pg_conn.cursor() as cur:
@@ -291,7 +281,7 @@ def test_reconnects_after_the_replication_connection_is_killed(
             lsn = Lsn.parse(cur.fetchone()[0])
         pipeline.wait_for(lsn, timeout=120)
 
-    try:
+    with running(pipeline) as failures:
         insert_and_wait(1, 100)
         for _ in range(2):
             with pg_conn.cursor() as cur:
@@ -300,11 +290,7 @@ def test_reconnects_after_the_replication_connection_is_killed(
                             (config.source.postgres.slot,))
                 assert cur.fetchone()[0] is True
             insert_and_wait(101 + _ * 100, 200 + _ * 100)
-    finally:
-        pipeline.stop()
-        runner.join(timeout=60)
-        pipeline.close()
-    assert not failure, failure
+    assert not failures, failures
     assert "reconnecting" in caplog.text
     assert_lake_equals(pg_conn, warehouse, table, target)
     assert len(iceberg_rows(warehouse, target)) == 300
@@ -372,9 +358,7 @@ def test_a_second_walberg_on_the_same_slot_is_refused(pg_conn: Any, postgres: An
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     first = Pipeline(make_config(postgres, warehouse, tmp_path / "a", unique, [table]),
                      session=spark)
-    runner = threading.Thread(target=first.run, daemon=True)
-    runner.start()
-    try:
+    with running(first) as failures:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with pg_conn.cursor() as cur:
@@ -397,10 +381,7 @@ def test_a_second_walberg_on_the_same_slot_is_refused(pg_conn: Any, postgres: An
                          session=spark)
         with pytest.raises(Terminal, match=rf"in use by another walberg process \(pid {os.getpid()}"):
             third.run(once=True)
-    finally:
-        first.stop()
-        runner.join(timeout=60)
-        first.close()
+    assert not failures, failures
 
 
 def test_sigterm_stops_cleanly_with_exit_0(pg_conn: Any, postgres: Any, warehouse: Path,
