@@ -14,29 +14,61 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from walberg.apply.types import TextPrep
 from walberg.model import UNCHANGED, Column, Op, Row
 
 META = ("_wb_seq", "_wb_op", "_wb_lsn", "_wb_unchanged")
+DLQ_REASON = "_dlq_reason"
 
 
 def value_column(i: int) -> str:
     return f"c{i}"
 
 
-def _schema(ncols: int) -> pa.Schema:
+def _schema(ncols: int, last: str = "_wb_unchanged") -> pa.Schema:
     return pa.schema(
         [pa.field(value_column(i), pa.string()) for i in range(ncols)]
         + [pa.field("_wb_seq", pa.int64()), pa.field("_wb_op", pa.string()),
-           pa.field("_wb_lsn", pa.int64()), pa.field("_wb_unchanged", pa.string())]
+           pa.field("_wb_lsn", pa.int64()), pa.field(last, pa.string())]
     )
+
+
+class DeadLetters:
+    """Rows that cannot be written as they are, staged with their raw text and the reason, for
+    the table's dead-letter table (see ``apply.iceberg``)."""
+
+    def __init__(self, path: Path, ncols: int) -> None:
+        self.path = path
+        self.schema = _schema(ncols, DLQ_REASON)
+        self.writer: Optional[pq.ParquetWriter] = None
+        self.rows = 0
+
+    def split(self, raw: Sequence[pa.Array], reasons: Optional[pa.Array],
+              seq: pa.Array, ops: pa.Array, lsn: pa.Array) -> Optional[pa.Array]:
+        """Stage the rows that have a reason; return the mask of the rows to keep (None: all)."""
+        if reasons is None or reasons.null_count == len(reasons):
+            return None
+        bad = pc.is_valid(reasons)
+        table = pa.Table.from_arrays([*raw, seq, ops, lsn, reasons], schema=self.schema)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, self.schema, compression="snappy")
+        self.writer.write_table(table.filter(bad))
+        self.rows += int(pc.sum(bad.cast(pa.int64())).as_py())
+        return pc.invert(bad)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 @dataclass
@@ -50,6 +82,8 @@ class StagedTable:
     ops: dict[str, int] = field(default_factory=lambda: {"I": 0, "U": 0, "D": 0})
     truncates: list[int] = field(default_factory=list)  # seq of each TRUNCATE in the batch
     unchanged_columns: set[int] = field(default_factory=set)
+    dead_letters: Optional[Path] = None  # staged rows for the dead-letter table
+    dead_rows: int = 0
 
     @property
     def insert_only(self) -> bool:
@@ -59,8 +93,11 @@ class StagedTable:
 class _TableStage:
     # Changes arrive in columns (the pipeline's columnar decoder) or one row at a time (kept as
     # tuples and transposed at flush); both are written by _write_columns.
-    def __init__(self, source: str, columns: tuple[Column, ...], directory: Path, chunk_rows: int):
+    def __init__(self, source: str, columns: tuple[Column, ...], directory: Path, chunk_rows: int,
+                 prep: TextPrep):
         self.staged = StagedTable(source, columns)
+        self.prep = prep
+        self.dead = DeadLetters(directory / f"dlq-{source}.parquet", len(columns))
         self.directory = directory
         self.chunk_rows = chunk_rows
         self.ncols = len(columns)
@@ -100,10 +137,18 @@ class _TableStage:
             for r in np.flatnonzero(flags).tolist():
                 marks[r] = f"{marks[r] or ','}{i},"
             self.staged.unchanged_columns.add(i)
-        arrays = [v.cast(pa.string()) for v in values]
-        arrays += [pa.array(seq, pa.int64()), pa.array(op_array, pa.string()),
-                   pa.array(lsn, pa.int64()), pa.array(marks, pa.string())]
-        self._write(pa.Table.from_arrays(arrays, schema=self.schema))
+        raw = [v.cast(pa.string()) for v in values]
+        arrays, reasons = self.prep.apply(raw)
+        meta = [pa.array(seq, pa.int64()), pa.array(op_array, pa.string()),
+                pa.array(lsn, pa.int64())]
+        table = pa.Table.from_arrays([*arrays, *meta, pa.array(marks, pa.string())],
+                                     schema=self.schema)
+        keep = self.dead.split(raw, reasons, *meta)
+        if keep is not None:
+            table = table.filter(keep)
+            op_array = op_array[np.asarray(keep)]
+            n = table.num_rows
+        self._write(table)
         for op in ("I", "U", "D"):
             self.staged.ops[op] += int(np.count_nonzero(op_array == op))
         self.staged.rows += n
@@ -144,14 +189,20 @@ class _TableStage:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self.dead.close()
+        if self.dead.rows:
+            self.staged.dead_letters, self.staged.dead_rows = self.dead.path, self.dead.rows
 
 
 class BatchBuilder:
     """Collects the changes of one batch per table into Parquet files under ``directory``."""
 
-    def __init__(self, directory: Path, chunk_rows: int = 100_000) -> None:
+    def __init__(self, directory: Path, chunk_rows: int = 100_000,
+                 prep: Callable[[str, tuple[Column, ...]], TextPrep] = lambda s, c: TextPrep(c, [])
+                 ) -> None:
         self.directory = directory
         self.chunk_rows = chunk_rows
+        self.prep = prep
         self._tables: dict[str, _TableStage] = {}
         directory.mkdir(parents=True, exist_ok=True)
 
@@ -159,7 +210,7 @@ class BatchBuilder:
         stage = self._tables.get(source)
         if stage is None:
             stage = self._tables[source] = _TableStage(source, columns, self.directory,
-                                                       self.chunk_rows)
+                                                       self.chunk_rows, self.prep(source, columns))
         elif stage.staged.columns != columns:
             raise SchemaChanged(source)
         return stage
@@ -187,6 +238,7 @@ class BatchBuilder:
         for stage in self._tables.values():
             if stage.writer is not None:
                 stage.writer.close()
+            stage.dead.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -198,15 +250,21 @@ class SchemaChanged(Exception):
         self.source = source
 
 
-def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path) -> int:
+def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
+                   prep: Optional[TextPrep] = None, dead: Optional[tuple[DeadLetters, int]] = None
+                   ) -> int:
     """Convert a COPY ... (FORMAT csv) file into staged Parquet (``c0..cN`` as text), streaming.
+    With ``prep`` the text is prepared like the stream's; rows that cannot be written go to
+    ``dead`` (dead letters, marked with the copy's LSN). Returns the rows staged for the table.
 
     Postgres writes NULL as an unquoted empty field and an empty string as ``""``; the reader
     is told exactly that, so the two never mix."""
     names = [value_column(i) for i in range(ncols)]
     schema = pa.schema([pa.field(n, pa.string()) for n in names])
-    # Opened as a plain stream: the path may be a named pipe that COPY is writing into.
-    with open(csv_path, "rb", buffering=0) as raw:
+    # The path may be a named pipe that COPY is writing into. Buffered, so that each read of a
+    # block returns the whole block: a pipe hands out 64 KiB at a time, and a row longer than
+    # the piece read would otherwise straddle two of pyarrow's blocks.
+    with open(csv_path, "rb", buffering=1 << 20) as raw:
         try:
             reader = pacsv.open_csv(
                 pa.PythonFile(raw, mode="r"),
@@ -224,8 +282,21 @@ def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path) -> int:
         rows = 0
         with pq.ParquetWriter(out_path, schema, compression="snappy") as writer:
             for chunk in reader:
-                writer.write_batch(chunk)
-                rows += chunk.num_rows
+                if prep is not None and prep.active:
+                    raw = chunk.columns
+                    arrays, reasons = prep.apply(raw)
+                    table = pa.Table.from_arrays(arrays, schema=schema)
+                    if dead is not None and reasons is not None:
+                        n = len(reasons)
+                        keep = dead[0].split(raw, reasons, pa.array(np.zeros(n, np.int64)),
+                                             pa.array(["S"] * n), pa.array(np.full(n, dead[1])))
+                        if keep is not None:
+                            table = table.filter(keep)
+                    writer.write_table(table)
+                    rows += table.num_rows
+                else:
+                    writer.write_batch(chunk)
+                    rows += chunk.num_rows
     return rows
 
 
