@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from walberg.errors import ConfigError
 
@@ -83,6 +83,26 @@ class Sink(_Model):
         None, pattern=_IDENT, description="Iceberg namespace; default: the Postgres schema name"
     )
     mode: Literal["upsert"] = Field("upsert", description="upsert: the table mirrors Postgres")
+    unconstrained_numeric: str = Field(
+        "decimal(38,18)", pattern=r"^decimal\(\d{1,2},\d{1,2}\)$",
+        description="Iceberg type for NUMERIC columns declared without precision (values that "
+                    "do not fit go to the dead-letter table)")
+    text_types: list[str] = Field(
+        default_factory=list,
+        description="extension types (e.g. geometry) to store as their Postgres text form")
+
+    @property
+    def numeric_default(self) -> tuple[int, int]:
+        p, s = re.findall(r"\d+", self.unconstrained_numeric)
+        return int(p), int(s)
+
+    @model_validator(mode="after")
+    def _numeric_fits(self) -> "Sink":
+        p, s = self.numeric_default
+        if not 1 <= p <= 38 or s > p:
+            raise ValueError(f"unconstrained_numeric {self.unconstrained_numeric}: precision must "
+                             "be 1..38 and the scale at most the precision")
+        return self
 
 
 class Buffer(_Model):

@@ -68,6 +68,19 @@ class Column:
 
 
 @dataclass(frozen=True, slots=True)
+class PgType:
+    """What the source catalog (pg_type) says about one type OID."""
+
+    oid: int
+    name: str  # pg_type.typname, e.g. "int4", "mood", "citext"
+    kind: str  # pg_type.typtype: b base, d domain, e enum, c composite, r range, m multirange
+    base: int = 0  # a domain's underlying type
+    base_modifier: int = -1  # a domain's type modifier (e.g. numeric(12,2))
+    element: int = 0  # an array's element type
+    builtin: bool = True  # part of Postgres itself (oid below FirstNormalObjectId)
+
+
+@dataclass(frozen=True, slots=True)
 class Relation:
     oid: int
     schema: str

@@ -1,29 +1,70 @@
-"""Postgres column types -> Iceberg (Spark SQL) types, and the expression that turns Postgres's
-text representation of a value into the typed value.
+"""Postgres column types -> Iceberg (Spark SQL) types, and how Postgres's text representation of
+a value becomes the typed value.
 
-This is the one type path: the initial copy and the stream both hand over Postgres text
-(rendered with the same session settings), and both are converted here, inside Spark.
+This is the one type path: the initial copy and the stream both hand over Postgres text (rendered
+with the same session settings, see ``source.postgres.SESSION_OPTIONS``), and both go through here:
+
+1. in Python, while staging (``TextPrep``): array literals become JSON, and values that cannot be
+   written exactly (NaN in a decimal column, a number too wide for its decimal, 'infinity' in a
+   timestamp) are picked out for the dead-letter table instead of being rounded or nulled;
+2. in Spark (``SparkType.convert``): the text is cast to the column's type.
+
+The mapping (also in the README):
+
+    smallint, integer         -> int          bigint, oid        -> long
+    real                      -> float        double precision   -> double
+    numeric(p,s), p <= 38     -> decimal(p,s)  other numeric     -> decimal(38,18) (configurable)
+    boolean                   -> boolean      bytea              -> binary
+    date                      -> date         timestamp          -> timestamp (without zone)
+    timestamptz               -> timestamptz (UTC, microseconds)
+    arrays (declared dims)    -> list (nested for int[][] ...)
+    domains                   -> their base type;  enums -> string
+    everything else built in  -> string holding Postgres's text form (lossless): text, varchar,
+        char, name, citext, uuid, json, jsonb, time, timetz, interval (ISO 8601), money, bit,
+        inet, cidr, macaddr, tsvector, xml, ranges, composites, geometric types.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
-from walberg.model import Column
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from walberg.errors import ConfigError
+from walberg.model import Column, PgType
 
 # Postgres type OIDs (pg_type.oid, stable across versions).
 BOOL, BYTEA, NAME, INT8, INT2, INT4, TEXT, OID = 16, 17, 19, 20, 21, 23, 25, 26
 JSON, FLOAT4, FLOAT8, BPCHAR, VARCHAR, DATE, TIME = 114, 700, 701, 1042, 1043, 1082, 1083
 TIMESTAMP, TIMESTAMPTZ, NUMERIC, UUID, JSONB = 1114, 1184, 1700, 2950, 3802
+BOX = 603  # the one built-in type whose arrays use ';' between elements
 
-# Unconstrained NUMERIC has no declared precision; this is where it lands.
+# Unconstrained NUMERIC has no declared precision; this is where it lands by default.
 DEFAULT_DECIMAL = (38, 18)
+
+# Types from extensions that walberg knows to be text-like.
+KNOWN_EXTENSION_TYPES = frozenset({"citext", "hstore", "ltree"})
+
+# Dates and timestamps Spark can hold and walberg writes: years 0001-9999 AD. Postgres also
+# has 'infinity', BC dates and years past 9999; those go to the dead-letter table.
+_DATETIME_OK = r"^\d{4}-\d\d-\d\d[^B]*$"
 
 
 @dataclass(frozen=True)
 class SparkType:
     sql: str  # the Spark SQL type for CREATE TABLE
-    convert: str  # expression template over the text column, `{}` stands for the column
+    convert: str  # expression template over the staged text, `{}` stands for the column
+    valid: Optional[str] = None  # a regex every non-NULL text value must match to be written
+    why_invalid: str = ""  # what an unmatched value is, for the dead-letter reason
+    array_dims: int = 0  # >0: an array literal, turned into JSON while staging
+    element: Optional["SparkType"] = None
+
+    def describe(self) -> str:
+        return self.sql.lower()
 
 
 def quote(name: str) -> str:
@@ -38,33 +79,242 @@ def numeric_precision(type_modifier: int) -> tuple[int, int] | None:
     return (mod >> 16) & 0xFFFF, mod & 0xFFFF
 
 
-def spark_type(col: Column) -> SparkType:
-    oid = col.type_oid
-    if oid == BOOL:
-        return SparkType("BOOLEAN", "CAST({} AS BOOLEAN)")
-    if oid == INT2 or oid == INT4:
-        return SparkType("INT", "CAST({} AS INT)")
-    if oid == INT8 or oid == OID:
-        return SparkType("BIGINT", "CAST({} AS BIGINT)")
-    if oid == FLOAT4:
-        return SparkType("FLOAT", "CAST({} AS FLOAT)")
-    if oid == FLOAT8:
-        return SparkType("DOUBLE", "CAST({} AS DOUBLE)")
-    if oid == NUMERIC:
-        ps = numeric_precision(col.type_modifier)
-        if ps is None or ps[0] > 38:
-            ps = DEFAULT_DECIMAL
-        t = f"DECIMAL({ps[0]},{ps[1]})"
-        return SparkType(t, f"CAST({{}} AS {t})")
-    if oid == DATE:
-        return SparkType("DATE", "CAST({} AS DATE)")
-    if oid == TIMESTAMP:
-        return SparkType("TIMESTAMP_NTZ", "CAST({} AS TIMESTAMP_NTZ)")
-    if oid == TIMESTAMPTZ:
-        return SparkType("TIMESTAMP", "CAST({} AS TIMESTAMP)")
-    if oid == BYTEA:
-        # bytea_output=hex renders '\x0a0b...'
-        return SparkType("BINARY", "unhex(substring({}, 3))")
-    # text, varchar, char, name, uuid, json/jsonb and every other type keep their exact
-    # Postgres text representation: lossless, and readable by every engine.
-    return SparkType("STRING", "{}")
+def _decimal(p: int, s: int) -> SparkType:
+    t = f"DECIMAL({p},{s})"
+    whole = p - s
+    integer = r"0" if whole == 0 else rf"\d{{1,{whole}}}"
+    fraction = rf"(\.\d{{1,{s}}})?" if s else ""
+    return SparkType(t, f"CAST({{}} AS {t})", rf"^-?{integer}{fraction}$",
+                     f"does not fit {t.lower()} without rounding (NaN, Infinity, or too many "
+                     "digits)")
+
+
+_STRING = SparkType("STRING", "{}")
+_SCALARS: dict[int, SparkType] = {
+    BOOL: SparkType("BOOLEAN", "CAST({} AS BOOLEAN)"),
+    INT2: SparkType("INT", "CAST({} AS INT)"),
+    INT4: SparkType("INT", "CAST({} AS INT)"),
+    INT8: SparkType("BIGINT", "CAST({} AS BIGINT)"),
+    OID: SparkType("BIGINT", "CAST({} AS BIGINT)"),
+    FLOAT4: SparkType("FLOAT", "CAST({} AS FLOAT)"),
+    FLOAT8: SparkType("DOUBLE", "CAST({} AS DOUBLE)"),
+    DATE: SparkType("DATE", "CAST({} AS DATE)", _DATETIME_OK,
+                    "is outside the dates 0001-01-01..9999-12-31 that Iceberg engines share"),
+    TIMESTAMP: SparkType("TIMESTAMP_NTZ", "CAST({} AS TIMESTAMP_NTZ)", _DATETIME_OK,
+                         "is outside the years 0001..9999 that Iceberg engines share"),
+    TIMESTAMPTZ: SparkType("TIMESTAMP", "CAST({} AS TIMESTAMP)", _DATETIME_OK,
+                           "is outside the years 0001..9999 that Iceberg engines share"),
+    # bytea_output=hex renders '\x0a0b...'
+    BYTEA: SparkType("BINARY", "unhex(substring({}, 3))"),
+}
+
+
+class UnsupportedType(ConfigError):
+    pass
+
+
+@dataclass
+class TypeMap:
+    """Resolves a column's Postgres type (through domains and arrays) to its Iceberg type.
+
+    Fed by the pipeline with what the source catalog says (``learn``); a column whose type it
+    was never told about is mapped from its OID alone (built-in types)."""
+
+    unconstrained_numeric: tuple[int, int] = DEFAULT_DECIMAL
+    text_types: frozenset[str] = frozenset()
+    types: dict[int, PgType] = field(default_factory=dict)
+    dims: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def learn(self, types: Mapping[int, PgType], table: Optional[str] = None,
+              dims: Mapping[str, int] = {}) -> None:
+        self.types.update(types)
+        if table is not None:
+            for name, n in dims.items():
+                self.dims[(table, name)] = n
+
+    def spark_type(self, col: Column, table: Optional[str] = None) -> SparkType:
+        return self._resolve(col.type_oid, col.type_modifier,
+                             self.dims.get((table, col.name), 1) if table else 1,
+                             table, col.name)
+
+    def _resolve(self, oid: int, modifier: int, dims: int, table: Optional[str],
+                 column: str) -> SparkType:
+        t = self.types.get(oid)
+        if t is not None and t.kind == "d":
+            return self._resolve(t.base, t.base_modifier if modifier < 0 else modifier, dims,
+                                 table, column)
+        if t is not None and t.element:
+            element = self._resolve(t.element, modifier, 1, table, column)
+            if t.element == BOX or element.array_dims:
+                return _STRING
+            sql = element.sql
+            for _ in range(dims):
+                sql = f"ARRAY<{sql}>"
+            return SparkType(sql, _array_convert(element, dims), array_dims=max(dims, 1),
+                             element=element)
+        if oid == NUMERIC:
+            ps = numeric_precision(modifier)
+            if ps is None or ps[0] > 38:
+                ps = self.unconstrained_numeric
+            return _decimal(*ps)
+        scalar = _SCALARS.get(oid)
+        if scalar is not None:
+            return scalar
+        if t is not None and not t.builtin and t.kind == "b" \
+                and t.name not in KNOWN_EXTENSION_TYPES | self.text_types:
+            where = f"{table}.{column}" if table else column
+            raise UnsupportedType(
+                f"column {where} has type {t.name}, which comes from an extension walberg has no "
+                f"mapping for. To store its Postgres text form as a string, add it to "
+                f"sink.text_types in the pipeline file (text_types: [{t.name}]).")
+        # Everything else keeps its exact Postgres text representation: lossless, and readable
+        # by every engine (see the module docstring for the list).
+        return _STRING
+
+    def prep(self, columns: Sequence[Column], table: Optional[str] = None) -> "TextPrep":
+        return TextPrep(columns, [self.spark_type(c, table) for c in columns])
+
+
+def _array_convert(element: SparkType, dims: int) -> str:
+    """from_json gives nested lists of element text; each element then takes its own cast."""
+    var = "x"
+    body = element.convert.format(var)
+    for d in range(dims - 1):
+        inner = f"y{d}"
+        body = f"transform({inner}, {var} -> {body})"
+        var = inner
+    strings = "STRING"
+    for _ in range(dims):
+        strings = f"ARRAY<{strings}>"
+    return f"transform(from_json({{}}, '{strings}'), {var} -> {body})"
+
+
+class BadArray(ValueError):
+    pass
+
+
+def parse_array(text: str, delimiter: str = ",") -> list[Any]:
+    """Postgres array literal -> nested lists of element text (None for NULL)."""
+    i = 0
+    if text.startswith("["):  # explicit bounds, e.g. [0:2]={1,2,3}
+        i = text.index("=") + 1
+    n = len(text)
+
+    def parse(i: int) -> tuple[list[Any], int]:
+        if i >= n or text[i] != "{":
+            raise BadArray("not an array literal")
+        i += 1
+        out: list[Any] = []
+        if i < n and text[i] == "}":
+            return out, i + 1
+        while i < n:
+            c = text[i]
+            if c == "{":
+                value, i = parse(i)
+                out.append(value)
+            elif c == '"':
+                j, buf = i + 1, []
+                while text[j] != '"':
+                    if text[j] == "\\":
+                        j += 1
+                    buf.append(text[j])
+                    j += 1
+                out.append("".join(buf))
+                i = j + 1
+            else:
+                j = i
+                while text[j] != delimiter and text[j] != "}":
+                    j += 1
+                raw = text[i:j]
+                out.append(None if raw == "NULL" else raw)
+                i = j
+            if text[i] == delimiter:
+                i += 1
+            elif text[i] == "}":
+                return out, i + 1
+            else:
+                raise BadArray("unexpected character")
+        raise BadArray("unterminated array literal")
+
+    try:
+        value, end = parse(i)
+    except IndexError:
+        raise BadArray("unterminated array literal") from None
+    if end != n:
+        raise BadArray("trailing characters")
+    return value
+
+
+def _depth_ok(value: list[Any], dims: int, check: Optional[re.Pattern[str]]) -> bool:
+    for v in value:
+        if isinstance(v, list):
+            if dims <= 1 or not _depth_ok(v, dims - 1, check):
+                return False
+        elif dims != 1:
+            return False
+        elif v is not None and check is not None and not check.match(v):
+            return False
+    return True
+
+
+class TextPrep:
+    """Per table: staged text -> text Spark can cast, and which rows cannot be written exactly.
+
+    ``apply`` takes one chunk of string columns and gives back the columns to stage, plus a
+    reason (or null) per row: rows with a reason go to the dead-letter table."""
+
+    def __init__(self, columns: Sequence[Column], types: Sequence[SparkType]) -> None:
+        self.names = [c.name for c in columns]
+        self.types = list(types)
+        self.active = any(t.valid or t.array_dims for t in self.types)
+
+    def apply(self, arrays: Sequence[pa.Array]) -> tuple[list[pa.Array], Optional[pa.Array]]:
+        if not self.active:
+            return list(arrays), None
+        out = list(arrays)
+        reasons: Optional[pa.Array] = None
+        for i, (arr, t) in enumerate(zip(arrays, self.types, strict=True)):
+            if t.array_dims:
+                out[i], bad = self._arrays(arr, t)
+                why = (f"is not a {t.array_dims}-dimensional array of {t.element.describe()}"
+                       if t.element else "is not an array")
+            elif t.valid:
+                bad = pc.and_kleene(pc.is_valid(arr),
+                                    pc.invert(pc.match_substring_regex(arr, t.valid)))
+                why = t.why_invalid
+            else:
+                continue
+            if not pc.any(bad).as_py():
+                continue
+            text = pc.binary_join_element_wise(
+                f"column {self.names[i]}: '", pc.utf8_slice_codeunits(arr, 0, 60),
+                f"' {why}", "")
+            mine = pc.if_else(bad, text, pa.nulls(len(arr), pa.string()))
+            if reasons is None:
+                reasons = mine
+            else:
+                both = pc.binary_join_element_wise(reasons, mine, "; ")
+                reasons = pc.coalesce(both, reasons, mine)
+        return out, reasons
+
+    @staticmethod
+    def _arrays(arr: pa.Array, t: SparkType) -> tuple[pa.Array, pa.Array]:
+        check = re.compile(t.element.valid) if t.element and t.element.valid else None
+        converted: list[Optional[str]] = []
+        bad: list[bool] = []
+        for text in arr.to_pylist():
+            if text is None:
+                converted.append(None)
+                bad.append(False)
+                continue
+            try:
+                value = parse_array(text)
+            except BadArray:
+                value = None
+            if value is None or not _depth_ok(value, t.array_dims, check):
+                converted.append(None)
+                bad.append(True)
+            else:
+                converted.append(json.dumps(value, ensure_ascii=False))
+                bad.append(False)
+        return pa.array(converted, pa.string()), pa.array(bad, pa.bool_())

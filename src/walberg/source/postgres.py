@@ -4,7 +4,7 @@ session settings, catalog look-ups, publications and slots. psycopg2 lives only 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import psycopg2
@@ -13,12 +13,12 @@ import psycopg2.extras
 from psycopg2 import sql
 
 from walberg.errors import SourceError, Transient
-from walberg.model import Column, Lsn
+from walberg.model import Column, Lsn, PgType
 
 # Every connection (copy, replication, checks) renders values the same way, so the initial copy
 # and the stream produce byte-identical text for the same value: one type path.
 SESSION_OPTIONS = (
-    "-c TimeZone=UTC -c DateStyle=ISO,YMD -c IntervalStyle=postgres "
+    "-c TimeZone=UTC -c DateStyle=ISO,YMD -c IntervalStyle=iso_8601 "
     "-c extra_float_digits=3 -c bytea_output=hex -c client_encoding=UTF8"
 )
 
@@ -59,6 +59,8 @@ class TableInfo:
     replica_identity: str
     columns: tuple[Column, ...]
     estimated_rows: int
+    dims: dict[str, int] = field(default_factory=dict)  # declared dimensions of array columns
+    has_primary_key: bool = False
 
     @property
     def qualified_name(self) -> str:
@@ -75,7 +77,9 @@ def describe_table(conn: Any, table: str) -> TableInfo:
     schema, name = split_name(table)
     with conn.cursor() as cur:
         cur.execute(
-            """SELECT c.oid, c.relreplident, c.reltuples::bigint FROM pg_class c
+            """SELECT c.oid, c.relreplident, c.reltuples::bigint,
+                      EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)
+               FROM pg_class c
                JOIN pg_namespace n ON n.oid = c.relnamespace
                WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')""",
             (schema, name),
@@ -86,10 +90,10 @@ def describe_table(conn: Any, table: str) -> TableInfo:
                 f"table {table} (from source.postgres.tables) does not exist in the source "
                 "database. Create it, or fix the name (schema.table, case-sensitive)."
             )
-        oid, identity, estimate = row
+        oid, identity, estimate, has_pk = row
         cur.execute(
             """SELECT a.attname, a.atttypid, a.atttypmod,
-                      coalesce(a.attnum = ANY(i.indkey), false)
+                      coalesce(a.attnum = ANY(i.indkey), false), a.attndims
                FROM pg_attribute a
                LEFT JOIN LATERAL (
                    SELECT ix.indkey FROM pg_index ix
@@ -101,21 +105,56 @@ def describe_table(conn: Any, table: str) -> TableInfo:
                ORDER BY a.attnum""",
             (identity, identity, oid),
         )
+        rows = cur.fetchall()
         cols = tuple(
             Column(name=r[0], type_oid=r[1], type_modifier=r[2],
                    is_key=bool(r[3]) or identity == "f")
-            for r in cur.fetchall()
+            for r in rows
         )
-    return TableInfo(schema, name, oid, identity, cols, max(int(estimate), 0))
+    return TableInfo(schema, name, oid, identity, cols, max(int(estimate), 0),
+                     {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk))
+
+
+# Postgres's FirstNormalObjectId: OIDs below it belong to Postgres itself.
+_FIRST_USER_OID = 16384
+
+
+def describe_types(conn: Any, oids: set[int]) -> dict[int, PgType]:
+    """pg_type rows for ``oids`` and, transitively, the types they are built on (a domain's base
+    type, an array's element type)."""
+    found: dict[int, PgType] = {}
+    todo = set(oids)
+    with conn.cursor() as cur:
+        while todo:
+            cur.execute(
+                """SELECT t.oid, t.typname, t.typtype, t.typbasetype, t.typtypmod,
+                          CASE WHEN t.typcategory = 'A' THEN t.typelem ELSE 0 END
+                   FROM pg_type t WHERE t.oid = ANY(%s)""",
+                (sorted(todo),),
+            )
+            for oid, name, kind, base, base_mod, element in cur.fetchall():
+                found[oid] = PgType(int(oid), name, kind, int(base), int(base_mod), int(element),
+                                    int(oid) < _FIRST_USER_OID)
+            todo = {o for t in found.values() for o in (t.base, t.element) if o} - found.keys()
+    return found
 
 
 def require_key(info: TableInfo) -> None:
-    if not any(c.is_key for c in info.columns):
+    """Refuse a table whose updates and deletes the stream cannot identify, with the fix."""
+    if any(c.is_key for c in info.columns):
+        return
+    table = quote_table(info.qualified_name)
+    if info.replica_identity == "n":
+        fix = "REPLICA IDENTITY DEFAULT" if info.has_primary_key else "REPLICA IDENTITY FULL"
         raise SourceError(
-            f"table {info.qualified_name} has no primary key or replica identity index, so its "
-            "updates and deletes cannot be identified in the replication stream. Add a primary "
-            f"key, or run: ALTER TABLE {quote_table(info.qualified_name)} REPLICA IDENTITY FULL;"
-        )
+            f"table {info.qualified_name} has REPLICA IDENTITY NOTHING, so its updates and "
+            "deletes carry no key in the replication stream and cannot be applied. Run: "
+            f"ALTER TABLE {table} {fix};")
+    raise SourceError(
+        f"table {info.qualified_name} has no primary key or replica identity index, so its "
+        "updates and deletes cannot be identified in the replication stream. Add a primary "
+        f"key, or run: ALTER TABLE {table} REPLICA IDENTITY FULL;"
+    )
 
 
 def quote_table(table: str) -> str:
