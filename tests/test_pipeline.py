@@ -349,6 +349,16 @@ def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, s
     assert list(failed) == ["tables"]
     assert f'ALTER TABLE "public"."{unique}_nokey" REPLICA IDENTITY FULL;' in failed["tables"].detail
 
+    # REPLICA IDENTITY NOTHING on a table with a primary key: the fix is DEFAULT.
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table}_nothing (id int PRIMARY KEY)")
+        cur.execute(f"ALTER TABLE {table}_nothing REPLICA IDENTITY NOTHING")
+    bad = make_config(postgres, warehouse, tmp_path / "segments3", unique + "c",
+                      [f"{table}_nothing"])
+    failed = {r.name: r for r in Pipeline(bad).check() if not r.ok}
+    assert (f'ALTER TABLE "public"."{unique}_nothing" REPLICA IDENTITY DEFAULT;'
+            in failed["tables"].detail)
+
 
 def test_a_second_walberg_on_the_same_slot_is_refused(pg_conn: Any, postgres: Any, spark: Any,
                                                       warehouse: Path, tmp_path: Path,

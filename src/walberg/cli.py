@@ -25,6 +25,7 @@ EXAMPLES = {
     "status": "walberg status -c pipeline.yaml --json",
     "maintain": "walberg maintain -c pipeline.yaml --table public.employee",
     "history": "walberg history -c pipeline.yaml public.employee",
+    "verify": "walberg verify -c pipeline.yaml --table public.employee   # exit 0 only if equal",
     "init": "walberg init pipeline.yaml                # then edit the dsn and the tables",
 }
 
@@ -102,6 +103,17 @@ def _parser() -> argparse.ArgumentParser:
     maintain.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     maintain.add_argument("--table", action="append", help="source table (schema.table); "
                                                            "repeat for several; default: all")
+
+    verify = command("verify", "prove each Iceberg table equals its Postgres table (row counts, "
+                               "hashes over all columns, differing keys)")
+    verify.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    verify.add_argument("--table", action="append", help="source table (schema.table); "
+                                                         "repeat for several; default: all")
+    verify.add_argument("--limit", type=int, default=20,
+                        help="differing keys to list per table (default 20)")
+    verify.add_argument("--wait", type=float, default=60.0,
+                        help="seconds to wait for a running walberg to catch up (default 60)")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     init = command("init", "write a commented starter pipeline.yaml")
     init.add_argument("path", nargs="?", default="pipeline.yaml", help="where to write it")
@@ -217,6 +229,26 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    with _opened(args) as pipeline:
+        verdicts = pipeline.verify(args.table, args.limit, args.wait)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(v) for v in verdicts], indent=2))
+    for v in verdicts if not args.json else []:
+        mark = "ok  " if v.equal else "DIFF"
+        print(f"[{mark}] {v.source} -> {v.target}: source {v.source_rows:,} rows (at LSN "
+              f"{v.source_lsn}), lake {v.lake_rows:,} rows (up to LSN {v.lake_lsn or '-'})")
+        if v.note:
+            print(f"       {v.note}")
+        for d in v.differences:
+            key = ", ".join(f"{k}={val}" for k, val in d["key"].items())
+            print(f"       {key}: {d['problem']}")
+    return 0 if all(v.equal for v in verdicts) else 1
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -301,6 +333,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_maintain(args)
         if args.command == "history":
             return _cmd_history(args)
+        if args.command == "verify":
+            return _cmd_verify(args)
         raise AssertionError(args.command)
     except WalbergError as exc:
         if args.debug:

@@ -30,12 +30,19 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from walberg import metrics
-from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, csv_to_parquet
+from walberg import metrics, verify
+from walberg.apply.batch import (
+    BatchBuilder,
+    DeadLetters,
+    SchemaChanged,
+    StagedTable,
+    csv_to_parquet,
+    seq_filter,
+)
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.metadata import read_hadoop_table
 from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
-from walberg.apply.types import spark_type
+from walberg.apply.types import TextPrep, TypeMap
 from walberg.buffer.store import SegmentStore, inspect_directory
 from walberg.config import Config, load_config
 from walberg.errors import DecodeError, Terminal, Transient, WalbergError
@@ -52,6 +59,7 @@ from walberg.source.columnar import Changes, Malformed, decode_changes
 from walberg.source.pgoutput import Decoder
 from walberg.source.snapshot import copy_table
 from walberg.source.stream import CreatedSlot, ReplicationStream
+from walberg.verify import TableVerdict
 
 log = logging.getLogger("walberg")
 
@@ -121,8 +129,10 @@ class Pipeline:
         self.targets = {t: config.target_for(t) for t in self.tables}
         self.committed: dict[str, Lsn] = {}
         self.report = RunReport()
+        self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
         self._session: Any = session
-        self._sink: Optional[IcebergSink] = IcebergSink(session) if session is not None else None
+        self._sink: Optional[IcebergSink] = (IcebergSink(session, self.types)
+                                             if session is not None else None)
         self._store: Optional[SegmentStore] = None
         self._meta: dict[int, SegmentMeta] = {}
         self._relations_raw: dict[int, bytes] = {}
@@ -153,7 +163,7 @@ class Pipeline:
             self._session = build_session(self.config.spark.master, cat.name,
                                           self.config.warehouse, cat.properties,
                                           self.config.spark.conf)
-            self._sink = IcebergSink(self._session)
+            self._sink = IcebergSink(self._session, self.types)
         return self._session
 
     @property
@@ -230,6 +240,82 @@ class Pipeline:
             reports.append(report)
         return reports
 
+    # ---- verify ----------------------------------------------------------------------------------
+
+    def verify(self, tables: Optional[list[str]] = None, limit: int = 20,
+               wait_seconds: float = 60.0, attempts: int = 3) -> list[TableVerdict]:
+        """Compare each table in Postgres with its Iceberg table: row counts and an
+        order-independent hash over all columns, computed by each side's own engine; on a
+        difference, the first ``limit`` differing keys.
+
+        The source is read in one snapshot at WAL position X. When a walberg process is running
+        on the pipeline, verify waits (up to ``wait_seconds``) until the lake has committed
+        past X. A source table still changing meanwhile can make the two disagree for that
+        reason alone, so a difference is measured again, ``attempts`` times in all."""
+        chosen = tables or self.tables
+        for t in chosen:
+            if t not in self.targets:
+                raise Terminal(f"{t} is not one of this pipeline's tables "
+                               f"({', '.join(self.tables)}); see source.postgres.tables")
+        self.session()
+        conn = pg.connect(self.pg.dsn, autocommit=False)
+        verdicts = []
+        try:
+            infos = {t: pg.describe_table(conn, t) for t in chosen}
+            conn.rollback()
+            self._learn_types(conn, infos)
+            conn.rollback()
+            for t in chosen:
+                verdict = None
+                for _ in range(max(attempts, 1)):
+                    verdict = self._verify_table(conn, infos[t], limit, wait_seconds)
+                    if verdict.equal:
+                        break
+                assert verdict is not None
+                verdicts.append(verdict)
+        finally:
+            conn.close()
+        return verdicts
+
+    def _verify_table(self, conn: Any, info: pg.TableInfo, limit: int,
+                      wait_seconds: float) -> TableVerdict:
+        source, target = info.qualified_name, self.targets[info.qualified_name]
+        types = [self.types.spark_type(c, target) for c in info.columns]
+        table = pg.quote_table(source)
+        conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_current_wal_lsn()::text")
+                at = Lsn.parse(cur.fetchone()[0])
+            running = inspect_directory(self.config.segment_dir).holder_pid is not None
+            lake_lsn = self.sink.committed_lsn(target)
+            deadline = time.monotonic() + wait_seconds
+            while running and (lake_lsn is None or lake_lsn < at) and time.monotonic() < deadline:
+                time.sleep(0.5)
+                lake_lsn = self.sink.committed_lsn(target)
+            if lake_lsn is None:
+                return TableVerdict(source, target, False, 0, 0, str(at), None,
+                                    note=f"{target} has no walberg commit yet: run walberg "
+                                         f"run -c <pipeline.yaml> --once first")
+            src_n, src_hash = verify.source_digest(conn, table, info.columns, types)
+            lake_n, lake_hash = verify.lake_digest(self.session(), target, info.columns, types)
+            verdict = TableVerdict(source, target, (src_n, src_hash) == (lake_n, lake_hash),
+                                   src_n, lake_n, str(at), str(lake_lsn))
+            if lake_lsn < at:
+                verdict.note = (f"the lake holds {source} up to LSN {lake_lsn}, the source was "
+                                f"read at {at}; changes in between, if any, are not applied yet")
+            if not verdict.equal:
+                with tempfile.TemporaryDirectory(prefix="walberg-verify-",
+                                                 dir=self.config.segment_dir.parent) as work:
+                    hashes = Path(work) / "source.parquet"
+                    verify.source_row_hashes(conn, table, info.columns, types, hashes)
+                    verdict.differences = verify.differing_keys(
+                        self.session(), target, info.columns, types, hashes, limit)
+            return verdict
+        finally:
+            conn.rollback()
+            conn.set_session(isolation_level="READ COMMITTED", readonly=False)
+
     # ---- inspection: check and status ---------------------------------------------------------
 
     def check(self) -> list["CheckResult"]:
@@ -273,9 +359,12 @@ class Pipeline:
                 return f"role {name} has REPLICATION and SELECT on the tables"
 
             def tables() -> str:
-                for t in self.tables:
-                    pg.require_key(pg.describe_table(conn, t))
-                return f"{len(self.tables)} table(s) exist with a usable replica identity"
+                infos = {t: pg.describe_table(conn, t) for t in self.tables}
+                for info in infos.values():
+                    pg.require_key(info)
+                self._learn_types(conn, infos)
+                return (f"{len(self.tables)} table(s) exist with a usable replica identity and "
+                        "column types walberg maps")
 
             def publication() -> str:
                 missing = pg.publication_missing(conn, self.pg.publication, self.tables)
@@ -406,6 +495,7 @@ class Pipeline:
             infos = {t: pg.describe_table(conn, t) for t in self.tables}
             for info in infos.values():
                 pg.require_key(info)
+            self._learn_types(conn, infos)
             pg.ensure_publication(conn, self.pg.publication, self.tables)
             slot = pg.slot_state(conn, self.pg.slot)
             if slot is not None and slot.active_pid is not None:
@@ -551,8 +641,16 @@ class Pipeline:
             for info in infos:
                 started = time.monotonic()
                 parquet = workdir / f"{info.qualified_name}.parquet"
-                rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet)
+                dead = DeadLetters(workdir / f"dlq-{info.qualified_name}.parquet", len(info.columns))
+                rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet,
+                                             (dead, int(created.consistent_point)))
                 target = self.targets[info.qualified_name]
+                dead.close()
+                # Dead letters first: if the copy itself then fails, the next copy replaces them.
+                dropped = self.sink.write_dead_letters(
+                    target, info.columns, dead.path, created.consistent_point,
+                    snapshot=True) if dead.rows else 0
+                self._count_dead(info.qualified_name, target, dropped)
                 self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
                 self.committed[info.qualified_name] = created.consistent_point
                 self.report.copied[info.qualified_name] = rows
@@ -567,7 +665,7 @@ class Pipeline:
                 temp.close()
 
     def _copy_to_parquet(self, info: pg.TableInfo, workdir: Path, snapshot: str,
-                         parquet: Path) -> int:
+                         parquet: Path, dead: tuple[DeadLetters, int]) -> int:
         """COPY the table through a named pipe into the Parquet writer: Postgres renders rows
         while pyarrow parses them, and no CSV file ever lands on disk."""
         fifo = workdir / f"{info.qualified_name}.csv"
@@ -587,7 +685,8 @@ class Pipeline:
         producer = threading.Thread(target=produce, name=f"copy-{info.qualified_name}")
         producer.start()
         try:
-            csv_to_parquet(fifo, len(info.columns), parquet)
+            csv_to_parquet(fifo, len(info.columns), parquet,
+                           self._prep(info.qualified_name, info.columns), dead)
         finally:
             producer.join()
             fifo.unlink(missing_ok=True)
@@ -799,7 +898,7 @@ class Pipeline:
         assert self._store is not None
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
-        builder = BatchBuilder(workdir)
+        builder = BatchBuilder(workdir, prep=self._prep)
         chunks = _Chunks(builder)
         decoder = Decoder()
         seq = 0
@@ -896,6 +995,12 @@ class Pipeline:
                 st = batch.staged[source]
                 if not self.sink.columns_match(self.targets[source], st.columns):
                     raise self._schema_error(source, st.columns, batch.end)
+                if st.dead_letters is not None:
+                    # Before the table's own commit: a replay skips what the DLQ holds.
+                    dropped = self.sink.write_dead_letters(
+                        self.targets[source], st.columns, st.dead_letters, batch.end,
+                        where=seq_filter(batch.max_seq, batch.void, []))
+                    self._count_dead(source, self.targets[source], dropped)
                 commit_started = time.monotonic()
                 try:
                     self.sink.apply(self.targets[source], st, batch.end, batch.max_seq, batch.void)
@@ -934,9 +1039,15 @@ class Pipeline:
                  "committed in %.2f s", len(segments), batch.changes, batch.end, batch.staged_s,
                  time.monotonic() - started)
 
+    def _count_dead(self, source: str, target: str, rows: int) -> None:
+        if rows:
+            metrics.DEAD_LETTERS.labels(source).inc(rows)
+            log.warning("%d row(s) of %s could not be written exactly and went to %s with the "
+                        "reason in _dlq_reason", rows, source, self.sink.dead_letter_target(target))
+
     def _schema_error(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> Terminal:
         target = self.targets[source]
-        now = ", ".join(f"{c.name} {spark_type(c).sql.lower()}" for c in columns)
+        now = ", ".join(f"{c.name} {self.types.spark_type(c, target).describe()}" for c in columns)
         return Terminal(
             f"{source} changed its columns in Postgres (ALTER TABLE) before LSN {lsn}; it now "
             f"has ({now}), which {target} does not match. This version of walberg does not "
@@ -945,6 +1056,18 @@ class Pipeline:
             "copies the table afresh and streams on from there. Nothing after the last commit "
             "was confirmed to the slot, so nothing is lost meanwhile."
         )
+
+    def _learn_types(self, conn: Any, infos: dict[str, pg.TableInfo]) -> None:
+        """Tell the type map what the source catalog says about the tables' column types, and
+        refuse, before anything runs, a column whose type walberg cannot map."""
+        found = pg.describe_types(conn, {c.type_oid for i in infos.values() for c in i.columns})
+        for t, info in infos.items():
+            self.types.learn(found, self.targets[t], info.dims)
+            for c in info.columns:
+                self.types.spark_type(c, self.targets[t])
+
+    def _prep(self, source: str, columns: tuple[Column, ...]) -> TextPrep:
+        return self.types.prep(columns, self.targets[source])
 
     def _wanted(self, rel: Relation, txn: Begin) -> bool:
         committed = self.committed.get(rel.qualified_name)

@@ -11,13 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from walberg.apply.batch import StagedTable, effective_truncate, seq_filter, value_column
+from walberg.apply.batch import (
+    DLQ_REASON,
+    StagedTable,
+    effective_truncate,
+    seq_filter,
+    value_column,
+)
 from walberg.apply.spark import spark_call, with_commit_properties
-from walberg.apply.types import quote, spark_type
+from walberg.apply.types import TypeMap, quote
 from walberg.model import Column, Lsn
 
 LSN_PROPERTY = "walberg.lsn"
 LSN_COLUMN = "_walberg_lsn"
+OP_COLUMN = "_walberg_op"
+DLQ_SUFFIX = "__dlq"
 TABLE_PROPERTIES = {
     "format-version": "2",
     # Updates and deletes write position deletes (merge-on-read) instead of rewriting data files.
@@ -64,9 +72,11 @@ def quote_target(target: str) -> str:
 
 
 class IcebergSink:
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Any, types: Optional[TypeMap] = None) -> None:
         self.spark = session
+        self.types = types or TypeMap()
         self._schemas: dict[str, list[tuple[str, str]]] = {}
+        self._dead_lsn: dict[str, Optional[Lsn]] = {}
 
     def sql(self, what: str, statement: str) -> Any:
         return spark_call(what, lambda: self.spark.sql(statement))
@@ -78,16 +88,21 @@ class IcebergSink:
             return False
         self.sql(f"creating namespace {catalog}.{namespace}",
                  f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}")
-        cols = ", ".join(f"{quote(c.name)} {spark_type(c).sql}" for c in columns)
+        cols = ", ".join(f"{quote(c.name)} {self.types.spark_type(c, target).sql}"
+                         for c in columns)
+        self._create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT")
+        return True
+
+    def _create(self, target: str, columns: str) -> None:
         props = ", ".join(f"'{k}'='{v}'" for k, v in TABLE_PROPERTIES.items())
         self.sql(f"creating table {target}",
-                 f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({cols}, "
-                 f"{quote(LSN_COLUMN)} BIGINT) USING iceberg TBLPROPERTIES ({props})")
-        return True
+                 f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({columns}) "
+                 f"USING iceberg TBLPROPERTIES ({props})")
 
     def columns_match(self, target: str, columns: Sequence[Column]) -> bool:
         """Whether the Iceberg table has exactly these source columns (names and types)."""
-        want = [(c.name, spark_type(c).sql.lower()) for c in columns] + [(LSN_COLUMN, "bigint")]
+        want = [(c.name, self.types.spark_type(c, target).describe()) for c in columns]
+        want.append((LSN_COLUMN, "bigint"))
         if self._schemas.get(target) != want:
             schema = spark_call(f"reading the schema of {target}",
                                 lambda: self.spark.table(target).schema)
@@ -175,10 +190,10 @@ class IcebergSink:
             "orphan_files_removed": sum(1 for _ in orphans.orphanFileLocations()),
         }
 
-    def _typed(self, df: Any, columns: Sequence[Column], lsn_expr: str,
+    def _typed(self, df: Any, target: str, columns: Sequence[Column], lsn_expr: str,
                keep: Sequence[str] = ()) -> Any:
-        exprs = [f"{spark_type(c).convert.format(value_column(i))} AS {quote(c.name)}"
-                 for i, c in enumerate(columns)]
+        exprs = [f"{self.types.spark_type(c, target).convert.format(value_column(i))} "
+                 f"AS {quote(c.name)}" for i, c in enumerate(columns)]
         exprs.append(f"{lsn_expr} AS {quote(LSN_COLUMN)}")
         exprs.extend(keep)
         return df.selectExpr(*exprs)
@@ -187,7 +202,7 @@ class IcebergSink:
                   lsn: Lsn) -> None:
         """Replace the table's contents with the initial copy, in one commit marked ``lsn``."""
         df = self.spark.read.parquet(*[str(f) for f in files])
-        typed = self._typed(df, columns, f"CAST({int(lsn)} AS BIGINT)")
+        typed = self._typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
         from pyspark.sql.functions import lit
 
         spark_call(
@@ -195,6 +210,44 @@ class IcebergSink:
             lambda: typed.writeTo(target).option(f"snapshot-property.{LSN_PROPERTY}", str(lsn))
             .overwrite(lit(True)),
         )
+
+    def dead_letter_target(self, target: str) -> str:
+        return target + DLQ_SUFFIX
+
+    def write_dead_letters(self, target: str, columns: Sequence[Column], path: Path, lsn: Lsn,
+                           where: str = "true", snapshot: bool = False) -> int:
+        """Append staged dead letters to ``<target>__dlq`` in one commit marked ``lsn``: the raw
+        text of every column, the change's op and LSN, and the reason. Rows of transactions the
+        dead-letter table already holds (a replay after a crash) are left out. ``snapshot``: the
+        rows come from an initial copy and replace those of any earlier copy. Returns the rows
+        written."""
+        dlq = self.dead_letter_target(target)
+        if dlq not in self._dead_lsn:
+            if not self.table_exists(dlq):
+                cols = ", ".join(f"{quote(c.name)} STRING" for c in columns)
+                self._create(dlq, f"{cols}, {quote(OP_COLUMN)} STRING, {quote(LSN_COLUMN)} BIGINT, "
+                                  f"{quote(DLQ_REASON)} STRING")
+            self._dead_lsn[dlq] = self.committed_lsn(dlq)
+        held = self._dead_lsn[dlq]
+        df = self.spark.read.parquet(str(path)).where(where)
+        if snapshot:
+            self.sql(f"replacing earlier initial-copy dead letters in {dlq}",
+                     f"DELETE FROM {quote_target(dlq)} WHERE {quote(OP_COLUMN)} = 'snapshot'")
+        elif held is not None:
+            df = df.where(f"_wb_lsn > {int(held)}")
+        exprs = [f"{value_column(i)} AS {quote(c.name)}" for i, c in enumerate(columns)]
+        exprs += [f"CASE _wb_op WHEN 'I' THEN 'insert' WHEN 'U' THEN 'update' "
+                  f"WHEN 'S' THEN 'snapshot' ELSE 'delete' END AS {quote(OP_COLUMN)}",
+                  f"_wb_lsn AS {quote(LSN_COLUMN)}",
+                  f"{DLQ_REASON} AS {quote(DLQ_REASON)}"]
+        rows = df.selectExpr(*exprs)
+        count = int(spark_call(f"counting dead letters for {target}", rows.count))
+        if count:
+            spark_call(f"writing dead letters to {dlq}",
+                       lambda: rows.writeTo(dlq).option(f"snapshot-property.{LSN_PROPERTY}",
+                                                        str(lsn)).append())
+            self._dead_lsn[dlq] = lsn
+        return count
 
     def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
               void: Sequence[tuple[int, int]] = ()) -> None:
@@ -212,7 +265,7 @@ class IcebergSink:
         option = f"snapshot-property.{LSN_PROPERTY}"
 
         if staged.insert_only and df is not None:
-            typed = self._typed(df, columns, "_wb_lsn")
+            typed = self._typed(df, target, columns, "_wb_lsn")
             spark_call(f"appending to {target}",
                        lambda: typed.writeTo(target).option(option, str(lsn)).append())
             return
@@ -235,14 +288,14 @@ class IcebergSink:
                            lambda: empty.writeTo(target).option(option, str(lsn))
                            .overwrite(lit(True)))
                 return
-            typed = self._typed(df.where(col("_wb_op") != "D"), columns, "_wb_lsn")
+            typed = self._typed(df.where(col("_wb_op") != "D"), target, columns, "_wb_lsn")
             spark_call(f"truncating and reloading {target}",
                        lambda: typed.writeTo(target).option(option, str(lsn)).overwrite(lit(True)))
             return
 
         assert df is not None
         view = f"walberg_batch_{abs(hash(target))}"
-        typed = self._typed(df, columns, "_wb_lsn", keep=["_wb_op", "_wb_unchanged"])
+        typed = self._typed(df, target, columns, "_wb_lsn", keep=["_wb_op", "_wb_unchanged"])
         typed.createOrReplaceTempView(view)
         names = [c.name for c in columns] + [LSN_COLUMN]
         on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)

@@ -1,0 +1,187 @@
+"""`walberg verify`: prove that an Iceberg table equals its Postgres table.
+
+Both sides compute, each in its own engine, a row count and an order-independent hash: every row
+is rendered to one canonical text (the same text on both sides, column by column), hashed with
+MD5, the first 60 bits taken as a number, and the numbers summed. Postgres computes its side in
+SQL, Spark its side over the Iceberg table; no table passes through Python's memory.
+
+When the sums differ, both sides compute the key and row hash of every row: Postgres streams its
+side through a server-side cursor into a Parquet file, and Spark joins the two to name the first
+differing keys (missing in the lake, extra in the lake, or different).
+
+The canonical text per Iceberg type:
+
+    int, long, boolean, date, string      the value's text
+    decimal(p,s)                           the value with exactly s decimals
+    float, double                          the IEEE 754 bits as an integer (so -0.0, NaN, and
+                                           every last digit count)
+    timestamp, timestamptz                 yyyy-MM-dd HH:mm:ss.ffffff (timestamptz in UTC)
+    binary                                 lowercase hex
+    list                                   JSON
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from walberg.apply.types import SparkType, quote
+from walberg.model import Column
+
+SEP = "\x1f"  # between columns in the canonical row text
+_HASH_PG = "('x' || substr(md5({}), 1, 15))::bit(60)::bigint::numeric"
+_HASH_SPARK = "CAST(conv(substr(md5({}), 1, 15), 16, 10) AS DECIMAL(20,0))"
+
+
+def _pg_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def pg_render(col: Column, t: SparkType) -> str:
+    """Postgres SQL rendering a column's value as the canonical text (never NULL itself)."""
+    c = _pg_ident(col.name)
+    sql = t.sql
+    if sql in ("INT", "BIGINT", "BOOLEAN", "DATE"):
+        text = f"{c}::text"
+    elif sql == "FLOAT":
+        text = f"('x' || encode(float4send({c}), 'hex'))::bit(32)::int::text"
+    elif sql == "DOUBLE":
+        text = f"('x' || encode(float8send({c}), 'hex'))::bit(64)::bigint::text"
+    elif sql.startswith("DECIMAL"):
+        p, s = re.findall(r"\d+", sql)
+        text = f"{c}::numeric({p},{s})::text"
+    elif sql == "TIMESTAMP_NTZ":
+        text = f"to_char({c}, 'YYYY-MM-DD HH24:MI:SS.US')"
+    elif sql == "TIMESTAMP":
+        text = f"to_char({c} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')"
+    elif sql == "BINARY":
+        text = f"encode({c}, 'hex')"
+    elif t.array_dims:
+        text = f"array_to_json({c})::text"
+    else:
+        text = f"concat({c})"  # the type's output function (keeps char(n)'s padding)
+    return f"CASE WHEN {c} IS NULL THEN 'N' ELSE 'V' || {text} END"
+
+
+def spark_render(col: Column, t: SparkType) -> str:
+    c = quote(col.name)
+    sql = t.sql
+    if sql == "FLOAT":
+        text = f"reflect('java.lang.Float', 'floatToIntBits', {c})"
+    elif sql == "DOUBLE":
+        text = f"reflect('java.lang.Double', 'doubleToLongBits', {c})"
+    elif sql.startswith("DECIMAL"):
+        text = f"CAST({c} AS STRING)"  # exactly s decimals, plain (never 1E-9)
+    elif sql in ("TIMESTAMP_NTZ", "TIMESTAMP"):
+        text = f"date_format({c}, 'yyyy-MM-dd HH:mm:ss.SSSSSS')"
+    elif sql == "BINARY":
+        text = f"lower(hex({c}))"
+    elif t.array_dims:
+        text = f"to_json({c})"
+    else:
+        text = f"CAST({c} AS STRING)"
+    return f"CASE WHEN {c} IS NULL THEN 'N' ELSE concat('V', {text}) END"
+
+
+@dataclass
+class TableVerdict:
+    source: str
+    target: str
+    equal: bool
+    source_rows: int
+    lake_rows: int
+    source_lsn: str
+    lake_lsn: Optional[str]
+    differences: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+
+
+def source_digest(conn: Any, table: str, columns: Sequence[Column],
+                  types: Sequence[SparkType]) -> tuple[int, int]:
+    row = "concat_ws(chr(31), " + ", ".join(pg_render(c, t) for c, t in
+                                             zip(columns, types, strict=True)) + ")"
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT count(*), coalesce(sum({_HASH_PG.format(row)}), 0)::text "
+                    f"FROM {table}")
+        n, total = cur.fetchone()
+    return int(n), int(total)
+
+
+def lake_digest(spark: Any, target: str, columns: Sequence[Column],
+                types: Sequence[SparkType]) -> tuple[int, int]:
+    row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
+                                              zip(columns, types, strict=True)) + ")"
+    df = spark.table(target).selectExpr(f"{_HASH_SPARK.format(row)} AS h")
+    result = df.selectExpr("count(*) AS n", "CAST(coalesce(sum(h), 0) AS STRING) AS total") \
+        .collect()[0]
+    return int(result["n"]), int(result["total"])
+
+
+def source_row_hashes(conn: Any, table: str, columns: Sequence[Column],
+                      types: Sequence[SparkType], out: Path, chunk: int = 50_000) -> None:
+    """Key text and row hash of every source row, streamed into ``out`` (Parquet)."""
+    keys = [(c, t) for c, t in zip(columns, types, strict=True) if c.is_key]
+    row = "concat_ws(chr(31), " + ", ".join(pg_render(c, t) for c, t in
+                                             zip(columns, types, strict=True)) + ")"
+    exprs = [pg_render(c, t) for c, t in keys] + [f"md5({row})"]
+    names = [f"k{i}" for i in range(len(keys))] + ["h"]
+    schema = pa.schema([pa.field(n, pa.string()) for n in names])
+    with conn.cursor(name="walberg_verify") as cur, \
+            pq.ParquetWriter(out, schema, compression="snappy") as writer:
+        cur.itersize = chunk
+        cur.execute(f"SELECT {', '.join(exprs)} FROM {table}")
+        while True:
+            rows = cur.fetchmany(chunk)
+            if not rows:
+                break
+            writer.write_table(pa.Table.from_arrays(
+                [pa.array([r[i] for r in rows], pa.string()) for i in range(len(names))],
+                schema=schema))
+
+
+def differing_keys(spark: Any, target: str, columns: Sequence[Column],
+                   types: Sequence[SparkType], source_hashes: Path,
+                   limit: int) -> list[dict[str, Any]]:
+    """The first ``limit`` keys whose rows differ between the source hashes and the lake."""
+    keys = [(c, t) for c, t in zip(columns, types, strict=True) if c.is_key]
+    row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
+                                              zip(columns, types, strict=True)) + ")"
+    lake = spark.table(target).selectExpr(
+        *[f"{spark_render(c, t)} AS k{i}" for i, (c, t) in enumerate(keys)], f"md5({row}) AS h")
+    source = spark.read.parquet(str(source_hashes))
+    # Rows are counted per key and hash, so duplicates (tables without a key) show up too.
+    s = source.groupBy(*source.columns).count().withColumnRenamed("count", "s_n")
+    lk = lake.groupBy(*lake.columns).count().withColumnRenamed("count", "l_n")
+    on = [f"k{i}" for i in range(len(keys))]
+    joined = s.join(lk, on=[*on, "h"], how="full_outer") \
+        .where("s_n IS NULL OR l_n IS NULL OR s_n <> l_n")
+    found = joined.limit(limit * 4).collect()
+    by_key: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in found:
+        key = tuple(r[k] for k in on)
+        entry = by_key.setdefault(key, {"key": {c.name: _unrender(r[f"k{i}"])
+                                                 for i, (c, _) in enumerate(keys)},
+                                        "source": 0, "lake": 0})
+        entry["source"] += r["s_n"] or 0
+        entry["lake"] += r["l_n"] or 0
+    out = []
+    for entry in list(by_key.values())[:limit]:
+        if entry["lake"] == 0:
+            entry["problem"] = "missing in the lake"
+        elif entry["source"] == 0:
+            entry["problem"] = "in the lake, not in the source"
+        elif entry["source"] == entry["lake"]:
+            entry["problem"] = "values differ"
+        else:
+            entry["problem"] = f"{entry['source']} row(s) in the source, {entry['lake']} in the lake"
+        out.append(entry)
+    return out
+
+
+def _unrender(text: Optional[str]) -> Optional[str]:
+    return None if text is None or text == "N" else text[1:]
