@@ -296,28 +296,6 @@ def test_reconnects_after_the_replication_connection_is_killed(
     assert len(iceberg_rows(warehouse, target)) == 300
 
 
-def test_schema_change_stops_with_the_fix_and_the_fix_works(
-        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
-        unique: str) -> None:
-    table = f"public.{unique}"
-    with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-        cur.execute(f"INSERT INTO {table} VALUES (1, 'a')")
-    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    target = config.target_for(table)
-    run_once(config, spark)
-    with pg_conn.cursor() as cur:
-        cur.execute(f"ALTER TABLE {table} ADD COLUMN extra numeric(5,1)")
-        cur.execute(f"INSERT INTO {table} VALUES (2, 'b', 2.5)")
-    with pytest.raises(Terminal, match=rf"{table} changed its columns .*DROP TABLE {target}"):
-        run_once(config, spark)
-    spark.sql(f"DROP TABLE {target}")
-    with pg_conn.cursor() as cur:
-        cur.execute(f"INSERT INTO {table} VALUES (3, 'c', 3.5)")
-    run_once(config, spark)
-    assert_lake_equals(pg_conn, warehouse, table, target)
-
-
 def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, spark: Any,
                                                   warehouse: Path, tmp_path: Path,
                                                   unique: str) -> None:

@@ -87,6 +87,14 @@ class Sink(_Model):
         "decimal(38,18)", pattern=r"^decimal\(\d{1,2},\d{1,2}\)$",
         description="Iceberg type for NUMERIC columns declared without precision (values that "
                     "do not fit go to the dead-letter table)")
+    commit_max_attempts: int = Field(
+        8, ge=1, description="tries of one Iceberg commit that failed for the storage or the "
+                             "catalog (backoff 100 ms, doubling), before walberg stops")
+    commit_max_backoff_seconds: float = Field(
+        30.0, gt=0, description="longest wait between two tries of a commit")
+    schema_evolution: Literal["strict", "add_columns", "full"] = Field(
+        "full", description="on ALTER TABLE in Postgres: full (add, drop, rename, widen), "
+                            "add_columns (only additions), strict (stop)")
     text_types: list[str] = Field(
         default_factory=list,
         description="extension types (e.g. geometry) to store as their Postgres text form")

@@ -12,6 +12,7 @@ So a crash at any point is followed by a run that ends with each table equal to 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from walberg import metrics, verify
+from walberg.apply import evolution
 from walberg.apply.batch import (
     BatchBuilder,
     DeadLetters,
@@ -42,10 +44,10 @@ from walberg.apply.batch import (
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.metadata import read_hadoop_table
 from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
-from walberg.apply.types import TextPrep, TypeMap
+from walberg.apply.types import TextPrep, TypeMap, parse_array
 from walberg.buffer.store import SegmentStore, inspect_directory
 from walberg.config import Config, load_config
-from walberg.errors import DecodeError, Terminal, Transient, WalbergError
+from walberg.errors import ApplyError, DecodeError, Terminal, Transient, WalbergError
 from walberg.model import (
     Begin,
     Column,
@@ -62,6 +64,10 @@ from walberg.source.stream import CreatedSlot, ReplicationStream
 from walberg.verify import TableVerdict
 
 log = logging.getLogger("walberg")
+
+# Table property holding the default of a column added in Postgres, until the lake's existing
+# rows have it.
+FILL_PROPERTY = "walberg.fill."
 
 FRAME_PGOUTPUT = 0  # a pgoutput message as the server sent it
 FRAME_PREAMBLE = 1  # a Relation message repeated at the start of a segment (self-contained files)
@@ -96,6 +102,7 @@ class PreparedBatch:
     changes: int
     staged_s: float
     last_commit_ts: Optional[int]  # Postgres commit time of its last transaction (µs since 2000)
+    cut: bool = False  # ended early, before a table's new columns: its segments are read again
 
 
 @dataclass(frozen=True)
@@ -508,7 +515,8 @@ class Pipeline:
                 log.info("created replication slot %s at %s", created.name, created.consistent_point)
 
             for t, info in infos.items():
-                self.sink.ensure_table(self.targets[t], info.columns)
+                if not self.sink.ensure_table(self.targets[t], info.columns):
+                    self._finish_fills(t)
                 lsn = self.sink.committed_lsn(self.targets[t])
                 if lsn is not None:
                     self.committed[t] = lsn
@@ -867,7 +875,9 @@ class Pipeline:
         from."""
         assert self._store is not None
         first_seq = 0
-        if after is not None:
+        if after is not None and after.cut:
+            first_seq = after.segments[0].seq  # what it left is skipped by LSN
+        elif after is not None:
             last = after.segments[-1]
             first_seq = last.seq if not self._meta[last.seq].clean_end else last.seq + 1
         batch: list[Any] = []
@@ -909,8 +919,10 @@ class Pipeline:
         live: set[str] = set()  # tables with changes from committed transactions
         void: list[tuple[int, int]] = []
         changes = 0
-        done = False
+        done = cut = False
         last_commit_ts: Optional[int] = None
+        last_end: Optional[Lsn] = None  # end of the last transaction staged whole, and its seq
+        last_seq = 0
         txn_lsn = 0
         try:
             for info in segments:
@@ -932,6 +944,17 @@ class Pipeline:
                     if isinstance(msg, Relation):
                         chunks.relation_changed(msg)
                         if txn is not None:
+                            before = builder.columns_of(msg.qualified_name)
+                            if before is not None and before != msg.columns \
+                                    and self._wanted(msg, txn):
+                                if last_end is None:  # ALTER amid this transaction's changes
+                                    raise SchemaChanged(msg.qualified_name)
+                                # The table's columns changed (ALTER TABLE): this batch ends
+                                # with the transaction before; the next one starts with the
+                                # new columns, after the Iceberg schema has followed.
+                                end, cut, done = last_end, True, True
+                                break
+                            self._learn_relation(msg)
                             wanted = self._wanted_chunks(decoder, chunks, txn)
                     elif isinstance(msg, Begin):
                         if txn is not None and seq >= txn_first_seq:
@@ -949,6 +972,7 @@ class Pipeline:
                         live |= touched
                         txn = None
                         last_commit_ts = msg.commit_ts
+                        last_end, last_seq = msg.end_lsn, seq
                         if msg.end_lsn >= end:
                             done = True
                             break
@@ -971,8 +995,8 @@ class Pipeline:
         except BaseException:
             builder.discard()
             raise
-        return PreparedBatch(segments, end, builder, staged, live, seq, void, changes,
-                             time.monotonic() - started, last_commit_ts)
+        return PreparedBatch(segments, end, builder, staged, live, last_seq if cut else seq, void,
+                             changes, time.monotonic() - started, last_commit_ts, cut)
 
     def _wanted_chunks(self, decoder: Decoder, chunks: "_Chunks", txn: Begin) -> dict[int, "_Chunk"]:
         return {oid: chunks.for_relation(rel) for oid, rel in decoder.relations.items()
@@ -993,17 +1017,10 @@ class Pipeline:
         try:
             for source in sorted(batch.live):
                 st = batch.staged[source]
-                if not self.sink.columns_match(self.targets[source], st.columns):
-                    raise self._schema_error(source, st.columns, batch.end)
-                if st.dead_letters is not None:
-                    # Before the table's own commit: a replay skips what the DLQ holds.
-                    dropped = self.sink.write_dead_letters(
-                        self.targets[source], st.columns, st.dead_letters, batch.end,
-                        where=seq_filter(batch.max_seq, batch.void, []))
-                    self._count_dead(source, self.targets[source], dropped)
                 commit_started = time.monotonic()
                 try:
-                    self.sink.apply(self.targets[source], st, batch.end, batch.max_seq, batch.void)
+                    self._with_retries(source, batch.end,
+                                       functools.partial(self._commit_table, source, batch))
                 except BaseException:
                     metrics.COMMITS.labels(source, "failure").inc()
                     raise
@@ -1024,7 +1041,10 @@ class Pipeline:
         self.report.changes += batch.changes
         segments = batch.segments
         last = self._meta[segments[-1].seq]
-        done_with = segments if last.clean_end else segments[:-1]
+        if batch.cut:
+            done_with = []  # the next batch reads them again, from after this one's end
+        else:
+            done_with = segments if last.clean_end else segments[:-1]
         self._store.remove(done_with)
         for info in done_with:
             self._meta.pop(info.seq, None)
@@ -1039,22 +1059,152 @@ class Pipeline:
                  "committed in %.2f s", len(segments), batch.changes, batch.end, batch.staged_s,
                  time.monotonic() - started)
 
+    def _commit_table(self, source: str, batch: "PreparedBatch") -> None:
+        """One table's share of a batch: schema first, then dead letters, then its commit."""
+        st, target = batch.staged[source], self.targets[source]
+        if not self.sink.columns_match(target, st.columns):
+            self._evolve(source, st.columns, batch.end)
+        if st.dead_letters is not None:
+            # Before the table's own commit: a replay skips what the DLQ holds.
+            dropped = self.sink.write_dead_letters(
+                target, st.columns, st.dead_letters, batch.end,
+                where=seq_filter(batch.max_seq, batch.void, []))
+            self._count_dead(source, target, dropped)
+        self.sink.apply(target, st, batch.end, batch.max_seq, batch.void)
+
+    def _with_retries(self, source: str, lsn: Lsn, commit: Callable[[], None]) -> None:
+        """Run ``commit``; when it fails for the storage or the catalog (I/O, a conflicting
+        writer), try again after 100 ms, 200 ms, 400 ms, ... (at most
+        ``sink.commit_max_backoff_seconds``), ``sink.commit_max_attempts`` times in all. A
+        commit whose outcome is unknown is looked up in the table first: if it landed, done."""
+        sink_cfg = self.config.sink
+        target = self.targets[source]
+        delay = 0.1
+        for attempt in range(1, sink_cfg.commit_max_attempts + 1):
+            try:
+                commit()
+                return
+            except ApplyError as exc:
+                if not exc.retryable:
+                    raise
+                self.sink.forget(target)
+                try:
+                    held = self.sink.committed_lsn(target)
+                except ApplyError:
+                    held = None
+                if held is not None and held >= lsn:
+                    log.info("the failed commit to %s had landed after all (it holds LSN %s)",
+                             target, held)
+                    return
+                if attempt == sink_cfg.commit_max_attempts or self._stop.is_set():
+                    raise ApplyError(
+                        f"could not commit {source}'s changes up to LSN {lsn} to {target} after "
+                        f"{attempt} attempt(s): {exc} Nothing past LSN "
+                        f"{self.committed.get(source, '-')} is marked applied and the segments "
+                        "are kept: fix the warehouse or catalog and run walberg again, it "
+                        "resumes there.") from exc
+                metrics.COMMIT_RETRIES.labels(source).inc()
+                log.warning("commit to %s failed (%s); trying again in %.1f s (attempt %d of %d)",
+                            target, exc, delay, attempt + 1, sink_cfg.commit_max_attempts)
+                self._stop.wait(delay)
+                delay = min(delay * 2, sink_cfg.commit_max_backoff_seconds)
+
+    def _learn_relation(self, rel: Relation) -> None:
+        """A relation description with types the type map has not seen (a column added with a
+        new type): ask the source catalog about them, and about the table's array dimensions."""
+        if rel.qualified_name not in self.targets or \
+                all(c.type_oid in self.types.types for c in rel.columns):
+            return
+        conn = pg.connect(self.pg.dsn)
+        try:
+            try:
+                dims = pg.describe_table(conn, rel.qualified_name).dims
+            except WalbergError:
+                dims = {}  # dropped or renamed since: the OIDs still tell the types
+            found = pg.describe_types(conn, {c.type_oid for c in rel.columns})
+            self.types.learn(found, self.targets[rel.qualified_name], dims)
+        finally:
+            conn.close()
+
+    def _evolve(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> None:
+        """Make the Iceberg table's schema follow the source's columns (after ALTER TABLE),
+        as far as ``sink.schema_evolution`` allows; otherwise stop with what to do."""
+        target = self.targets[source]
+        wanted = [(c.name, self.types.spark_type(c, target).describe()) for c in columns]
+        current = self.sink.schema(target)
+        mode = self.config.sink.schema_evolution
+        try:
+            steps = evolution.plan(current, wanted)
+            refused = [s for s in steps if mode == "strict"
+                       or (mode == "add_columns" and s.kind != "add")]
+            if refused:
+                raise evolution.NotEvolvable(
+                    f"{'; '.join(s.describe() for s in refused)} is not allowed by "
+                    f"sink.schema_evolution: {mode}")
+        except evolution.NotEvolvable as exc:
+            raise self._schema_error(source, columns, lsn, str(exc)) from None
+        after = {name: (wanted[i - 1][0] if i else "") for i, (name, _) in enumerate(wanted)}
+        conn = pg.connect(self.pg.dsn)
+        try:
+            for step in steps:
+                if step.kind != "add":
+                    continue
+                has_default, value = pg.column_default(conn, source, step.name)
+                if has_default and value is None:
+                    log.warning(
+                        "column %s of %s was added with a volatile default (or an identity): "
+                        "Postgres gave the existing rows values that the replication stream "
+                        "does not carry, so those rows have NULL there in %s. To get the "
+                        "values, copy the table again (drop %s in Spark SQL and run walberg).",
+                        step.name, source, target, target)
+                elif value is not None:
+                    parsed = parse_array(value)  # attmissingval is a one-element array
+                    if not parsed or isinstance(parsed[0], list) or parsed[0] is None:
+                        continue
+                    col = next(c for c in columns if c.name == step.name)
+                    text = parsed[0].replace("\\", "\\\\").replace("'", "\\'")
+                    expr = self.types.spark_type(col, target).convert.format(f"'{text}'")
+                    # Recorded before the column exists, so a crash part-way is finished on start.
+                    self.sink.set_property(target, FILL_PROPERTY + step.name, expr)
+        finally:
+            conn.close()
+        self.sink.evolve(target, steps, after)
+        log.info("evolved the schema of %s to follow %s (before LSN %s): %s", target, source,
+                 lsn, "; ".join(s.describe() for s in steps))
+        self._finish_fills(source)
+
+    def _finish_fills(self, source: str) -> None:
+        """Columns added in Postgres with a default: existing rows get the default in the lake
+        too (Postgres keeps it in pg_attribute.attmissingval and never streams it). Pending
+        fills are table properties, so one cut short by a crash is finished on the next start."""
+        target = self.targets[source]
+        names = {name for name, _ in self.sink.schema(target)}
+        for key, expr in self.sink.properties(target, FILL_PROPERTY).items():
+            name = key[len(FILL_PROPERTY):]
+            if name in names:
+                self.sink.fill(target, name, expr)
+            self.sink.set_property(target, key, None)
+
     def _count_dead(self, source: str, target: str, rows: int) -> None:
         if rows:
             metrics.DEAD_LETTERS.labels(source).inc(rows)
             log.warning("%d row(s) of %s could not be written exactly and went to %s with the "
                         "reason in _dlq_reason", rows, source, self.sink.dead_letter_target(target))
 
-    def _schema_error(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> Terminal:
+    def _schema_error(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
+                      reason: str = "") -> Terminal:
         target = self.targets[source]
         now = ", ".join(f"{c.name} {self.types.spark_type(c, target).describe()}" for c in columns)
+        why = (f"{reason}." if reason else
+               "The ALTER TABLE ran inside a transaction that changed rows of the table before "
+               "it, so no commit separates the old columns from the new.")
         return Terminal(
             f"{source} changed its columns in Postgres (ALTER TABLE) before LSN {lsn}; it now "
-            f"has ({now}), which {target} does not match. This version of walberg does not "
-            f"evolve Iceberg schemas. To go on: drop the Iceberg table (DROP TABLE {target} in "
-            "Spark SQL, or remove its directory from the warehouse) and run walberg again: it "
-            "copies the table afresh and streams on from there. Nothing after the last commit "
-            "was confirmed to the slot, so nothing is lost meanwhile."
+            f"has ({now}), and {target} cannot follow: {why} To go on, either set "
+            f"sink.schema_evolution to allow the change (if it is allowed by Iceberg), or copy "
+            f"the table afresh: drop the Iceberg table (DROP TABLE {target} in Spark SQL) and "
+            "run walberg again; it copies the table and streams on from there. Nothing after "
+            "the last commit was confirmed to the slot, so nothing is lost meanwhile."
         )
 
     def _learn_types(self, conn: Any, infos: dict[str, pg.TableInfo]) -> None:

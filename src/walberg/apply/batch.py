@@ -215,6 +215,11 @@ class BatchBuilder:
             raise SchemaChanged(source)
         return stage
 
+    def columns_of(self, source: str) -> Optional[tuple[Column, ...]]:
+        """The columns ``source`` is staged with in this batch, if it has changes yet."""
+        stage = self._tables.get(source)
+        return stage.staged.columns if stage is not None else None
+
     def add(self, source: str, columns: tuple[Column, ...], op: Op, seq: int, lsn: int,
             row: Row) -> None:
         self._stage(source, columns).add(op.value, seq, lsn, row)

@@ -18,6 +18,7 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
+from walberg.apply.evolution import Step
 from walberg.apply.spark import spark_call, with_commit_properties
 from walberg.apply.types import TypeMap, quote
 from walberg.model import Column, Lsn
@@ -108,6 +109,59 @@ class IcebergSink:
                                 lambda: self.spark.table(target).schema)
             self._schemas[target] = [(f.name, f.dataType.simpleString()) for f in schema.fields]
         return self._schemas[target] == want
+
+    def forget(self, target: str) -> None:
+        """Drop what is cached about ``target`` (after a failed commit: read it afresh)."""
+        self._schemas.pop(target, None)
+        self._dead_lsn.pop(self.dead_letter_target(target), None)
+        spark_call(f"refreshing {target}", lambda: self.spark.catalog.refreshTable(target))
+
+    def schema(self, target: str) -> list[tuple[str, str]]:
+        """The table's source columns as (name, Spark SQL type), in order."""
+        fields = spark_call(f"reading the schema of {target}",
+                            lambda: self.spark.table(target).schema).fields
+        return [(f.name, f.dataType.simpleString()) for f in fields if f.name != LSN_COLUMN]
+
+    def evolve(self, target: str, steps: Sequence[Step], after: dict[str, str]) -> None:
+        """Apply schema steps (Iceberg metadata only: no data file is rewritten). ``after``
+        places each added column after the named one, keeping the source's column order."""
+        t = quote_target(target)
+        self._schemas.pop(target, None)
+        for step in steps:
+            if step.kind == "add":
+                where = (f" AFTER {quote(after[step.name])}" if after.get(step.name)
+                         else " FIRST")
+                statement = f"ALTER TABLE {t} ADD COLUMN {quote(step.name)} {step.type}{where}"
+            elif step.kind == "drop":
+                statement = f"ALTER TABLE {t} DROP COLUMN {quote(step.name)}"
+            elif step.kind == "rename":
+                statement = (f"ALTER TABLE {t} RENAME COLUMN {quote(step.name)} TO "
+                             f"{quote(step.new_name)}")
+            else:
+                statement = f"ALTER TABLE {t} ALTER COLUMN {quote(step.name)} TYPE {step.type}"
+            self.sql(f"evolving {target}: {step.describe()}", statement)
+
+    def properties(self, target: str, prefix: str) -> dict[str, str]:
+        """The table's properties whose key starts with ``prefix``."""
+        rows = self.sql(f"reading the properties of {target}",
+                        f"SHOW TBLPROPERTIES {quote_target(target)}").collect()
+        return {r["key"]: r["value"] for r in rows if r["key"].startswith(prefix)}
+
+    def set_property(self, target: str, key: str, value: Optional[str]) -> None:
+        t = quote_target(target)
+        if value is None:
+            self.sql(f"updating {target}", f"ALTER TABLE {t} UNSET TBLPROPERTIES IF EXISTS ('{key}')")
+        else:
+            escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+            self.sql(f"updating {target}",
+                     f"ALTER TABLE {t} SET TBLPROPERTIES ('{key}' = '{escaped}')")
+
+    def fill(self, target: str, column: str, value_expr: str) -> None:
+        """Give every row with no value in ``column`` the value ``value_expr`` (a column added
+        in Postgres with a default: Postgres's existing rows have it, the stream never says)."""
+        self.sql(f"filling {column} of {target} with its default",
+                 f"UPDATE {quote_target(target)} SET {quote(column)} = {value_expr} "
+                 f"WHERE {quote(column)} IS NULL")
 
     def table_exists(self, target: str) -> bool:
         return bool(spark_call(f"looking up {target}",

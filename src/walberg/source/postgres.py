@@ -115,6 +115,38 @@ def describe_table(conn: Any, table: str) -> TableInfo:
                      {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk))
 
 
+_CONSTANT = re.compile(r"^\(?(NULL|true|false|-?\d+(\.\d+)?|'(?:[^']|'')*')\)?"
+                       r"(::[a-z ]+(\(\d+(,\d+)?\))?(\[\])?)?$")
+
+
+def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[str]]:
+    """Whether ``column`` has a default, and the value (as text) that the rows existing when it
+    was added got: pg_attribute.attmissingval while Postgres keeps it there; after a later
+    table rewrite, the default itself if it is a constant. None: a volatile default (now(),
+    nextval()), whose values the replication stream never carries."""
+    with conn.cursor() as cur:
+        cur.execute(
+            """SELECT a.atthasdef, a.atthasmissing, a.attmissingval::text,
+                      pg_get_expr(d.adbin, d.adrelid)
+               FROM pg_attribute a
+               LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+               WHERE a.attrelid = %s::regclass AND a.attname = %s AND NOT a.attisdropped""",
+            (quote_table(table), column),
+        )
+        row = cur.fetchone()
+        if row is None or not row[0]:
+            return False, None
+        if row[1]:
+            return True, row[2]
+        cur.execute(f"EXPLAIN (VERBOSE, FORMAT JSON) SELECT {row[3]}")
+        plan = cur.fetchone()[0]
+        output = plan[0]["Plan"].get("Output", [""])[0]
+        if not _CONSTANT.match(output):
+            return True, None
+        cur.execute(f"SELECT ARRAY[({row[3]})]::text")
+        return True, cur.fetchone()[0]
+
+
 # Postgres's FirstNormalObjectId: OIDs below it belong to Postgres itself.
 _FIRST_USER_OID = 16384
 

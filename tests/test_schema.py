@@ -1,0 +1,154 @@
+"""Schema evolution: ALTER TABLE in Postgres while walberg streams becomes an Iceberg schema
+change (no data rewritten, no stop); what Iceberg cannot express stops with the way out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import make_config
+from lake import iceberg_rows, postgres_rows
+from walberg.apply.evolution import NotEvolvable, Step, plan, widens
+from walberg.errors import Terminal
+from walberg.pipeline import Pipeline
+
+# ---- unit: planning -----------------------------------------------------------------------------
+
+
+def test_plan_reads_adds_drops_renames_and_widening() -> None:
+    current = [("id", "int"), ("a", "int"), ("b", "string"), ("c", "float"), ("d", "decimal(5,2)")]
+    wanted = [("id", "int"), ("a", "bigint"), ("c2", "double"), ("d", "decimal(9,2)"),
+              ("e", "int")]
+    assert plan(current, wanted) == [
+        Step("widen", "a", "bigint"), Step("drop", "b"), Step("rename", "c", new_name="c2"),
+        Step("widen", "c2", "double"), Step("widen", "d", "decimal(9,2)"), Step("add", "e", "int"),
+    ]
+    assert plan(current, current) == []
+    assert plan([("id", "int")], [("id", "int"), ("x", "string"), ("y", "date")]) == [
+        Step("add", "x", "string"), Step("add", "y", "date")]
+    # A dropped column whose place is taken by a new name of another family: drop plus add.
+    assert plan([("id", "int"), ("b", "string")], [("id", "int"), ("n", "int")]) == [
+        Step("drop", "b"), Step("add", "n", "int")]
+
+
+@pytest.mark.parametrize("old, new", [("bigint", "int"), ("double", "float"), ("int", "string"),
+                                      ("decimal(9,2)", "decimal(5,2)"),
+                                      ("decimal(9,2)", "decimal(12,4)"), ("string", "int")])
+def test_plan_refuses_what_iceberg_cannot_do(old: str, new: str) -> None:
+    assert not widens(old, new)
+    with pytest.raises(NotEvolvable, match="cannot do in place"):
+        plan([("id", "int"), ("v", old)], [("id", "int"), ("v", new)])
+
+
+# ---- integration ------------------------------------------------------------------------------
+
+
+def run_once(config: Any, spark: Any) -> Any:
+    pipeline = Pipeline(config, session=spark)
+    try:
+        return pipeline.run(once=True)
+    finally:
+        pipeline.close()
+
+
+def test_alter_table_between_changes_evolves_the_iceberg_table(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, a int, b text, c real, "
+                    "d numeric(5,2), v varchar(5))")
+        cur.execute(f"INSERT INTO {table} SELECT g, g, 'b' || g, g / 2.0, g / 4.0, 'v' "
+                    "FROM generate_series(1, 50) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+
+    # Every kind of ALTER, each between changes, all streamed in one run (one batch is cut
+    # at each change of columns).
+    steps = [
+        f"INSERT INTO {table} VALUES (51, 51, 'x', 1.5, 1.25, 'w')",
+        f"ALTER TABLE {table} ADD COLUMN e int DEFAULT 7",  # existing rows read 7
+        f"INSERT INTO {table} VALUES (52, 52, 'y', 2.5, 2.5, 'z', 8)",
+        f"ALTER TABLE {table} ADD COLUMN f text",
+        f"UPDATE {table} SET f = 'f' || id WHERE id <= 10",
+        f"ALTER TABLE {table} DROP COLUMN b",
+        f"DELETE FROM {table} WHERE id BETWEEN 11 AND 15",
+        f"ALTER TABLE {table} RENAME COLUMN c TO c2",
+        f"UPDATE {table} SET c2 = 0.5 WHERE id = 20",
+        f"ALTER TABLE {table} ALTER COLUMN a TYPE bigint",
+        f"ALTER TABLE {table} ALTER COLUMN c2 TYPE double precision",
+        f"ALTER TABLE {table} ALTER COLUMN d TYPE numeric(9,2)",
+        f"ALTER TABLE {table} ALTER COLUMN v TYPE varchar(50)",
+        f"INSERT INTO {table} VALUES (53, 9000000000, 0.1, 1234567.89, 'a longer text', 9, 'g')",
+        f"ALTER TABLE {table} ADD COLUMN g timestamptz DEFAULT '2024-01-01 00:00:00+00'",
+        f"UPDATE {table} SET e = e + 1 WHERE id > 40",
+    ]
+    with pg_conn.cursor() as cur:
+        for statement in steps:
+            cur.execute(statement)
+    report = run_once(config, spark)
+    assert report.batches >= 5  # cut before each change of columns that rows follow
+
+    from pyiceberg.table import StaticTable
+    meta = warehouse / target.split(".")[1] / target.split(".")[2] / "metadata"
+    version = (meta / "version-hint.text").read_text().strip()
+    schema = {f.name: str(f.field_type)
+              for f in StaticTable.from_metadata(str(meta / f"v{version}.metadata.json"))
+              .schema().fields}
+    assert schema == {"id": "int", "a": "long", "c2": "double", "d": "decimal(9, 2)",
+                      "v": "string", "e": "int", "f": "string", "g": "timestamptz",
+                      "_walberg_lsn": "long"}
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    pipeline = Pipeline(config, session=spark)
+    try:
+        [verdict] = pipeline.verify()
+    finally:
+        pipeline.close()
+    assert verdict.equal, verdict
+
+
+def test_what_iceberg_cannot_follow_stops_with_the_way_out(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v bigint)")
+        cur.execute(f"INSERT INTO {table} VALUES (1, 1)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+
+    # strict: any change stops.
+    strict = config.model_copy(
+        update={"sink": config.sink.model_copy(update={"schema_evolution": "strict"})})
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN w text")
+        cur.execute(f"INSERT INTO {table} VALUES (2, 2, 'w')")
+    with pytest.raises(Terminal, match=r"add column w string is not allowed by "
+                                       r"sink.schema_evolution: strict"):
+        run_once(strict, spark)
+    run_once(config, spark)  # full (the default) follows
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+    # A narrowing Iceberg cannot express: stops, names the column, and the way out works.
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} ALTER COLUMN v TYPE int")
+        cur.execute(f"INSERT INTO {table} VALUES (3, 3, 'x')")
+    with pytest.raises(Terminal, match=rf"column v changed from bigint to int.*DROP TABLE {target}"):
+        run_once(config, spark)
+    spark.sql(f"DROP TABLE {target}")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+    # ALTER amid a transaction's own changes: no commit separates old and new columns.
+    with pg_conn.cursor() as cur:
+        cur.execute("BEGIN")
+        cur.execute(f"INSERT INTO {table} VALUES (4, 4, 'y')")
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN z int")
+        cur.execute(f"INSERT INTO {table} VALUES (5, 5, 'z', 5)")
+        cur.execute("COMMIT")
+    with pytest.raises(Terminal, match="inside a transaction that changed rows"):
+        run_once(config, spark)
