@@ -42,7 +42,12 @@ class SegmentCorrupt(Terminal):
 
 
 class ApplyError(Terminal):
-    """Spark or Iceberg could not apply a batch."""
+    """Spark or Iceberg could not apply a batch. ``retryable``: the cause was the storage or
+    the catalog (I/O, a conflicting commit), not the data or the statement."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class EnvironmentProblem(Terminal):

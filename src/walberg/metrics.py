@@ -12,6 +12,8 @@ RECORDS_WRITTEN = Counter("walberg_records_written", "Changes committed to Icebe
                           ["table", "op"])
 DEAD_LETTERS = Counter("walberg_dead_letters", "Rows sent to the dead-letter table instead of "
                        "their table (they could not be written exactly)", ["table"])
+COMMIT_RETRIES = Counter("walberg_commit_retries", "Iceberg commits tried again after a "
+                         "storage or catalog failure", ["table"])
 COMMITS = Counter("walberg_commits", "Iceberg commits by walberg", ["table", "result"])
 BATCHES = Counter("walberg_batches", "Batches applied (one Iceberg commit per changed table)")
 SEGMENTS_SEALED = Counter("walberg_segments_sealed", "Segment files sealed")

@@ -156,6 +156,29 @@ def java_message(exc: BaseException) -> str:
     return lines[0].strip() if lines else type(exc).__name__
 
 
+# Java exceptions (by simple class name, anywhere in the cause chain) that come from the storage
+# or the catalog and may pass: a commit that failed for one of them is worth retrying.
+_TRANSIENT = ("IOException", "UncheckedIOException", "RuntimeIOException", "FileSystemException",
+              "AccessDeniedException", "FileNotFoundException", "NoSuchFileException",
+              "CommitFailedException", "CommitStateUnknownException", "ConnectException",
+              "SocketTimeoutException", "ServiceUnavailableException")
+
+
+def _transient(exc: BaseException) -> bool:
+    java_exc = getattr(exc, "java_exception", None)
+    if java_exc is None:
+        return False
+    try:
+        cause, seen = java_exc, 0
+        while cause is not None and seen < 20:
+            if cause.getClass().getSimpleName() in _TRANSIENT:
+                return True
+            cause, seen = cause.getCause(), seen + 1
+    except Exception:
+        return False
+    return False
+
+
 def spark_call(what: str, fn: Callable[[], T]) -> T:
     """Run a Spark call; a Java failure becomes an ApplyError that says what was attempted."""
     try:
@@ -164,7 +187,7 @@ def spark_call(what: str, fn: Callable[[], T]) -> T:
         raise
     except Exception as exc:
         if type(exc).__module__.startswith(("pyspark", "py4j")):
-            raise ApplyError(f"{what} failed: {java_message(exc)}") from exc
+            raise ApplyError(f"{what} failed: {java_message(exc)}", _transient(exc)) from exc
         raise
 
 

@@ -1,0 +1,159 @@
+"""Faults of the lake side: a warehouse that cannot be written for a while (the commit is
+retried with backoff), and for too long (walberg stops with a clear error, and a later run
+resumes). The fault is real: the table's metadata directory is made immutable (chattr +i),
+which stops even root from writing there."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from prometheus_client import REGISTRY
+
+from conftest import make_config, running
+from lake import iceberg_rows, postgres_rows
+from walberg.errors import ApplyError
+from walberg.model import Lsn
+from walberg.pipeline import Pipeline
+
+
+def _chattr(flag: str, path: Path) -> None:
+    subprocess.run(["chattr", flag, str(path)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def immutable() -> Iterator[Any]:
+    """``immutable(path)`` makes a directory unwritable, even for root, until the test ends or
+    ``immutable.release()``."""
+    held: list[Path] = []
+
+    class Control:
+        def __call__(self, path: Path) -> None:
+            try:
+                _chattr("+i", path)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                pytest.skip(f"chattr +i is not possible here: {exc}")
+            held.append(path)
+
+        def release(self) -> None:
+            while held:
+                _chattr("-i", held.pop())
+
+    control = Control()
+    try:
+        yield control
+    finally:
+        control.release()
+
+
+def _retries(source: str) -> float:
+    return REGISTRY.get_sample_value("walberg_commit_retries_total", {"table": source}) or 0.0
+
+
+def _setup(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+           unique: str, **sink: Any) -> tuple[str, str, Any]:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 100) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    if sink:
+        config = config.model_copy(update={"sink": config.sink.model_copy(update=sink)})
+    pipeline = Pipeline(config, session=spark)
+    try:
+        pipeline.run(once=True)
+    finally:
+        pipeline.close()
+    return table, config.target_for(table), config
+
+
+def _metadata_dir(warehouse: Path, target: str) -> Path:
+    _, namespace, name = target.split(".")
+    return warehouse / namespace / name / "metadata"
+
+
+def test_a_commit_is_retried_until_the_warehouse_is_writable_again(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        immutable: Any) -> None:
+    table, target, config = _setup(pg_conn, postgres, spark, warehouse, tmp_path, unique)
+    before = _retries(table)
+    immutable(_metadata_dir(warehouse, target))
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 'new' WHERE id <= 10")
+        cur.execute(f"DELETE FROM {table} WHERE id > 90")
+        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+        lsn = Lsn.parse(cur.fetchone()[0])
+    pipeline = Pipeline(config, session=spark)
+    try:
+        with running(pipeline) as failures:
+            deadline = time.monotonic() + 60
+            while _retries(table) < before + 2 and time.monotonic() < deadline and not failures:
+                time.sleep(0.1)
+            assert _retries(table) >= before + 2, failures
+            assert pipeline.applied_lsn < lsn  # nothing is marked applied meanwhile
+            immutable.release()
+            pipeline.wait_for(lsn, timeout=90)
+        assert not failures, failures
+    finally:
+        pipeline.close()
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+
+def test_a_commit_that_keeps_failing_stops_with_a_clear_error_and_nothing_is_lost(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        immutable: Any) -> None:
+    table, target, config = _setup(pg_conn, postgres, spark, warehouse, tmp_path, unique,
+                                   commit_max_attempts=3)
+    immutable(_metadata_dir(warehouse, target))
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (101, 'x')")
+        cur.execute(f"UPDATE {table} SET v = 'y' WHERE id = 1")
+    pipeline = Pipeline(config, session=spark)
+    try:
+        with pytest.raises(ApplyError, match=rf"could not commit {table}'s changes up to LSN "
+                                             rf".* after 3 attempt\(s\).*resumes there"):
+            pipeline.run(once=True)
+    finally:
+        pipeline.close()
+    immutable.release()
+    pipeline = Pipeline(config, session=spark)
+    try:
+        pipeline.run(once=True)
+    finally:
+        pipeline.close()
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+
+def test_an_unwritable_segment_directory_stops_walberg_cleanly_and_it_resumes(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        immutable: Any) -> None:
+    table, target, config = _setup(pg_conn, postgres, spark, warehouse, tmp_path, unique)
+    pipeline = Pipeline(config, session=spark)
+    try:
+        with running(pipeline) as failures:
+            with pg_conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {table} VALUES (101, 'a')")
+                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=60)
+            immutable(config.segment_dir)  # no file can be created, renamed or removed there
+            with pg_conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {table} SELECT g, 'b' FROM generate_series(102, 200) g")
+            deadline = time.monotonic() + 60
+            while not failures and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert failures, "walberg kept running on a segment directory it cannot write"
+        message = str(failures[0])
+        assert f"segment directory {config.segment_dir}" in message
+        assert "Operation not permitted" in message and "restart walberg" in message
+    finally:
+        pipeline.close()
+    immutable.release()
+    pipeline = Pipeline(config, session=spark)
+    try:
+        pipeline.run(once=True)
+    finally:
+        pipeline.close()
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
