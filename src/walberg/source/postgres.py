@@ -189,6 +189,10 @@ def require_key(info: TableInfo) -> None:
     )
 
 
+def sql_identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
 def quote_table(table: str) -> str:
     schema, name = split_name(table)
     return f'"{schema.replace(chr(34), chr(34) * 2)}"."{name.replace(chr(34), chr(34) * 2)}"'
@@ -197,10 +201,25 @@ def quote_table(table: str) -> str:
 def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
     """Create the publication for `tables` if missing; True if created. A publication that
     exists but lacks tables is an error naming the statement that fixes it."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,))
+        row = cur.fetchone()
+        cur.execute("SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n "
+                    "ON n.oid = c.relnamespace WHERE c.relkind = 'p' AND "
+                    "n.nspname || '.' || c.relname = ANY(%s)", (tables,))
+        partitioned = [r[0] for r in cur.fetchall()]
+    if row is not None and partitioned and not row[0]:
+        raise SourceError(
+            f"publication {publication} sends the changes of the partitioned table(s) "
+            f"{', '.join(partitioned)} under each partition's name, so walberg would not see "
+            f"them as {partitioned[0]}. Run: ALTER PUBLICATION "
+            f"{sql_identifier(publication)} SET (publish_via_partition_root = true);")
     missing = publication_missing(conn, publication, tables)
     if missing is None:
         with conn.cursor() as cur:
-            cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+            # Partitioned tables: changes arrive under the root's name, as one table.
+            cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} "
+                                "WITH (publish_via_partition_root = true)").format(
                 sql.Identifier(publication),
                 sql.SQL(", ").join(sql.Identifier(*split_name(t)) for t in tables)))
         return True
