@@ -20,11 +20,15 @@ EXAMPLES = {
     "run": "walberg run -c pipeline.yaml          # copy, then stream until stopped\n"
            "  walberg run -c pipeline.yaml --once   # stop once the lake holds today's WAL",
     "demo": "walberg demo                          # embedded Postgres -> local Iceberg walk-through",
-    "query": "walberg query -c pipeline.yaml \"SELECT count(*) FROM lake.public.employee\"",
+    "query": "walberg query -c pipeline.yaml \"SELECT count(*) FROM lake.public.employee\"\n"
+             "  walberg query -c pipeline.yaml \"SELECT * FROM lake.public.employee\" "
+             "--lsn 0/1A2B3C4 --format csv --output then.csv",
     "check": "walberg check -c pipeline.yaml         # exit 0 only when every check passes",
     "status": "walberg status -c pipeline.yaml --json",
     "maintain": "walberg maintain -c pipeline.yaml --table public.employee",
     "history": "walberg history -c pipeline.yaml public.employee",
+    "changes": "walberg changes -c pipeline.yaml public.employee --from 2026-11-21T10:00:00 "
+               "--format parquet --output changes.parquet",
     "verify": "walberg verify -c pipeline.yaml --table public.employee   # exit 0 only if equal",
     "init": "walberg init pipeline.yaml                # then edit the dsn and the tables",
 }
@@ -58,6 +62,19 @@ spark:
 """
 
 
+def _reading_options(p: argparse.ArgumentParser) -> None:
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--as-of", help="read the pipeline's tables as of this timestamp "
+                                      "('2026-11-21 10:00:00', UTC)")
+    when.add_argument("--snapshot", type=int, help="read the table that has this Iceberg "
+                                                   "snapshot id as of it")
+    when.add_argument("--lsn", help="read the pipeline's tables as they held the source at "
+                                    "this Postgres LSN (e.g. 0/1A2B3C4)")
+    p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
+                   help="table prints; csv, json (lines) and parquet need --output")
+    p.add_argument("--output", help="file to write with --format csv|json|parquet")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="walberg",
@@ -89,7 +106,22 @@ def _parser() -> argparse.ArgumentParser:
     query = command("query", "run Spark SQL against the lake and print the result")
     query.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     query.add_argument("sql", help="the query; tables are catalog.namespace.table")
-    query.add_argument("--limit", type=int, default=100, help="print at most this many rows")
+    query.add_argument("--limit", type=int, default=None,
+                       help="at most this many rows (printing: default 100; files: all)")
+    _reading_options(query)
+
+    changes = command("changes", "net inserts, updates and deletes of a table between two "
+                                 "points of its history (for incremental downstream jobs)")
+    changes.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    changes.add_argument("table", help="source table (schema.table)")
+    changes.add_argument("--from", dest="start", required=True,
+                         help="snapshot id or timestamp to start after")
+    changes.add_argument("--to", dest="end", help="snapshot id or timestamp (default: now)")
+    changes.add_argument("--limit", type=int, default=None,
+                         help="at most this many rows (printing: default 100; files: all)")
+    changes.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
+                         help="table prints; csv, json (lines) and parquet need --output")
+    changes.add_argument("--output", help="file to write with --format csv|json|parquet")
 
     check = command("check", "check the source, the machine and the lake before running")
     check.add_argument("-c", "--config", required=True, help="pipeline YAML file")
@@ -182,9 +214,37 @@ def _opened(args: argparse.Namespace) -> Iterator["Pipeline"]:
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
+    from walberg.model import Lsn
+
+    try:
+        lsn = Lsn.parse(args.lsn) if args.lsn else None
+    except ValueError as exc:
+        return _fail(f"--lsn: {exc}", 2)
+    when = {"as_of": args.as_of, "snapshot": args.snapshot, "lsn": lsn}
     with _opened(args) as pipeline:
-        rows, names = pipeline.query(args.sql, args.limit)
-    print(format_table(names, rows))
+        return _show(args, lambda: pipeline.pinned(args.sql, **when), pipeline)
+
+
+def _cmd_changes(args: argparse.Namespace) -> int:
+    with _opened(args) as pipeline:
+        return _show(args, lambda: pipeline.changes_sql(args.table, args.start, args.end),
+                     pipeline)
+
+
+def _show(args: argparse.Namespace, statement: Callable[[], str], pipeline: "Pipeline") -> int:
+    """Print a query's result, or write it to --output."""
+    from pathlib import Path
+
+    if args.format == "table":
+        if args.output:
+            return _fail("--output needs --format csv, json or parquet", 2)
+        rows, names = pipeline.query(statement(), args.limit or 100)
+        print(format_table(names, rows))
+        return 0
+    if not args.output:
+        return _fail(f"--format {args.format} needs --output PATH", 2)
+    written = pipeline.export(statement(), args.format, Path(args.output), args.limit)
+    print(f"wrote {written:,} row(s) to {args.output}")
     return 0
 
 
@@ -335,6 +395,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_history(args)
         if args.command == "verify":
             return _cmd_verify(args)
+        if args.command == "changes":
+            return _cmd_changes(args)
         raise AssertionError(args.command)
     except WalbergError as exc:
         if args.debug:

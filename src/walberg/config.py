@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from walberg.errors import ConfigError
+from walberg.model import Layout
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _IDENT = r"[A-Za-z_][A-Za-z0-9_$]*"
@@ -77,6 +78,65 @@ class Catalog(_Model):
     )
 
 
+_TRANSFORM = re.compile(
+    r"^(?:(?:identity|years|months|days|hours|year|month|day|hour)\(\s*(\w+)\s*\)"
+    r"|(?:bucket|truncate)\(\s*\d+\s*,\s*(\w+)\s*\)|(\w+))$")
+# Parquet codecs the Iceberg writer has here (brotli would need Hadoop's BrotliCodec, which no
+# package on PyPI ships).
+_CODECS = {"none": "uncompressed", "uncompressed": "uncompressed", "snappy": "snappy",
+           "gzip": "gzip", "lz4": "lz4", "zstd": "zstd"}
+WriteMode = Literal["merge-on-read", "copy-on-write"]
+Evolution = Literal["strict", "add_columns", "full"]
+
+
+def _check_properties(props: dict[str, str]) -> dict[str, str]:
+    out = dict(props)
+    codec = out.get("write.parquet.compression-codec")
+    if codec is not None:
+        if codec.lower() not in _CODECS:
+            extra = (" (brotli needs Hadoop's BrotliCodec, which this installation lacks)"
+                     if codec.lower() == "brotli" else "")
+            raise ValueError(f"write.parquet.compression-codec {codec!r}: use one of "
+                             f"{', '.join(sorted(_CODECS))}{extra}")
+        out["write.parquet.compression-codec"] = _CODECS[codec.lower()]
+    return out
+
+
+class TableLayout(_Model):
+    """How one table is laid out in Iceberg (sink.tables.<schema.table>)."""
+
+    target: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$",
+        description="namespace.table in the catalog; default: sink.namespace and the table name")
+    partition_by: list[str] = Field(
+        default_factory=list,
+        description="Iceberg partition transforms: column, bucket(N, c), truncate(W, c), "
+                    "years/months/days/hours(c); changing it evolves the partition spec")
+    properties: dict[str, str] = Field(
+        default_factory=dict, description="Iceberg table properties for this table")
+    format_version: Optional[Literal[2, 3]] = Field(
+        None, description="Iceberg format version: 2, or 3 (deletion vectors)")
+    write_mode: Optional[WriteMode] = Field(
+        None, description="how updates and deletes are written")
+    schema_evolution: Optional[Evolution] = Field(
+        None, description="as sink.schema_evolution, for this table")
+
+    @field_validator("partition_by")
+    @classmethod
+    def _transforms(cls, value: list[str]) -> list[str]:
+        for t in value:
+            if not _TRANSFORM.match(t.strip()):
+                raise ValueError(f"{t!r} is not a partition transform: use a column name, "
+                                 "bucket(N, col), truncate(W, col), or years/months/days/"
+                                 "hours(col)")
+        return [t.strip() for t in value]
+
+    @field_validator("properties")
+    @classmethod
+    def _props(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_properties(value)
+
+
 class Sink(_Model):
     catalog: Catalog
     namespace: Optional[str] = Field(
@@ -98,6 +158,26 @@ class Sink(_Model):
     text_types: list[str] = Field(
         default_factory=list,
         description="extension types (e.g. geometry) to store as their Postgres text form")
+    format_version: Literal[2, 3] = Field(
+        2, description="Iceberg format version of new tables: 2, or 3 (deletion vectors)")
+    write_mode: WriteMode = Field(
+        "merge-on-read", description="updates and deletes: merge-on-read (delete files, fast "
+                                     "writes) or copy-on-write (rewritten data files, fast reads)")
+    properties: dict[str, str] = Field(
+        default_factory=dict, description="Iceberg table properties for every table")
+    tables: dict[str, TableLayout] = Field(
+        default_factory=dict, description="per source table (schema.table): target, "
+                                          "partition_by, properties, format_version, write_mode")
+
+    @field_validator("properties")
+    @classmethod
+    def _props(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_properties(value)
+
+    @field_validator("tables")
+    @classmethod
+    def _qualify_tables(cls, value: dict[str, TableLayout]) -> dict[str, TableLayout]:
+        return {(k if "." in k else f"public.{k}"): v for k, v in value.items()}
 
     @property
     def numeric_default(self) -> tuple[int, int]:
@@ -201,7 +281,29 @@ class Config(_Model):
 
     def target_for(self, source_table: str) -> str:
         """The Iceberg identifier (catalog.namespace.table) for a source table."""
+        layout = self.sink.tables.get(source_table)
+        if layout is not None and layout.target:
+            return f"{self.sink.catalog.name}.{layout.target}"
         return f"{self.sink.catalog.name}.{self.namespace_for(source_table)}.{source_table.split('.')[1]}"
+
+    def layout_for(self, source_table: str) -> Layout:
+        t = self.sink.tables.get(source_table) or TableLayout.model_validate({})
+        return Layout(tuple(t.partition_by), {**self.sink.properties, **t.properties},
+                      t.format_version or self.sink.format_version,
+                      t.write_mode or self.sink.write_mode,
+                      t.schema_evolution or self.sink.schema_evolution)
+
+    @model_validator(mode="after")
+    def _tables_known(self) -> "Config":
+        unknown = sorted(set(self.sink.tables) - set(self.source.postgres.tables))
+        if unknown:
+            raise ValueError(f"sink.tables names {', '.join(unknown)}, which source.postgres."
+                             "tables does not list")
+        targets = [self.target_for(t) for t in self.source.postgres.tables]
+        if len(set(targets)) != len(targets):
+            raise ValueError("two source tables map to the same Iceberg table; give one of "
+                             "them a sink.tables.<table>.target")
+        return self
 
 
 def _interpolate(node: Any, where: str) -> Any:

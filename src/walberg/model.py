@@ -216,3 +216,15 @@ class TableState:
 
     source: str  # schema.table in Postgres
     committed_lsn: Lsn = field(default_factory=lambda: Lsn(0))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one Iceberg table is laid out: the pipeline file's sink.tables entry with the sink's
+    defaults filled in."""
+
+    partition_by: tuple[str, ...] = ()
+    properties: dict[str, str] = field(default_factory=dict)
+    format_version: int = 2
+    write_mode: str = "merge-on-read"
+    schema_evolution: str = "full"

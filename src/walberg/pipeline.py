@@ -41,13 +41,20 @@ from walberg.apply.batch import (
     csv_to_parquet,
     seq_filter,
 )
-from walberg.apply.iceberg import IcebergSink
+from walberg.apply.iceberg import IcebergSink, pin_tables, quote_target
 from walberg.apply.metadata import read_hadoop_table
 from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
-from walberg.apply.types import TextPrep, TypeMap, parse_array
+from walberg.apply.types import TextPrep, TypeMap, parse_array, quote
 from walberg.buffer.store import SegmentStore, inspect_directory
 from walberg.config import Config, load_config
-from walberg.errors import ApplyError, DecodeError, Terminal, Transient, WalbergError
+from walberg.errors import (
+    ApplyError,
+    ConfigError,
+    DecodeError,
+    Terminal,
+    Transient,
+    WalbergError,
+)
 from walberg.model import (
     Begin,
     Column,
@@ -208,9 +215,102 @@ class Pipeline:
                                f"(it holds up to {self._applied})")
             time.sleep(0.05)
 
-    def query(self, statement: str, limit: int = 100) -> tuple[list[tuple[Any, ...]], list[str]]:
-        """Run Spark SQL against the lake; returns (rows, column names)."""
-        return self.sink.query(statement, limit)
+    def query(self, statement: str, limit: int = 100, *, as_of: Optional[str] = None,
+              snapshot: Optional[int] = None, lsn: Optional[Lsn] = None
+              ) -> tuple[list[tuple[Any, ...]], list[str]]:
+        """Run Spark SQL against the lake; returns (rows, column names). With ``as_of`` (a
+        timestamp), ``snapshot`` (an Iceberg snapshot id of one table) or ``lsn`` (a Postgres
+        WAL position), the pipeline's tables are read as they were then."""
+        return self.sink.query(self.pinned(statement, as_of, snapshot, lsn), limit)
+
+    def export(self, statement: str, fmt: str, output: Path, limit: Optional[int] = None, *,
+               as_of: Optional[str] = None, snapshot: Optional[int] = None,
+               lsn: Optional[Lsn] = None) -> int:
+        """Write a query's result to ``output`` as csv, json (lines) or parquet."""
+        return self.sink.export(self.pinned(statement, as_of, snapshot, lsn), fmt, output, limit)
+
+    def pinned(self, statement: str, as_of: Optional[str] = None,
+               snapshot: Optional[int] = None, lsn: Optional[Lsn] = None) -> str:
+        """``statement`` with the pipeline's tables read at a point in their history."""
+        if sum(x is not None for x in (as_of, snapshot, lsn)) > 1:
+            raise ConfigError("give one of --as-of, --snapshot and --lsn, not several")
+        pins: dict[str, str] = {}
+        if as_of is not None:
+            stamp = as_of.replace("'", "")
+            pins = {target: f"TIMESTAMP AS OF '{stamp}'" for target in self.targets.values()
+                    if self.sink.table_exists(target)}
+        elif snapshot is not None:
+            for target in self.targets.values():
+                if self.sink.table_exists(target) and any(
+                        h["snapshot_id"] == snapshot for h in self.sink.history(target)):
+                    pins[target] = f"VERSION AS OF {int(snapshot)}"
+            if not pins:
+                raise Terminal(f"no table of this pipeline has a snapshot {snapshot}; "
+                               "`walberg history -c pipeline.yaml TABLE` lists them")
+        elif lsn is not None:
+            for source, target in self.targets.items():
+                if self.sink.table_exists(target):
+                    pins[target] = f"VERSION AS OF {self._snapshot_at(source, lsn)}"
+        return pin_tables(statement, pins)
+
+    def changes_sql(self, source: str, start: str, end: Optional[str] = None) -> str:
+        """Spark SQL for the net changes to a table between two points of its history (snapshot
+        ids or timestamps; ``end`` defaults to now): one row per changed key with ``_change``
+        (insert, update or delete) and the row's values (the old ones for a delete)."""
+        source = source if "." in source else f"public.{source}"
+        if source not in self.targets:
+            raise Terminal(f"{source} is not one of this pipeline's tables "
+                           f"({', '.join(self.tables)}); see source.postgres.tables")
+        target = self.targets[source]
+        names = [n for n, _ in self.sink.schema(target)]
+        conn = pg.connect(self.pg.dsn)
+        try:
+            keys = [c.name for c in pg.describe_table(conn, source).columns if c.is_key]
+        finally:
+            conn.close()
+        keys = [k for k in keys if k in names] or names
+        t = quote_target(target)
+
+        def at(point: Optional[str]) -> str:
+            if point is None:
+                return t
+            if point.strip().isdigit():
+                return f"{t} VERSION AS OF {int(point)}"
+            return f"{t} TIMESTAMP AS OF '{point.replace(chr(39), '')}'"
+
+        on = " AND ".join(f"o.{quote(k)} <=> n.{quote(k)}" for k in keys)
+        lsn = quote("_walberg_lsn")
+        first_key = quote(keys[0])
+        change = (f"CASE WHEN o.{lsn} IS NULL THEN 'insert' WHEN n.{lsn} IS NULL THEN 'delete' "
+                  "ELSE 'update' END AS _change")
+        cols = ", ".join(f"CASE WHEN n.{lsn} IS NULL THEN o.{quote(c)} ELSE n.{quote(c)} END "
+                         f"AS {quote(c)}" for c in names + ["_walberg_lsn"])
+        return (f"SELECT {change}, {cols} FROM (SELECT * FROM {at(start)}) o "
+                f"FULL OUTER JOIN (SELECT * FROM {at(end)}) n ON {on} "
+                f"WHERE o.{lsn} IS NULL OR n.{lsn} IS NULL OR o.{lsn} <> n.{lsn} "
+                f"ORDER BY coalesce(n.{first_key}, o.{first_key})")
+
+    def _snapshot_at(self, source: str, lsn: Lsn) -> int:
+        """The last snapshot of the table's current history whose data covers the source only
+        up to ``lsn``: what the lake held of it as of that Postgres position."""
+        target = self.targets[source]
+        chosen: Optional[int] = None
+        covered = Lsn(0)
+        first: Optional[str] = None
+        for h in self.sink.history(target):
+            if not h["is_current_ancestor"]:
+                continue
+            if h["lsn"] is not None:
+                covered = max(covered, Lsn.parse(h["lsn"]))
+                first = first or h["lsn"]
+            if h["lsn"] is not None or chosen is not None:
+                if covered > lsn:
+                    break
+                chosen = int(h["snapshot_id"])
+        if chosen is None:
+            raise Terminal(f"the lake held nothing of {source} at LSN {lsn}: its first commit "
+                           f"covers up to LSN {first or '-'}")
+        return chosen
 
     def history(self, source: str) -> list[dict[str, Any]]:
         """The snapshots of a source table's Iceberg table, oldest first."""
@@ -515,7 +615,12 @@ class Pipeline:
                 log.info("created replication slot %s at %s", created.name, created.consistent_point)
 
             for t, info in infos.items():
-                if not self.sink.ensure_table(self.targets[t], info.columns):
+                layout = self.config.layout_for(t)
+                if not self.sink.ensure_table(self.targets[t], info.columns, layout):
+                    changed = self.sink.align(self.targets[t], layout)
+                    if changed:
+                        log.info("%s follows its layout in the pipeline file: %s",
+                                 self.targets[t], "; ".join(changed))
                     self._finish_fills(t)
                 lsn = self.sink.committed_lsn(self.targets[t])
                 if lsn is not None:
@@ -1132,7 +1237,7 @@ class Pipeline:
         target = self.targets[source]
         wanted = [(c.name, self.types.spark_type(c, target).describe()) for c in columns]
         current = self.sink.schema(target)
-        mode = self.config.sink.schema_evolution
+        mode = self.config.layout_for(source).schema_evolution
         try:
             steps = evolution.plan(current, wanted)
             refused = [s for s in steps if mode == "strict"

@@ -8,6 +8,7 @@ commit as the data. What a table holds is therefore always known from the table 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -21,7 +22,8 @@ from walberg.apply.batch import (
 from walberg.apply.evolution import Step
 from walberg.apply.spark import spark_call, with_commit_properties
 from walberg.apply.types import TypeMap, quote
-from walberg.model import Column, Lsn
+from walberg.errors import ApplyError
+from walberg.model import Column, Layout, Lsn
 
 LSN_PROPERTY = "walberg.lsn"
 LSN_COLUMN = "_walberg_lsn"
@@ -68,6 +70,51 @@ def _fill_unchanged(df: Any, keys: list[str], unchanged: list[int]) -> Any:
     return df
 
 
+def table_properties(layout: Optional[Layout]) -> dict[str, str]:
+    """The Iceberg table properties walberg sets: its defaults, then the layout's."""
+    props = dict(TABLE_PROPERTIES)
+    if layout is None:
+        return props
+    props["format-version"] = str(layout.format_version)
+    for op in ("merge", "update", "delete"):
+        props[f"write.{op}.mode"] = layout.write_mode
+        if layout.partition_by:
+            # Rows clustered by partition before writing: one file per partition and task,
+            # instead of a file per partition in every task.
+            props[f"write.{op}.distribution-mode"] = "hash"
+    if layout.partition_by:
+        props["write.distribution-mode"] = "hash"
+    props.update(layout.properties)
+    return props
+
+
+_TRANSFORM_NAMES = {"year": "years", "month": "months", "day": "days", "hour": "hours"}
+
+
+def normal_transform(text: str) -> str:
+    """A partition transform in one spelling: ``bucket(16,id)``, ``days(ts)``, ``id``."""
+    t = text.replace("`", "").replace(" ", "").lower()
+    m = re.fullmatch(r"(\w+)\((.*)\)", t)
+    if m is None:
+        return t
+    name, args = _TRANSFORM_NAMES.get(m.group(1), m.group(1)), m.group(2)
+    return args if name == "identity" else f"{name}({args})"
+
+
+def spark_transform(text: str) -> str:
+    """A normalised transform as Spark SQL, with the column quoted."""
+    t = normal_transform(text)
+    m = re.fullmatch(r"(\w+)\((?:(\d+),)?(\w+)\)", t)
+    if m is None:
+        return quote(t)
+    name, width, column = m.groups()
+    return f"{name}({width}, {quote(column)})" if width else f"{name}({quote(column)})"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("'", "\\'")
+
+
 def quote_target(target: str) -> str:
     return ".".join(quote(p) for p in target.split("."))
 
@@ -82,23 +129,82 @@ class IcebergSink:
     def sql(self, what: str, statement: str) -> Any:
         return spark_call(what, lambda: self.spark.sql(statement))
 
-    def ensure_table(self, target: str, columns: Sequence[Column]) -> bool:
+    def ensure_table(self, target: str, columns: Sequence[Column],
+                     layout: Optional[Layout] = None) -> bool:
         """Create the Iceberg table for these source columns if it does not exist; True if made."""
-        catalog, namespace, _ = target.split(".")
         if self.table_exists(target):
             return False
-        self.sql(f"creating namespace {catalog}.{namespace}",
-                 f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}")
         cols = ", ".join(f"{quote(c.name)} {self.types.spark_type(c, target).sql}"
                          for c in columns)
-        self._create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT")
+        self._create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT", layout)
         return True
 
-    def _create(self, target: str, columns: str) -> None:
-        props = ", ".join(f"'{k}'='{v}'" for k, v in TABLE_PROPERTIES.items())
+    def _create(self, target: str, columns: str, layout: Optional[Layout] = None) -> None:
+        catalog, namespace, _ = target.split(".")
+        self.sql(f"creating namespace {catalog}.{namespace}",
+                 f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}")
+        props = ", ".join(f"'{k}'='{_escape(v)}'" for k, v in table_properties(layout).items())
+        parts = ""
+        if layout is not None and layout.partition_by:
+            parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"
         self.sql(f"creating table {target}",
                  f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({columns}) "
-                 f"USING iceberg TBLPROPERTIES ({props})")
+                 f"USING iceberg{parts} TBLPROPERTIES ({props})")
+
+    def partitioning(self, target: str) -> list[str]:
+        """The table's current partition fields, normalised (see ``normal_transform``)."""
+        rows = self.sql(f"describing {target}",
+                        f"DESCRIBE TABLE EXTENDED {quote_target(target)}").collect()
+        out, inside = [], False
+        for r in rows:
+            name = (r["col_name"] or "").strip()
+            if name == "# Partitioning":
+                inside = True
+            elif inside and name.startswith("Part "):
+                field = normal_transform(r["data_type"])
+                if not field.startswith("void("):  # a field dropped from a v2 spec
+                    out.append(field)
+            elif inside and (not name or name.startswith("#")):
+                break
+        return out
+
+    def align(self, target: str, layout: Layout) -> list[str]:
+        """Evolve the partition spec and set the properties the layout asks for; returns what
+        changed. A format version can only go up."""
+        t = quote_target(target)
+        done: list[str] = []
+        have = self.partitioning(target)
+        want = [normal_transform(x) for x in layout.partition_by]
+        if have != want:
+            for field in [f for f in have if f not in want]:
+                self.sql(f"evolving the partitioning of {target}",
+                         f"ALTER TABLE {t} DROP PARTITION FIELD {spark_transform(field)}")
+                done.append(f"drop partition field {field}")
+            for field in [f for f in want if f not in have]:
+                self.sql(f"evolving the partitioning of {target}",
+                         f"ALTER TABLE {t} ADD PARTITION FIELD {spark_transform(field)}")
+                done.append(f"add partition field {field}")
+        rows = self.sql(f"reading the properties of {target}",
+                        f"SHOW TBLPROPERTIES {t}").collect()
+        current = {r["key"]: r["value"] for r in rows}
+        changed = {}
+        for key, value in table_properties(layout).items():
+            if key == "format-version":
+                now = int(current.get("format-version", "2"))
+                if int(value) < now:
+                    raise ApplyError(
+                        f"{target} is Iceberg format version {now}; a table cannot go back to "
+                        f"{value}. Set format_version: {now} for it in the pipeline file.")
+                if int(value) == now:
+                    continue
+            if current.get(key) != value:
+                changed[key] = value
+        if changed:
+            props = ", ".join(f"'{k}'='{_escape(v)}'" for k, v in changed.items())
+            self.sql(f"setting properties of {target}", f"ALTER TABLE {t} SET TBLPROPERTIES ({props})")
+            done += [f"set {k}={v}" for k, v in changed.items()]
+        self._schemas.pop(target, None)
+        return done
 
     def columns_match(self, target: str, columns: Sequence[Column]) -> bool:
         """Whether the Iceberg table has exactly these source columns (names and types)."""
@@ -383,7 +489,7 @@ class IcebergSink:
         t = quote_target(target)
         rows = self.sql(
             f"reading the history of {target}",
-            f"SELECT h.made_current_at, s.snapshot_id, s.operation, "
+            f"SELECT h.made_current_at, s.snapshot_id, s.operation, h.is_current_ancestor, "
             f"s.summary['{LSN_PROPERTY}'] AS lsn, s.summary['added-records'] AS added, "
             f"s.summary['deleted-records'] AS deleted, "
             f"s.summary['added-position-deletes'] AS pos_deletes "
@@ -396,3 +502,40 @@ class IcebergSink:
         df = self.sql("running the query", statement)
         rows = spark_call("running the query", lambda: df.limit(limit).collect())
         return [tuple(r) for r in rows], list(df.columns)
+
+    def export(self, statement: str, fmt: str, output: Path, limit: Optional[int]) -> int:
+        """Write a query's result to one file (csv with a header, JSON lines, or Parquet);
+        Spark writes it, so the result never passes through Python. Returns the rows."""
+        import shutil
+        import tempfile
+
+        df = self.sql("running the query", statement)
+        if limit is not None:
+            df = df.limit(limit)
+        df = df.cache()
+        rows = int(spark_call("running the query", df.count))
+        work = Path(tempfile.mkdtemp(prefix=".walberg-export-", dir=output.parent))
+        try:
+            writer = df.coalesce(1).write.mode("overwrite").format(fmt)
+            if fmt == "csv":
+                writer = writer.option("header", "true")
+            spark_call(f"writing the result to {output}", lambda: writer.save(str(work / "out")))
+            [part] = sorted((work / "out").glob("part-*"))
+            part.replace(output)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            df.unpersist()
+        return rows
+
+
+def pin_tables(statement: str, pins: dict[str, str]) -> str:
+    """Add a time-travel clause (``VERSION AS OF 123``, ``TIMESTAMP AS OF '...'``) after every
+    reference to each pinned table (catalog.namespace.table, parts optionally in backticks)."""
+    import re
+
+    for target, clause in pins.items():
+        parts = [rf"(?:{re.escape(p)}|`{re.escape(p)}`)" for p in target.split(".")]
+        pattern = r"(?<![\w.`])" + r"\.".join(parts) + r"(?![\w.`])"
+        statement = re.sub(pattern, lambda m: f"{m.group(0)} {clause}", statement,  # noqa: B023
+                           flags=re.IGNORECASE)
+    return statement
