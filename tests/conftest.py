@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,3 +92,32 @@ def running(pipeline: Pipeline) -> Iterator[list[BaseException]]:
         pipeline.stop()
         runner.join(timeout=60)
         pipeline.close()
+
+
+def _chattr(flag: str, path: Path) -> None:
+    subprocess.run(["chattr", flag, str(path)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def immutable() -> Iterator[Any]:
+    """``immutable(path)`` makes a directory unwritable, even for root, until the test ends or
+    ``immutable.release()``."""
+    held: list[Path] = []
+
+    class Control:
+        def __call__(self, path: Path) -> None:
+            try:
+                _chattr("+i", path)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                pytest.skip(f"chattr +i is not possible here: {exc}")
+            held.append(path)
+
+        def release(self) -> None:
+            while held:
+                _chattr("-i", held.pop())
+
+    control = Control()
+    try:
+        yield control
+    finally:
+        control.release()

@@ -5,10 +5,9 @@ which stops even root from writing there."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -18,35 +17,6 @@ from lake import iceberg_rows, postgres_rows
 from walberg.errors import ApplyError
 from walberg.model import Lsn
 from walberg.pipeline import Pipeline
-
-
-def _chattr(flag: str, path: Path) -> None:
-    subprocess.run(["chattr", flag, str(path)], check=True, capture_output=True)
-
-
-@pytest.fixture
-def immutable() -> Iterator[Any]:
-    """``immutable(path)`` makes a directory unwritable, even for root, until the test ends or
-    ``immutable.release()``."""
-    held: list[Path] = []
-
-    class Control:
-        def __call__(self, path: Path) -> None:
-            try:
-                _chattr("+i", path)
-            except (OSError, subprocess.CalledProcessError) as exc:
-                pytest.skip(f"chattr +i is not possible here: {exc}")
-            held.append(path)
-
-        def release(self) -> None:
-            while held:
-                _chattr("-i", held.pop())
-
-    control = Control()
-    try:
-        yield control
-    finally:
-        control.release()
 
 
 def _retries(source: str) -> float:

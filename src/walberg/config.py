@@ -86,6 +86,7 @@ _TRANSFORM = re.compile(
 _CODECS = {"none": "uncompressed", "uncompressed": "uncompressed", "snappy": "snappy",
            "gzip": "gzip", "lz4": "lz4", "zstd": "zstd"}
 WriteMode = Literal["merge-on-read", "copy-on-write"]
+Mode = Literal["upsert", "append", "both"]
 Evolution = Literal["strict", "add_columns", "full"]
 
 
@@ -120,6 +121,7 @@ class TableLayout(_Model):
         None, description="how updates and deletes are written")
     schema_evolution: Optional[Evolution] = Field(
         None, description="as sink.schema_evolution, for this table")
+    mode: Optional[Mode] = Field(None, description="as sink.mode, for this table")
 
     @field_validator("partition_by")
     @classmethod
@@ -142,7 +144,9 @@ class Sink(_Model):
     namespace: Optional[str] = Field(
         None, pattern=_IDENT, description="Iceberg namespace; default: the Postgres schema name"
     )
-    mode: Literal["upsert"] = Field("upsert", description="upsert: the table mirrors Postgres")
+    mode: Mode = Field(
+        "upsert", description="upsert: the table mirrors Postgres; append: a changelog table, one "
+                              "row per change; both: the mirror and <table>_changelog")
     unconstrained_numeric: str = Field(
         "decimal(38,18)", pattern=r"^decimal\(\d{1,2},\d{1,2}\)$",
         description="Iceberg type for NUMERIC columns declared without precision (values that "
@@ -167,7 +171,8 @@ class Sink(_Model):
         default_factory=dict, description="Iceberg table properties for every table")
     tables: dict[str, TableLayout] = Field(
         default_factory=dict, description="per source table (schema.table): target, "
-                                          "partition_by, properties, format_version, write_mode")
+                                          "partition_by, properties, format_version, "
+                                          "write_mode, schema_evolution, mode")
 
     @field_validator("properties")
     @classmethod
@@ -286,12 +291,19 @@ class Config(_Model):
             return f"{self.sink.catalog.name}.{layout.target}"
         return f"{self.sink.catalog.name}.{self.namespace_for(source_table)}.{source_table.split('.')[1]}"
 
+    def changelog_for(self, source_table: str) -> str:
+        """The changelog table of a source table: the target itself in append mode, else
+        ``<target>_changelog`` (mode both)."""
+        target = self.target_for(source_table)
+        return target if self.layout_for(source_table).mode == "append" else f"{target}_changelog"
+
     def layout_for(self, source_table: str) -> Layout:
         t = self.sink.tables.get(source_table) or TableLayout.model_validate({})
         return Layout(tuple(t.partition_by), {**self.sink.properties, **t.properties},
                       t.format_version or self.sink.format_version,
                       t.write_mode or self.sink.write_mode,
-                      t.schema_evolution or self.sink.schema_evolution)
+                      t.schema_evolution or self.sink.schema_evolution,
+                      t.mode or self.sink.mode)
 
     @model_validator(mode="after")
     def _tables_known(self) -> "Config":
@@ -300,6 +312,8 @@ class Config(_Model):
             raise ValueError(f"sink.tables names {', '.join(unknown)}, which source.postgres."
                              "tables does not list")
         targets = [self.target_for(t) for t in self.source.postgres.tables]
+        targets += [self.changelog_for(t) for t in self.source.postgres.tables
+                    if self.layout_for(t).mode == "both"]
         if len(set(targets)) != len(targets):
             raise ValueError("two source tables map to the same Iceberg table; give one of "
                              "them a sink.tables.<table>.target")

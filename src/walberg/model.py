@@ -228,3 +228,4 @@ class Layout:
     format_version: int = 2
     write_mode: str = "merge-on-read"
     schema_evolution: str = "full"
+    mode: str = "upsert"  # upsert, append (a changelog), both

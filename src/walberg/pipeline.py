@@ -110,6 +110,7 @@ class PreparedBatch:
     staged_s: float
     last_commit_ts: Optional[int]  # Postgres commit time of its last transaction (µs since 2000)
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
+    txns: list[tuple[int, int, int, int]] = field(default_factory=list)  # for changelogs
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,10 @@ class Pipeline:
         self.pg = config.source.postgres
         self.tables = list(self.pg.tables)
         self.targets = {t: config.target_for(t) for t in self.tables}
+        # Changelog tables (sink mode append or both); in append mode it is the target itself.
+        self.changelogs = {t: config.changelog_for(t) for t in self.tables
+                           if config.layout_for(t).mode in ("append", "both")}
+        self._changelog_held: dict[str, Optional[Lsn]] = {}
         self.committed: dict[str, Lsn] = {}
         self.report = RunReport()
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
@@ -359,11 +364,15 @@ class Pipeline:
         on the pipeline, verify waits (up to ``wait_seconds``) until the lake has committed
         past X. A source table still changing meanwhile can make the two disagree for that
         reason alone, so a difference is measured again, ``attempts`` times in all."""
-        chosen = tables or self.tables
+        chosen = tables or [t for t in self.tables
+                            if self.config.layout_for(t).mode != "append"]
         for t in chosen:
             if t not in self.targets:
                 raise Terminal(f"{t} is not one of this pipeline's tables "
                                f"({', '.join(self.tables)}); see source.postgres.tables")
+            if self.config.layout_for(t).mode == "append":
+                raise Terminal(f"{t} is written in append mode: its Iceberg table is a "
+                               "changelog, not a mirror, so there is nothing to compare")
         self.session()
         conn = pg.connect(self.pg.dsn, autocommit=False)
         verdicts = []
@@ -615,13 +624,7 @@ class Pipeline:
                 log.info("created replication slot %s at %s", created.name, created.consistent_point)
 
             for t, info in infos.items():
-                layout = self.config.layout_for(t)
-                if not self.sink.ensure_table(self.targets[t], info.columns, layout):
-                    changed = self.sink.align(self.targets[t], layout)
-                    if changed:
-                        log.info("%s follows its layout in the pipeline file: %s",
-                                 self.targets[t], "; ".join(changed))
-                    self._finish_fills(t)
+                self._ensure_tables(t, info)
                 lsn = self.sink.committed_lsn(self.targets[t])
                 if lsn is not None:
                     self.committed[t] = lsn
@@ -764,7 +767,13 @@ class Pipeline:
                     target, info.columns, dead.path, created.consistent_point,
                     snapshot=True) if dead.rows else 0
                 self._count_dead(info.qualified_name, target, dropped)
-                self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
+                changelog = self.changelogs.get(info.qualified_name)
+                if changelog is not None:
+                    self.sink.append_copy(changelog, info.columns, [parquet],
+                                          created.consistent_point)
+                    self._changelog_held[info.qualified_name] = created.consistent_point
+                if changelog != target:
+                    self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
                 self.committed[info.qualified_name] = created.consistent_point
                 self.report.copied[info.qualified_name] = rows
                 metrics.COPIED_ROWS.labels(info.qualified_name).inc(rows)
@@ -1029,6 +1038,7 @@ class Pipeline:
         last_end: Optional[Lsn] = None  # end of the last transaction staged whole, and its seq
         last_seq = 0
         txn_lsn = 0
+        txns: dict[int, tuple[int, int, int]] = {}  # commit LSN: xid, commit time, first seq
         try:
             for info in segments:
                 for lsn, _kind, payload in self._store.read(info):
@@ -1066,6 +1076,8 @@ class Pipeline:
                             # A transaction cut off by a crash and sent again in full.
                             void.append((txn_first_seq, seq))
                         txn, txn_first_seq, touched = msg, seq + 1, set()
+                        # (a transaction sent again after a crash: its last sending counts)
+                        txns[int(msg.final_lsn)] = (msg.xid, msg.commit_ts, seq + 1)
                         txn_lsn = int(msg.final_lsn)  # _walberg_lsn: the commit LSN
                         if msg.final_lsn < floor:
                             txn = None  # already in the batch before this one
@@ -1086,7 +1098,7 @@ class Pipeline:
                             if oid in wanted:
                                 seq += 2
                                 rel = wanted[oid].relation
-                                builder.truncate(rel.qualified_name, rel.columns, seq)
+                                builder.truncate(rel.qualified_name, rel.columns, seq, txn_lsn)
                                 touched.add(rel.qualified_name)
                                 changes += 1
                 if done:
@@ -1101,7 +1113,8 @@ class Pipeline:
             builder.discard()
             raise
         return PreparedBatch(segments, end, builder, staged, live, last_seq if cut else seq, void,
-                             changes, time.monotonic() - started, last_commit_ts, cut)
+                             changes, time.monotonic() - started, last_commit_ts, cut,
+                             [(lsn, *t) for lsn, t in txns.items()])
 
     def _wanted_chunks(self, decoder: Decoder, chunks: "_Chunks", txn: Begin) -> dict[int, "_Chunk"]:
         return {oid: chunks.for_relation(rel) for oid, rel in decoder.relations.items()
@@ -1164,18 +1177,50 @@ class Pipeline:
                  "committed in %.2f s", len(segments), batch.changes, batch.end, batch.staged_s,
                  time.monotonic() - started)
 
+    def _ensure_tables(self, source: str, info: pg.TableInfo) -> None:
+        """Create the source's Iceberg table(s) (mirror, changelog, or both) or bring them to
+        their layout."""
+        layout = self.config.layout_for(source)
+        made: list[tuple[str, bool]] = []
+        if layout.mode != "append":
+            made.append((self.targets[source],
+                         self.sink.ensure_table(self.targets[source], info.columns, layout)))
+        changelog = self.changelogs.get(source)
+        if changelog is not None:
+            made.append((changelog, self.sink.ensure_changelog(changelog, info.columns, layout)))
+        for target, created in made:
+            if not created:
+                changed = self.sink.align(target, layout)
+                if changed:
+                    log.info("%s follows its layout in the pipeline file: %s", target,
+                             "; ".join(changed))
+        if layout.mode != "append" and not made[0][1]:
+            self._finish_fills(source)
+        if layout.mode == "both" and changelog is not None:
+            self._changelog_held[source] = self.sink.committed_lsn(changelog)
+
     def _commit_table(self, source: str, batch: "PreparedBatch") -> None:
-        """One table's share of a batch: schema first, then dead letters, then its commit."""
+        """One table's share of a batch: schema first, then dead letters, then its commit (the
+        changelog's first when the table has both)."""
         st, target = batch.staged[source], self.targets[source]
-        if not self.sink.columns_match(target, st.columns):
-            self._evolve(source, st.columns, batch.end)
+        changelog = self.changelogs.get(source)
+        for t in ([target] if changelog in (None, target) else [changelog, target]):
+            if not self.sink.columns_match(t, st.columns):
+                self._evolve(source, st.columns, batch.end, t)
         if st.dead_letters is not None:
             # Before the table's own commit: a replay skips what the DLQ holds.
             dropped = self.sink.write_dead_letters(
                 target, st.columns, st.dead_letters, batch.end,
                 where=seq_filter(batch.max_seq, batch.void, []))
             self._count_dead(source, target, dropped)
-        self.sink.apply(target, st, batch.end, batch.max_seq, batch.void)
+        if changelog is not None:
+            held = self._changelog_held.get(source) if changelog != target else None
+            self.sink.append_changes(changelog, st, batch.end, batch.max_seq, batch.void,
+                                     batch.txns, held)
+            if changelog != target:
+                self._changelog_held[source] = batch.end
+        if changelog != target:
+            self.sink.apply(target, st, batch.end, batch.max_seq, batch.void)
 
     def _with_retries(self, source: str, lsn: Lsn, commit: Callable[[], None]) -> None:
         """Run ``commit``; when it fails for the storage or the catalog (I/O, a conflicting
@@ -1231,10 +1276,11 @@ class Pipeline:
         finally:
             conn.close()
 
-    def _evolve(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> None:
+    def _evolve(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
+                target: Optional[str] = None) -> None:
         """Make the Iceberg table's schema follow the source's columns (after ALTER TABLE),
         as far as ``sink.schema_evolution`` allows; otherwise stop with what to do."""
-        target = self.targets[source]
+        target = target or self.targets[source]
         wanted = [(c.name, self.types.spark_type(c, target).describe()) for c in columns]
         current = self.sink.schema(target)
         mode = self.config.layout_for(source).schema_evolution
@@ -1276,7 +1322,11 @@ class Pipeline:
         self.sink.evolve(target, steps, after)
         log.info("evolved the schema of %s to follow %s (before LSN %s): %s", target, source,
                  lsn, "; ".join(s.describe() for s in steps))
-        self._finish_fills(source)
+        if target == self.targets[source] and target not in self.changelogs.values():
+            self._finish_fills(source)
+        else:  # a changelog records changes; its old rows keep what they were
+            for key in self.sink.properties(target, FILL_PROPERTY):
+                self.sink.set_property(target, key, None)
 
     def _finish_fills(self, source: str) -> None:
         """Columns added in Postgres with a default: existing rows get the default in the lake

@@ -81,6 +81,7 @@ class StagedTable:
     rows: int = 0
     ops: dict[str, int] = field(default_factory=lambda: {"I": 0, "U": 0, "D": 0})
     truncates: list[int] = field(default_factory=list)  # seq of each TRUNCATE in the batch
+    truncate_lsns: dict[int, int] = field(default_factory=dict)  # its transaction's LSN, by seq
     unchanged_columns: set[int] = field(default_factory=set)
     dead_letters: Optional[Path] = None  # staged rows for the dead-letter table
     dead_rows: int = 0
@@ -153,10 +154,11 @@ class _TableStage:
             self.staged.ops[op] += int(np.count_nonzero(op_array == op))
         self.staged.rows += n
 
-    def truncate(self, seq: int) -> None:
+    def truncate(self, seq: int, lsn: int) -> None:
         # Rows before it become void at apply time; they stay staged because the TRUNCATE's own
         # transaction may turn out not to be part of this batch.
         self.staged.truncates.append(seq)
+        self.staged.truncate_lsns[seq] = lsn
 
     def flush(self) -> None:
         """Turn the rows added one by one into columns (the transposition runs in C) and write
@@ -231,8 +233,8 @@ class BatchBuilder:
                     unchanged: Sequence[Optional[npt.NDArray[np.bool_]]]) -> None:
         self._stage(source, columns).add_columns(ops, seq, lsn, values, unchanged)
 
-    def truncate(self, source: str, columns: tuple[Column, ...], seq: int) -> None:
-        self._stage(source, columns).truncate(seq)
+    def truncate(self, source: str, columns: tuple[Column, ...], seq: int, lsn: int = 0) -> None:
+        self._stage(source, columns).truncate(seq, lsn)
 
     def finish(self) -> dict[str, StagedTable]:
         for stage in self._tables.values():

@@ -28,6 +28,10 @@ from walberg.model import Column, Layout, Lsn
 LSN_PROPERTY = "walberg.lsn"
 LSN_COLUMN = "_walberg_lsn"
 OP_COLUMN = "_walberg_op"
+# A changelog table's columns after the source's (and _walberg_lsn, the change's commit LSN).
+CHANGELOG_COLUMNS = [(LSN_COLUMN, "BIGINT"), (OP_COLUMN, "STRING"), ("_walberg_seq", "BIGINT"),
+                     ("_walberg_commit_ts", "TIMESTAMP"), ("_walberg_xid", "BIGINT"),
+                     ("_walberg_unchanged", "STRING")]
 DLQ_SUFFIX = "__dlq"
 TABLE_PROPERTIES = {
     "format-version": "2",
@@ -151,6 +155,86 @@ class IcebergSink:
                  f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({columns}) "
                  f"USING iceberg{parts} TBLPROPERTIES ({props})")
 
+    def ensure_changelog(self, target: str, columns: Sequence[Column],
+                         layout: Optional[Layout] = None) -> bool:
+        """Create a changelog table (one row per change) if it does not exist; True if made."""
+        if self.table_exists(target):
+            return False
+        cols = ", ".join(f"{quote(c.name)} {self.types.spark_type(c, target).sql}"
+                         for c in columns)
+        meta = ", ".join(f"{quote(n)} {t}" for n, t in CHANGELOG_COLUMNS)
+        self._create(target, f"{cols}, {meta}", layout)
+        return True
+
+    def append_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
+                    lsn: Lsn) -> None:
+        """An initial copy into a changelog table: rows with _walberg_op 'snapshot', replacing
+        those of any earlier copy, the append marked ``lsn``."""
+        self.sql(f"replacing the earlier initial copy in {target}",
+                 f"DELETE FROM {quote_target(target)} WHERE {quote(OP_COLUMN)} = 'snapshot'")
+        df = self.spark.read.parquet(*[str(f) for f in files])
+        rows = self._typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)", keep=[
+            f"'snapshot' AS {quote(OP_COLUMN)}", "CAST(NULL AS BIGINT) AS `_walberg_seq`",
+            "CAST(NULL AS TIMESTAMP) AS `_walberg_commit_ts`",
+            "CAST(NULL AS BIGINT) AS `_walberg_xid`", "CAST(NULL AS STRING) AS `_walberg_unchanged`"])
+        spark_call(f"writing the initial copy of {target}",
+                   lambda: rows.writeTo(target).option(f"snapshot-property.{LSN_PROPERTY}",
+                                                       str(lsn)).append())
+
+    def append_changes(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
+                       void: Sequence[tuple[int, int]],
+                       txns: Sequence[tuple[int, int, int, int]], held: Optional[Lsn]) -> int:
+        """Append one row per change (and per TRUNCATE) to a changelog table, in one commit
+        marked ``lsn``. ``txns``: (commit LSN, xid, commit time in µs since 2000, first seq) of
+        the batch's transactions; rows of transactions up to ``held`` are already there."""
+        from pyspark.sql.functions import broadcast
+
+        columns = staged.columns
+        info = self.spark.createDataFrame(
+            list(txns), "t_lsn BIGINT, t_xid BIGINT, t_ts BIGINT, t_first BIGINT")
+        meta = [f"CASE _wb_op WHEN 'I' THEN 'insert' WHEN 'U' THEN 'update' "
+                f"WHEN 'D' THEN 'delete' ELSE 'truncate' END AS {quote(OP_COLUMN)}",
+                "_wb_seq - t_first AS `_walberg_seq`",
+                "timestamp_micros(t_ts + 946684800000000) AS `_walberg_commit_ts`",
+                "t_xid AS `_walberg_xid`"]
+        names = [f"CASE WHEN _wb_unchanged LIKE '%,{i},%' THEN '{c.name.replace(chr(39), '')}' END"
+                 for i, c in enumerate(columns) if i in staged.unchanged_columns]
+        meta.append(f"nullif(concat_ws(',', {', '.join(names)}), '') AS `_walberg_unchanged`"
+                    if names else "CAST(NULL AS STRING) AS `_walberg_unchanged`")
+        parts = []
+        if staged.files:
+            df = self.spark.read.parquet(*[str(f) for f in staged.files])
+            df = df.where(seq_filter(max_seq, void, []))
+            if held is not None:
+                df = df.where(f"_wb_lsn > {int(held)}")
+            df = df.join(broadcast(info), df["_wb_lsn"] == info["t_lsn"], "left")
+            parts.append(self._typed(df, target, columns, "_wb_lsn", keep=meta))
+        cuts = [(seq, staged.truncate_lsns.get(seq, 0)) for seq in staged.truncates
+                if seq <= max_seq and not any(lo <= seq <= hi for lo, hi in void)
+                and (held is None or staged.truncate_lsns.get(seq, 0) > held)]
+        if cuts:
+            df = self.spark.createDataFrame(cuts, "_wb_seq BIGINT, _wb_lsn BIGINT")
+            df = df.selectExpr("*", "'T' AS _wb_op", "CAST(NULL AS STRING) AS _wb_unchanged",
+                               *[f"CAST(NULL AS STRING) AS {value_column(i)}"
+                                 for i in range(len(columns))])
+            df = df.join(broadcast(info), df["_wb_lsn"] == info["t_lsn"], "left")
+            parts.append(self._typed(df, target, columns, "_wb_lsn", keep=meta))
+        if not parts:
+            return 0
+        rows = parts[0]
+        for extra in parts[1:]:
+            rows = rows.unionByName(extra)
+        rows = rows.cache()
+        try:
+            count = int(spark_call(f"appending changes to {target}", rows.count))
+            if count:
+                spark_call(f"appending changes to {target}",
+                           lambda: rows.writeTo(target).option(f"snapshot-property.{LSN_PROPERTY}",
+                                                               str(lsn)).append())
+        finally:
+            rows.unpersist()
+        return count
+
     def partitioning(self, target: str) -> list[str]:
         """The table's current partition fields, normalised (see ``normal_transform``)."""
         rows = self.sql(f"describing {target}",
@@ -209,11 +293,8 @@ class IcebergSink:
     def columns_match(self, target: str, columns: Sequence[Column]) -> bool:
         """Whether the Iceberg table has exactly these source columns (names and types)."""
         want = [(c.name, self.types.spark_type(c, target).describe()) for c in columns]
-        want.append((LSN_COLUMN, "bigint"))
         if self._schemas.get(target) != want:
-            schema = spark_call(f"reading the schema of {target}",
-                                lambda: self.spark.table(target).schema)
-            self._schemas[target] = [(f.name, f.dataType.simpleString()) for f in schema.fields]
+            self._schemas[target] = self.schema(target)
         return self._schemas[target] == want
 
     def forget(self, target: str) -> None:
@@ -226,7 +307,8 @@ class IcebergSink:
         """The table's source columns as (name, Spark SQL type), in order."""
         fields = spark_call(f"reading the schema of {target}",
                             lambda: self.spark.table(target).schema).fields
-        return [(f.name, f.dataType.simpleString()) for f in fields if f.name != LSN_COLUMN]
+        return [(f.name, f.dataType.simpleString()) for f in fields
+                if not f.name.startswith("_walberg_")]
 
     def evolve(self, target: str, steps: Sequence[Step], after: dict[str, str]) -> None:
         """Apply schema steps (Iceberg metadata only: no data file is rewritten). ``after``

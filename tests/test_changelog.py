@@ -1,0 +1,103 @@
+"""Append mode: a changelog table with one row per change, exactly once, alone or next to the
+mirror (mode both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyiceberg.table import StaticTable
+
+from conftest import make_config
+from lake import iceberg_rows, postgres_rows
+from walberg.config import parse_config
+from walberg.errors import ApplyError
+from walberg.pipeline import Pipeline
+
+
+def _rows(warehouse: Path, target: str) -> list[dict[str, Any]]:
+    _, namespace, name = target.split(".")
+    meta = warehouse / namespace / name / "metadata"
+    version = (meta / "version-hint.text").read_text().strip()
+    rows = StaticTable.from_metadata(str(meta / f"v{version}.metadata.json")).scan() \
+        .to_arrow().to_pylist()
+    return sorted(rows, key=lambda r: (r["_walberg_lsn"], r["_walberg_seq"] or 0, r["id"] or 0))
+
+
+def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spark: Any,
+                                                warehouse: Path, tmp_path: Path, unique: str,
+                                                immutable: Any) -> None:
+    both, alone = f"public.{unique}", f"public.{unique}_log"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {both} (id int PRIMARY KEY, v text, big text)")
+        cur.execute(f"INSERT INTO {both} VALUES (1, 'a', (SELECT string_agg(md5(g::text), '') "
+                    "FROM generate_series(1, 500) g)), (2, 'b', 'small')")  # 16 kB: TOASTed
+        cur.execute(f"CREATE TABLE {alone} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {alone} VALUES (1, 'a')")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      [both, alone]).model_dump(mode="json", exclude={"base_dir"})
+    raw["sink"]["tables"] = {both: {"mode": "both"}, alone: {"mode": "append"}}
+    config = parse_config(raw, tmp_path)
+    mirror, changelog, log_only = (config.target_for(both), config.changelog_for(both),
+                                   config.target_for(alone))
+    assert changelog == mirror + "_changelog" and config.changelog_for(alone) == log_only
+
+    def run() -> None:
+        p = Pipeline(config, session=spark)
+        try:
+            p.run(once=True)
+        finally:
+            p.close()
+
+    run()
+    assert [(r["_walberg_op"], r["id"]) for r in _rows(warehouse, changelog)] == \
+        [("snapshot", 1), ("snapshot", 2)]
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {both} VALUES (3, 'c', 'x')")
+        cur.execute(f"UPDATE {both} SET v = 'a2' WHERE id = 1")  # big stays TOASTed, unsent
+        cur.execute("BEGIN")
+        cur.execute(f"UPDATE {both} SET id = 20 WHERE id = 2")  # key change
+        cur.execute(f"DELETE FROM {both} WHERE id = 3")
+        cur.execute(f"INSERT INTO {alone} VALUES (2, 'b')")
+        cur.execute("COMMIT")
+        cur.execute(f"TRUNCATE {alone}")
+        cur.execute(f"INSERT INTO {alone} VALUES (3, 'c')")
+    run()
+
+    rows = _rows(warehouse, changelog)
+    assert [(r["_walberg_op"], r["id"], r["v"]) for r in rows] == [
+        ("snapshot", 1, "a"), ("snapshot", 2, "b"),
+        ("insert", 3, "c"), ("update", 1, "a2"),
+        ("delete", 2, None), ("insert", 20, "b"), ("delete", 3, None),
+    ]
+    update = rows[3]
+    assert update["big"] is None and update["_walberg_unchanged"] == "big"
+    assert all(r["_walberg_xid"] and r["_walberg_commit_ts"] for r in rows[2:])
+    key_change = [r for r in rows if r["id"] in (2, 20) and r["_walberg_op"] != "snapshot"]
+    assert len({r["_walberg_xid"] for r in key_change + [rows[6]]}) == 1  # one transaction
+    assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, both)
+    assert [(r["_walberg_op"], r["id"]) for r in _rows(warehouse, log_only)] == [
+        ("snapshot", 1), ("insert", 2), ("truncate", None), ("insert", 3)]
+
+    # The mirror's commit fails after the changelog's (its metadata directory made immutable):
+    # the next run applies the batch again, and the changelog must not get its rows twice.
+    raw["sink"]["commit_max_attempts"] = 1
+    failing = parse_config(raw, tmp_path)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {both} SET v = 'again' WHERE id = 1")
+        cur.execute(f"INSERT INTO {both} VALUES (4, 'd', 'd')")
+    _, namespace, name = mirror.split(".")
+    immutable(warehouse / namespace / name / "metadata")
+    p = Pipeline(failing, session=spark)
+    try:
+        with pytest.raises(ApplyError, match="could not commit"):
+            p.run(once=True)
+    finally:
+        p.close()
+    assert len(_rows(warehouse, changelog)) == len(rows) + 2  # the changelog got its commit
+    immutable.release()
+    run()
+    assert [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)[len(rows):]] \
+        == [("update", 1, "again"), ("insert", 4, "d")]
+    assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, both)
