@@ -29,6 +29,8 @@ EXAMPLES = {
     "history": "walberg history -c pipeline.yaml public.employee",
     "changes": "walberg changes -c pipeline.yaml public.employee --from 2026-11-21T10:00:00 "
                "--format parquet --output changes.parquet",
+    "resync": "walberg resync -c pipeline.yaml public.employee   # or no table: all, new slot",
+    "slot": "walberg slot drop -c pipeline.yaml --yes",
     "verify": "walberg verify -c pipeline.yaml --table public.employee   # exit 0 only if equal",
     "init": "walberg init pipeline.yaml                # then edit the dsn and the tables",
 }
@@ -146,6 +148,18 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--wait", type=float, default=60.0,
                         help="seconds to wait for a running walberg to catch up (default 60)")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    resync = command("resync", "copy tables from Postgres again (after a lost slot, or to "
+                               "repair a table), then catch up")
+    resync.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    resync.add_argument("tables", nargs="*", help="source tables (schema.table); none: all "
+                                                  "tables, with a new replication slot")
+    resync.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    slot = command("slot", "create or drop the pipeline's replication slot")
+    slot.add_argument("action", choices=["create", "drop"])
+    slot.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    slot.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
     init = command("init", "write a commented starter pipeline.yaml")
     init.add_argument("path", nargs="?", default="pipeline.yaml", help="where to write it")
@@ -309,6 +323,71 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(v.equal for v in verdicts) else 1
 
 
+def _confirm(args: argparse.Namespace, question: str) -> bool:
+    """Ask on a terminal; elsewhere only --yes confirms."""
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        print(f"{question} Not on a terminal: pass --yes to confirm.", file=sys.stderr)
+        return False
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+def _cmd_resync(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+
+    config = load_config(args.config)
+    tables = [t if "." in t else f"public.{t}" for t in args.tables] or None
+    what = (", ".join(f"{t} -> {config.target_for(t)}" for t in tables) if tables else
+            f"every table, after dropping replication slot {config.source.postgres.slot}")
+    if not _confirm(args, f"This copies {what} from Postgres again, replacing the Iceberg "
+                          "table's rows (its history stays for time travel)."):
+        return 1
+    with _opened(args) as pipeline:
+        report = pipeline.resync(tables)
+    copied = ", ".join(f"{t}: {n:,} rows" for t, n in report.copied.items())
+    print(f"copied {copied}; the lake is complete up to LSN {report.applied_lsn}")
+    return 0
+
+
+def _cmd_slot(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+    from walberg.source import postgres as pg
+    from walberg.source.stream import ReplicationStream
+
+    config = load_config(args.config)
+    src = config.source.postgres
+    if args.action == "drop":
+        if not _confirm(args, f"Dropping replication slot {src.slot} frees the WAL it holds; "
+                              "the next walberg run creates it anew and copies every table."):
+            return 1
+        conn = pg.connect(src.dsn)
+        try:
+            dropped = pg.drop_slot(conn, src.slot)
+        finally:
+            conn.close()
+        print(f"dropped replication slot {src.slot}" if dropped else
+              f"replication slot {src.slot} does not exist")
+        return 0
+    conn = pg.connect(src.dsn)
+    try:
+        exists = pg.slot_state(conn, src.slot) is not None
+    finally:
+        conn.close()
+    if exists:
+        print(f"replication slot {src.slot} exists already")
+        return 0
+    stream = ReplicationStream(src.dsn, src.slot, src.publication)
+    stream.open()
+    try:
+        created = stream.create_slot()
+    finally:
+        stream.close()
+    print(f"created replication slot {created.name} at {created.consistent_point}; the first "
+          "walberg run copies the tables that the lake does not hold yet")
+    return 0
+
+
 def _cmd_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -397,6 +476,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_verify(args)
         if args.command == "changes":
             return _cmd_changes(args)
+        if args.command == "resync":
+            return _cmd_resync(args)
+        if args.command == "slot":
+            return _cmd_slot(args)
         raise AssertionError(args.command)
     except WalbergError as exc:
         if args.debug:

@@ -51,6 +51,7 @@ from walberg.errors import (
     ApplyError,
     ConfigError,
     DecodeError,
+    SourceError,
     Terminal,
     Transient,
     WalbergError,
@@ -146,6 +147,7 @@ class Pipeline:
         self.changelogs = {t: config.changelog_for(t) for t in self.tables
                            if config.layout_for(t).mode in ("append", "both")}
         self._changelog_held: dict[str, Optional[Lsn]] = {}
+        self._recopy: set[str] = set()  # tables `resync` copies again
         self.committed: dict[str, Lsn] = {}
         self.report = RunReport()
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
@@ -592,6 +594,44 @@ class Pipeline:
 
     # ---- run ---------------------------------------------------------------------------------
 
+    def resync(self, tables: Optional[list[str]] = None) -> RunReport:
+        """Copy tables again from Postgres, then catch up (like ``run(once=True)``). With no
+        tables, or when the replication slot is lost or gone: drop the slot and copy every
+        table, inside the new slot's snapshot. The Iceberg tables are overwritten in one commit
+        each; their history stays for time travel."""
+        for t in tables or []:
+            if t not in self.targets:
+                raise Terminal(f"{t} is not one of this pipeline's tables "
+                               f"({', '.join(self.tables)}); see source.postgres.tables")
+        conn = pg.connect(self.pg.dsn)
+        try:
+            try:
+                state = pg.slot_state(conn, self.pg.slot)
+                lost = False
+            except SourceError:
+                state, lost = None, True
+            if tables is None or lost:
+                if lost or state is not None:
+                    self.drop_slot(conn)
+                self._recopy = set(self.tables)
+            else:
+                self._recopy = set(tables)
+        finally:
+            conn.close()
+        log.info("copying again: %s", ", ".join(sorted(self._recopy)))
+        return self.run(once=True)
+
+    def drop_slot(self, conn: Any = None) -> bool:
+        """Drop the pipeline's replication slot (refused while a process streams from it);
+        True if there was one. The next run creates it anew and copies every table."""
+        own = conn is None
+        conn = conn or pg.connect(self.pg.dsn)
+        try:
+            return pg.drop_slot(conn, self.pg.slot)
+        finally:
+            if own:
+                conn.close()
+
     def run(self, once: bool = False) -> RunReport:
         """Initial copy where owed, then stream. With ``once``, return as soon as everything up
         to the WAL position current at the start is committed to Iceberg."""
@@ -637,6 +677,8 @@ class Pipeline:
                                     "(starts at %s): copying it again", t, lsn,
                                     created.consistent_point)
                         del self.committed[t]
+            for t in self._recopy:
+                self.committed.pop(t, None)
             owed = [t for t in self.tables if t not in self.committed]
             if owed:
                 self._initial_copy([infos[t] for t in owed], created)
@@ -687,6 +729,9 @@ class Pipeline:
                         self._await_slot_confirmation()
                     return
                 except Transient as exc:
+                    gone = self._slot_gone()
+                    if gone is not None:
+                        raise gone from None
                     now = time.monotonic()
                     if failing_since is None or self._streamed_since_start:
                         failing_since, delay = now, 0.5
@@ -704,6 +749,27 @@ class Pipeline:
                                                self.pg.status_interval_seconds)
         finally:
             stream.close()
+
+    def _slot_gone(self) -> Optional[Terminal]:
+        """After a lost connection: a slot the server invalidated or someone dropped will not
+        come back by reconnecting, so say so instead of retrying."""
+        try:
+            conn = pg.connect(self.pg.dsn)
+        except WalbergError:
+            return None  # the server is unreachable: reconnecting is the right thing
+        try:
+            if pg.slot_state(conn, self.pg.slot) is None:
+                return Terminal(
+                    f"replication slot {self.pg.slot} was dropped while walberg streamed from it: "
+                    "the changes since the lake's last commit cannot be read any more. Run "
+                    "`walberg resync -c <pipeline.yaml>` to copy the tables again.")
+            return None
+        except SourceError as exc:
+            return exc
+        except WalbergError:
+            return None
+        finally:
+            conn.close()
 
     def _wait_for_free_slot(self, conn: Any, slot: pg.SlotState) -> Optional[pg.SlotState]:
         """Another process streams from our slot. A walberg that just died leaves its server

@@ -265,13 +265,29 @@ def slot_state(conn: Any, slot: str) -> Optional[SlotState]:
         )
     if wal_status == "lost":
         raise SourceError(
-            f"replication slot {slot} was invalidated by the server (WAL it needed was removed, "
-            "see max_slot_wal_keep_size). The changes since its position are gone: drop the "
-            f"slot (SELECT pg_drop_replication_slot('{slot}');) and the Iceberg tables' data, "
-            "then run walberg again to copy the tables afresh."
+            f"replication slot {slot} was invalidated by the server: WAL it needed was removed "
+            "(see max_slot_wal_keep_size), so the changes since its position are gone. Run "
+            "`walberg resync -c <pipeline.yaml>`: it drops the slot, creates it anew and copies "
+            "every table again (each Iceberg table is overwritten in one commit; its history "
+            "stays for time travel)."
         )
     return SlotState(slot, plugin, Lsn.parse(flush) if flush else Lsn(0),
                      Lsn.parse(restart) if restart else Lsn(0), wal_status, pid)
+
+
+def drop_slot(conn: Any, slot: str) -> bool:
+    """Drop a replication slot; True if it existed. Refused while a process streams from it."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+        row = cur.fetchone()
+        if row is None:
+            return False
+        if row[0] is not None:
+            raise SourceError(
+                f"replication slot {slot} is in use by {describe_backend(conn, row[0])}; stop "
+                "the walberg that streams from it first.")
+        cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    return True
 
 
 def check_wal_level(conn: Any) -> None:

@@ -82,16 +82,20 @@ class ReplicationStream:
                 # does. A second walberg on the same slot is refused at start, see pipeline.
                 raise Transient(f"replication slot {self.slot} is still in use: "
                                 f"{str(exc).strip()}") from None
-            raise SourceError(
-                f"could not start replication from slot {self.slot} with publication "
-                f"{self.publication}: {str(exc).strip()}"
-            ) from None
+            raise self._cannot_start(exc) from None
         except psycopg2.Error as exc:
-            raise SourceError(
-                f"could not start replication from slot {self.slot} with publication "
-                f"{self.publication}: {str(exc).strip()}"
-            ) from None
+            raise self._cannot_start(exc) from None
         self._last_feedback = time.monotonic()
+
+    def _cannot_start(self, exc: Exception) -> SourceError:
+        reason = str(exc).strip()
+        advice = ""
+        if "does not exist" in reason and "slot" in reason:
+            advice = (" The slot was dropped while walberg streamed from it; the changes since "
+                      "the lake's last commit cannot be read any more. Run `walberg resync -c "
+                      "<pipeline.yaml>` to copy the tables again.")
+        return SourceError(f"could not start replication from slot {self.slot} with publication "
+                           f"{self.publication}: {reason}{advice}")
 
     def messages(self, timeout: float) -> Iterator[tuple[int, bytes]]:
         """Yield ``(wal_start, payload)`` for every message available now; wait up to ``timeout``

@@ -1,0 +1,159 @@
+"""The replication slot gone wrong: invalidated by the server (max_slot_wal_keep_size) or dropped
+while walberg streams; `walberg resync` copies the tables again; `walberg slot` creates and
+drops it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import make_config, running
+from lake import iceberg_rows, postgres_rows
+from walberg.errors import WalbergError
+from walberg.pipeline import Pipeline
+
+
+def _run(config: Any, spark: Any) -> Any:
+    p = Pipeline(config, session=spark)
+    try:
+        return p.run(once=True)
+    finally:
+        p.close()
+
+
+def _wal_status(pg_conn: Any, slot: str) -> Any:
+    with pg_conn.cursor() as cur:
+        cur.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+        row = cur.fetchone()
+        return row[0] if row else None
+
+
+def test_an_invalidated_slot_is_said_plainly_and_resync_recovers(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 100) g")
+        cur.execute(f"CREATE TABLE {unique}_noise (x text)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    slot = config.source.postgres.slot
+    _run(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} SELECT g, 'lost?' FROM generate_series(101, 150) g")
+        cur.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
+        cur.execute("SELECT pg_reload_conf()")
+        try:
+            for _ in range(20):  # WAL past the limit, then a checkpoint removes it
+                cur.execute(f"INSERT INTO {unique}_noise SELECT repeat('n', 1000) "
+                            "FROM generate_series(1, 2000)")
+                cur.execute("SELECT pg_switch_wal()")
+                cur.execute("CHECKPOINT")
+                if _wal_status(pg_conn, slot) == "lost":
+                    break
+        finally:
+            cur.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+            cur.execute("SELECT pg_reload_conf()")
+    assert _wal_status(pg_conn, slot) == "lost"
+
+    with pytest.raises(WalbergError, match=r"invalidated by the server.*walberg resync"):
+        _run(config, spark)
+    pipeline = Pipeline(config, session=spark)
+    try:
+        report = pipeline.resync()
+    finally:
+        pipeline.close()
+    assert report.copied == {table: 150}
+    assert _wal_status(pg_conn, slot) not in (None, "lost")
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+    with pg_conn.cursor() as cur:  # and it streams on from the new slot
+        cur.execute(f"UPDATE {table} SET v = 'after' WHERE id <= 10")
+    _run(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+
+def test_resync_of_one_table_repairs_it(pg_conn: Any, postgres: Any, spark: Any,
+                                        warehouse: Path, tmp_path: Path, unique: str) -> None:
+    a, b = f"public.{unique}_a", f"public.{unique}_b"
+    with pg_conn.cursor() as cur:
+        for t in (a, b):
+            cur.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, v text)")
+            cur.execute(f"INSERT INTO {t} SELECT g, 'v' FROM generate_series(1, 30) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [a, b])
+    _run(config, spark)
+    spark.sql(f"DELETE FROM {config.target_for(a)} WHERE id <= 5")  # damage behind its back
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {a} VALUES (31, 'new')")
+        cur.execute(f"INSERT INTO {b} VALUES (31, 'new')")
+    pipeline = Pipeline(config, session=spark)
+    try:
+        report = pipeline.resync([a])
+    finally:
+        pipeline.close()
+    assert report.copied == {a: 31}
+    for t in (a, b):
+        assert iceberg_rows(warehouse, config.target_for(t)) == postgres_rows(pg_conn, t)
+
+
+def test_a_slot_dropped_while_streaming_stops_walberg_with_the_way_out(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    slot = config.source.postgres.slot
+    pipeline = Pipeline(config, session=spark)
+    with running(pipeline) as failures:
+        deadline = time.monotonic() + 60
+        dropped = False
+        with pg_conn.cursor() as cur:
+            while not dropped and time.monotonic() < deadline:
+                cur.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                            (slot,))
+                row = cur.fetchone()
+                if row and row[0]:
+                    cur.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                elif row:
+                    try:
+                        cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                        dropped = True
+                    except Exception:  # taken again by the reconnect: try once more
+                        pass
+                time.sleep(0.05)
+        assert dropped
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert failures and "dropped while walberg streamed" in str(failures[0])
+    assert "walberg resync" in str(failures[0])
+
+
+def test_slot_commands(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
+                       unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    slot = config.source.postgres.slot
+
+    def walberg(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "walberg.cli", *args], capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+    done = walberg("slot", "create", "-c", str(path))
+    assert done.returncode == 0 and "created replication slot" in done.stdout, done.stderr
+    assert _wal_status(pg_conn, slot) is not None
+    done = walberg("slot", "drop", "-c", str(path))  # not on a terminal, no --yes: refused
+    assert done.returncode == 1 and "pass --yes" in done.stderr
+    assert _wal_status(pg_conn, slot) is not None
+    done = walberg("slot", "drop", "-c", str(path), "--yes")
+    assert done.returncode == 0 and f"dropped replication slot {slot}" in done.stdout
+    assert _wal_status(pg_conn, slot) is None
