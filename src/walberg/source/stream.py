@@ -56,6 +56,9 @@ class ReplicationStream:
             )
             row = self._cur.fetchone()
         except psycopg2.Error as exc:
+            if self._cur.connection.closed:
+                raise Transient(f"lost the connection to the source while creating replication "
+                                f"slot {name}: {' '.join(str(exc).split())}") from None
             raise SourceError(
                 f"could not create replication slot {name} on {redact(self.dsn)}: "
                 f"{str(exc).strip()}. The role needs the REPLICATION attribute "
@@ -82,6 +85,10 @@ class ReplicationStream:
                 # does. A second walberg on the same slot is refused at start, see pipeline.
                 raise Transient(f"replication slot {self.slot} is still in use: "
                                 f"{str(exc).strip()}") from None
+            if "does not exist" not in str(exc) and self._cur.connection.closed:
+                # The server went away (restarting, say): reconnecting is the cure.
+                raise Transient(f"lost the connection to the source while starting "
+                                f"replication: {' '.join(str(exc).split())}") from None
             raise self._cannot_start(exc) from None
         except psycopg2.Error as exc:
             raise self._cannot_start(exc) from None
@@ -112,9 +119,10 @@ class ReplicationStream:
             while msg is not None:
                 yield msg.data_start, msg.payload
                 msg = cur.read_message()
-        except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+        except (psycopg2.DatabaseError, psycopg2.InterfaceError) as exc:
+            # (a server that crashed mid-stream surfaces as a bare DatabaseError from libpq)
             raise Transient(f"the replication connection to {redact(self.dsn)} was lost: "
-                            f"{str(exc).strip()}") from None
+                            f"{' '.join(str(exc).split())}") from None
         self.keepalive()
 
     @property
