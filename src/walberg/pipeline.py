@@ -56,6 +56,7 @@ from walberg.errors import (
     Transient,
     WalbergError,
 )
+from walberg.faults import crash_point
 from walberg.model import (
     Begin,
     Column,
@@ -165,6 +166,8 @@ class Pipeline:
         self._gauge_conn: Any = None
         self._oldest_unapplied_ts: Optional[float] = None  # wall time the oldest pending change arrived
         self._apply_error: Optional[BaseException] = None
+        self._run_error: Optional[BaseException] = None
+        self._reached_source = False  # the source answered once: later failures are retried
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -215,8 +218,9 @@ class Pipeline:
         """Block until the lake holds everything that committed before ``lsn``."""
         deadline = time.monotonic() + timeout
         while self._applied < lsn:
-            if self._apply_error is not None:
-                raise self._apply_error
+            for error in (self._apply_error, self._run_error):
+                if error is not None:
+                    raise error
             if time.monotonic() > deadline:
                 raise Terminal(f"the lake did not reach LSN {lsn} within {timeout:.0f} s "
                                f"(it holds up to {self._applied})")
@@ -635,6 +639,13 @@ class Pipeline:
     def run(self, once: bool = False) -> RunReport:
         """Initial copy where owed, then stream. With ``once``, return as soon as everything up
         to the WAL position current at the start is committed to Iceberg."""
+        try:
+            return self._run(once)
+        except BaseException as exc:
+            self._run_error = exc  # for wait_for() in another thread
+            raise
+
+    def _run(self, once: bool) -> RunReport:
         if self.config.metrics.port:
             metrics.serve(self.config.metrics.port, self.config.metrics.host)
         store = SegmentStore(self.config.segment_dir, self.config.buffer.max_segment_bytes,
@@ -645,7 +656,71 @@ class Pipeline:
         for segment in store.sealed():
             self._meta[segment.seq] = self._scan_meta(segment)
 
+        started = self._start_with_retries(once)
+        if started is None:  # stopped while the source was unreachable
+            self.report.applied_lsn = self._applied
+            return self.report
+        stream, target = started
+
+        # Whatever survived in sealed segments from an earlier run goes first.
+        self._apply_ready(drain=True)
+        self._applied = max(self._applied, min(self.committed.values()))
+
+        applier = threading.Thread(target=self._apply_loop, name="walberg-apply", daemon=True)
+        applier.start()
+        self._received = max([m.last_commit_end or Lsn(0) for m in self._meta.values()]
+                             + [self._applied])
+        try:
+            self._stream_with_reconnect(stream, target)
+        finally:
+            self._stop.set()
+            self._wake.set()
+            applier.join()
+            if self._gauge_conn is not None:
+                self._gauge_conn.close()
+                self._gauge_conn = None
+        if self._apply_error is not None:
+            raise self._apply_error
+        self.report.applied_lsn = self._applied
+        return self.report
+
+    def _start_with_retries(self, once: bool
+                            ) -> Optional[tuple[ReplicationStream, Optional[Lsn]]]:
+        """Connect, check, create what is missing and copy what is owed. A source lost on the
+        way (restarting, say) is tried again with backoff (0.5 s doubling to 30 s) for up to
+        reconnect_max_seconds; one never reached fails at once (a wrong DSN should not wait).
+        None if stopped meanwhile."""
+        first_failure: Optional[float] = None
+        delay = 0.5
+        while True:
+            try:
+                return self._start(once)
+            except Exception as exc:
+                if not (isinstance(exc, Transient) or pg.is_connection_error(exc)):
+                    raise
+                if not self._reached_source:
+                    raise  # never reached: a wrong DSN or a server that is down, said at once
+                now = time.monotonic()
+                first_failure = first_failure or now
+                reason = " ".join(str(exc).split())
+                if now - first_failure > self.pg.reconnect_max_seconds:
+                    raise Terminal(
+                        f"cannot start: {reason} Gave up after "
+                        f"{self.pg.reconnect_max_seconds:.0f} s of trying "
+                        "(source.postgres.reconnect_max_seconds); run walberg again once the "
+                        "server is reachable: nothing is lost.") from None
+                log.warning("cannot start (%s); trying again in %.1f s", reason, delay)
+                if self._stop.wait(delay):
+                    return None
+                delay = min(delay * 2, 30.0)
+
+    def _start(self, once: bool) -> tuple[ReplicationStream, Optional[Lsn]]:
+        """Check the source, open the stream (creating the slot if missing), make the Iceberg
+        tables and copy the tables owed a copy; returns the open stream and, with ``once``, the
+        WAL position to stop at."""
+        opened: list[ReplicationStream] = []
         conn = pg.connect(self.pg.dsn)
+        self._reached_source = True
         try:
             pg.check_wal_level(conn)
             infos = {t: pg.describe_table(conn, t) for t in self.tables}
@@ -658,6 +733,7 @@ class Pipeline:
                 slot = self._wait_for_free_slot(conn, slot)
             stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
                                        self.pg.status_interval_seconds)
+            opened.append(stream)
             stream.open()
             created = stream.create_slot() if slot is None else None
             if created:
@@ -683,30 +759,16 @@ class Pipeline:
             if owed:
                 self._initial_copy([infos[t] for t in owed], created)
             target = pg.current_wal_lsn(conn) if once else None
+            return stream, target
+        except BaseException:
+            for each in opened:
+                each.close()
+            raise
         finally:
-            conn.close()
-
-        # Whatever survived in sealed segments from an earlier run goes first.
-        self._apply_ready(drain=True)
-        self._applied = max(self._applied, min(self.committed.values()))
-
-        applier = threading.Thread(target=self._apply_loop, name="walberg-apply", daemon=True)
-        applier.start()
-        self._received = max([m.last_commit_end or Lsn(0) for m in self._meta.values()]
-                             + [self._applied])
-        try:
-            self._stream_with_reconnect(stream, target)
-        finally:
-            self._stop.set()
-            self._wake.set()
-            applier.join()
-            if self._gauge_conn is not None:
-                self._gauge_conn.close()
-                self._gauge_conn = None
-        if self._apply_error is not None:
-            raise self._apply_error
-        self.report.applied_lsn = self._applied
-        return self.report
+            try:
+                conn.close()
+            except Exception:
+                pass
 
     def _stream_with_reconnect(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
         """Stream until stopped (or, with a target, done). A lost connection is re-opened with
@@ -926,6 +988,7 @@ class Pipeline:
                         self._seal(clean=True)
                 else:
                     store.append(wal_start, FRAME_PGOUTPUT, payload)
+                    crash_point("segment-write")
                     if store.should_seal():
                         self._seal(clean=False)
 
@@ -978,6 +1041,7 @@ class Pipeline:
         assert self._store is not None
         info = self._store.seal()
         if info is not None:
+            crash_point("seal")
             metrics.SEGMENTS_SEALED.inc()
             self._meta[info.seq] = SegmentMeta(self._active_commit, clean)
             self._active_commit = None
@@ -1219,6 +1283,7 @@ class Pipeline:
                          ", truncated" if st.truncates else "", batch.end)
         finally:
             batch.builder.discard()
+        crash_point("committed")
         with self._lock:
             self._applied = max(self._applied, batch.end)
         self.report.batches += 1
@@ -1286,6 +1351,7 @@ class Pipeline:
             if changelog != target:
                 self._changelog_held[source] = batch.end
         if changelog != target:
+            crash_point("commit", delay=0.5)
             self.sink.apply(target, st, batch.end, batch.max_seq, batch.void)
 
     def _with_retries(self, source: str, lsn: Lsn, commit: Callable[[], None]) -> None:
@@ -1477,6 +1543,7 @@ class _Chunk:
                 scalar.decode(payload, lsn)
             raise DecodeError(f"could not decode changes of {rel.qualified_name} near LSN "
                               f"{Lsn(self.lsns[0])}: the messages are malformed") from None
+        crash_point("decode")
         _stage_changes(self.builder, rel, decoded, np.asarray(self.seqs, dtype=np.int64),
                        np.asarray(self.lsns, dtype=np.int64))
         self.payloads, self.seqs, self.lsns = [], [], []
