@@ -29,7 +29,8 @@ class _Model(BaseModel):
 class PostgresSource(_Model):
     """Where changes come from."""
 
-    dsn: str = Field(description="libpq connection string or URI; use ${VAR} for the password")
+    dsn: str = Field(description="libpq connection string or URI; use ${VAR} for the password",
+                     repr=False)  # it may hold a password
     slot: str = Field("walberg", description="logical replication slot, created if missing")
     publication: str = Field("walberg", description="publication, created for `tables` if missing")
     tables: list[str] = Field(description="tables to mirror, as schema.table (schema defaults to public)")

@@ -38,6 +38,10 @@ _HASH_PG = "('x' || substr(md5({}), 1, 15))::bit(60)::bigint::numeric"
 _HASH_SPARK = "CAST(conv(substr(md5({}), 1, 15), 16, 10) AS DECIMAL(20,0))"
 
 
+def _quote_target(target: str) -> str:
+    return ".".join(quote(p) for p in target.split("."))
+
+
 def _pg_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -116,7 +120,7 @@ def lake_digest(spark: Any, target: str, columns: Sequence[Column],
                 types: Sequence[SparkType]) -> tuple[int, int]:
     row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
                                               zip(columns, types, strict=True)) + ")"
-    df = spark.table(target).selectExpr(f"{_HASH_SPARK.format(row)} AS h")
+    df = spark.table(_quote_target(target)).selectExpr(f"{_HASH_SPARK.format(row)} AS h")
     result = df.selectExpr("count(*) AS n", "CAST(coalesce(sum(h), 0) AS STRING) AS total") \
         .collect()[0]
     return int(result["n"]), int(result["total"])
@@ -151,7 +155,7 @@ def differing_keys(spark: Any, target: str, columns: Sequence[Column],
     keys = [(c, t) for c, t in zip(columns, types, strict=True) if c.is_key]
     row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
                                               zip(columns, types, strict=True)) + ")"
-    lake = spark.table(target).selectExpr(
+    lake = spark.table(_quote_target(target)).selectExpr(
         *[f"{spark_render(c, t)} AS k{i}" for i, (c, t) in enumerate(keys)], f"md5({row}) AS h")
     source = spark.read.parquet(str(source_hashes))
     # Rows are counted per key and hash, so duplicates (tables without a key) show up too.

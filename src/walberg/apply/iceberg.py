@@ -115,6 +115,11 @@ def spark_transform(text: str) -> str:
     return f"{name}({width}, {quote(column)})" if width else f"{name}({quote(column)})"
 
 
+def _writer(df: Any, target: str, lsn: Lsn) -> Any:
+    """A DataFrameWriterV2 to ``target`` whose commit carries ``walberg.lsn``."""
+    return df.writeTo(quote_target(target)).option(f"snapshot-property.{LSN_PROPERTY}", str(lsn))
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("'", "\\'")
 
@@ -178,7 +183,7 @@ class IcebergSink:
             "CAST(NULL AS TIMESTAMP) AS `_walberg_commit_ts`",
             "CAST(NULL AS BIGINT) AS `_walberg_xid`", "CAST(NULL AS STRING) AS `_walberg_unchanged`"])
         spark_call(f"writing the initial copy of {target}",
-                   lambda: rows.writeTo(target).option(f"snapshot-property.{LSN_PROPERTY}",
+                   lambda: rows.writeTo(quote_target(target)).option(f"snapshot-property.{LSN_PROPERTY}",
                                                        str(lsn)).append())
 
     def append_changes(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
@@ -229,8 +234,7 @@ class IcebergSink:
             count = int(spark_call(f"appending changes to {target}", rows.count))
             if count:
                 spark_call(f"appending changes to {target}",
-                           lambda: rows.writeTo(target).option(f"snapshot-property.{LSN_PROPERTY}",
-                                                               str(lsn)).append())
+                           lambda: _writer(rows, target, lsn).append())
         finally:
             rows.unpersist()
         return count
@@ -301,12 +305,12 @@ class IcebergSink:
         """Drop what is cached about ``target`` (after a failed commit: read it afresh)."""
         self._schemas.pop(target, None)
         self._dead_lsn.pop(self.dead_letter_target(target), None)
-        spark_call(f"refreshing {target}", lambda: self.spark.catalog.refreshTable(target))
+        spark_call(f"refreshing {target}", lambda: self.spark.catalog.refreshTable(quote_target(target)))
 
     def schema(self, target: str) -> list[tuple[str, str]]:
         """The table's source columns as (name, Spark SQL type), in order."""
         fields = spark_call(f"reading the schema of {target}",
-                            lambda: self.spark.table(target).schema).fields
+                            lambda: self.spark.table(quote_target(target)).schema).fields
         return [(f.name, f.dataType.simpleString()) for f in fields
                 if not f.name.startswith("_walberg_")]
 
@@ -353,7 +357,7 @@ class IcebergSink:
 
     def table_exists(self, target: str) -> bool:
         return bool(spark_call(f"looking up {target}",
-                               lambda: self.spark.catalog.tableExists(target)))
+                               lambda: self.spark.catalog.tableExists(quote_target(target))))
 
     def committed_lsn(self, target: str) -> Optional[Lsn]:
         """The LSN covered by walberg's commits in the table's current history (the highest:
@@ -398,7 +402,7 @@ class IcebergSink:
         actions = jvm.org.apache.iceberg.spark.actions.SparkActions.get(jspark)
 
         def table() -> Any:  # reloaded for each action: each one commits a new version
-            return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(jspark, target)
+            return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(jspark, quote_target(target))
 
         def marked(action: Any) -> Any:
             return action.snapshotProperty(LSN_PROPERTY, str(lsn)) if lsn is not None else action
@@ -449,7 +453,7 @@ class IcebergSink:
 
         spark_call(
             f"writing the initial copy of {target}",
-            lambda: typed.writeTo(target).option(f"snapshot-property.{LSN_PROPERTY}", str(lsn))
+            lambda: typed.writeTo(quote_target(target)).option(f"snapshot-property.{LSN_PROPERTY}", str(lsn))
             .overwrite(lit(True)),
         )
 
@@ -486,7 +490,7 @@ class IcebergSink:
         count = int(spark_call(f"counting dead letters for {target}", rows.count))
         if count:
             spark_call(f"writing dead letters to {dlq}",
-                       lambda: rows.writeTo(dlq).option(f"snapshot-property.{LSN_PROPERTY}",
+                       lambda: rows.writeTo(quote_target(dlq)).option(f"snapshot-property.{LSN_PROPERTY}",
                                                         str(lsn)).append())
             self._dead_lsn[dlq] = lsn
         return count
@@ -509,7 +513,7 @@ class IcebergSink:
         if staged.insert_only and df is not None:
             typed = self._typed(df, target, columns, "_wb_lsn")
             spark_call(f"appending to {target}",
-                       lambda: typed.writeTo(target).option(option, str(lsn)).append())
+                       lambda: typed.writeTo(quote_target(target)).option(option, str(lsn)).append())
             return
 
         keys = [value_column(i) for i, c in enumerate(columns) if c.is_key]
@@ -525,14 +529,14 @@ class IcebergSink:
         if truncate is not None:
             # A TRUNCATE voids everything before it: the table becomes exactly what follows.
             if df is None:
-                empty = self.spark.table(target).where(lit(False))
+                empty = self.spark.table(quote_target(target)).where(lit(False))
                 spark_call(f"truncating {target}",
-                           lambda: empty.writeTo(target).option(option, str(lsn))
+                           lambda: empty.writeTo(quote_target(target)).option(option, str(lsn))
                            .overwrite(lit(True)))
                 return
             typed = self._typed(df.where(col("_wb_op") != "D"), target, columns, "_wb_lsn")
             spark_call(f"truncating and reloading {target}",
-                       lambda: typed.writeTo(target).option(option, str(lsn)).overwrite(lit(True)))
+                       lambda: _writer(typed, target, lsn).overwrite(lit(True)))
             return
 
         assert df is not None
