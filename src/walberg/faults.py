@@ -1,0 +1,41 @@
+"""Crash points for the fault-injection tests.
+
+``WALBERG_CRASH_AT=name:n`` makes the process kill itself with SIGKILL (exactly what `kill -9`
+does: no cleanup, no flush) the n-th time it passes the named point, so a test can crash walberg
+at a precise moment instead of at a random one. Without the variable (always, outside tests)
+each point is one comparison.
+
+Points: ``segment-write`` (a frame appended, not yet sealed), ``seal`` (a segment sealed, not
+yet applied), ``decode`` (a chunk of changes decoded while staging), ``commit`` (half a second
+into a table's Spark commit, on a timer), ``committed`` (a batch committed to Iceberg, its
+segments not yet removed and the slot not yet told).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Optional
+
+_setting = os.environ.get("WALBERG_CRASH_AT", "")
+_name, _, _count = _setting.partition(":")
+_TARGET: Optional[tuple[str, int]] = (_name, int(_count or 1)) if _name else None
+_hits: dict[str, int] = {}
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_point(name: str, delay: float = 0.0) -> None:
+    """Die here (or ``delay`` seconds from here, whatever runs then) on the configured hit."""
+    if _TARGET is None or _TARGET[0] != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] < _TARGET[1]:
+        return
+    if delay:
+        threading.Timer(delay, _kill).start()
+    else:
+        _kill()
