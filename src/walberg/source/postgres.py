@@ -23,6 +23,11 @@ SESSION_OPTIONS = (
 )
 
 
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lost or refused connection (the server restarting, say)."""
+    return isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError))
+
+
 def redact(dsn: str) -> str:
     """The DSN with any password removed, for messages and logs."""
     dsn = re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", dsn)
