@@ -48,8 +48,9 @@ def test_missing_env_variable_names_the_key(tmp_path: Path, monkeypatch: pytest.
 @pytest.mark.parametrize("patch, message", [
     ({"buffer": {"max_segment_bytes": "lots"}}, r"buffer\.max_segment_bytes"),
     ({"buffer": {"dirr": "x"}}, r"buffer\.dirr: unknown key"),
-    ({"sink": {"catalog": {"name": "lake"}}}, r"sink\.catalog\.warehouse: required but missing"),
-    ({"sink": {"catalog": {"warehouse": "w", "type": "nessie"}}}, r"sink\.catalog\.type"),
+    ({"sink": {"catalog": {"name": "lake"}}}, r"sink\.catalog: .*catalog type hadoop needs a warehouse"),
+    ({"sink": {"catalog": {"warehouse": "w", "type": "unity"}}}, r"sink\.catalog\.type"),
+    ({"sink": {"catalog": {"warehouse": "w", "type": "nessie"}}}, r"catalog type nessie needs a uri"),
     ({"source": {"postgres": {"dsn": "x", "tables": []}}}, r"source\.postgres\.tables"),
     ({"source": {"postgres": {"dsn": "x", "tables": ["a.b.c"]}}}, r"not of the form schema\.table"),
 ])

@@ -72,11 +72,43 @@ class Source(_Model):
 
 class Catalog(_Model):
     name: str = Field("lake", pattern=_IDENT, description="Spark catalog name used in SQL")
-    type: Literal["hadoop"] = Field("hadoop", description="Iceberg catalog type")
-    warehouse: str = Field(description="warehouse location (a directory for the hadoop catalog)")
+    type: Literal["hadoop", "jdbc", "rest", "hive", "glue", "nessie"] = Field(
+        "hadoop", description="Iceberg catalog type: hadoop, jdbc, rest, hive, glue or nessie")
+    warehouse: Optional[str] = Field(
+        None, description="warehouse location: a directory or s3a:// path (required for "
+                          "hadoop and jdbc)")
+    uri: Optional[str] = Field(
+        None, description="jdbc: jdbc:postgresql://...; rest: the REST endpoint; hive: "
+                          "thrift://...; nessie: the API URL", repr=False)
+    user: Optional[str] = Field(None, description="jdbc: the catalog database's user")
+    password: Optional[str] = Field(
+        None, description="jdbc: its password (use ${VAR})", repr=False)
+    credential: Optional[str] = Field(
+        None, description="rest: OAuth2 client credential (id:secret; use ${VAR})", repr=False)
+    token: Optional[str] = Field(None, description="rest: bearer token (use ${VAR})", repr=False)
+    oauth2_server_uri: Optional[str] = Field(None, description="rest: OAuth2 token endpoint")
+    scope: Optional[str] = Field(None, description="rest: OAuth2 scope")
+    region: Optional[str] = Field(None, description="glue: AWS region")
+    catalog_id: Optional[str] = Field(None, description="glue: the Glue catalog id (account)")
+    ref: Optional[str] = Field(None, description="nessie: branch or tag (default main)")
     properties: dict[str, str] = Field(
         default_factory=dict, description="extra Iceberg catalog properties, passed through"
     )
+
+    @model_validator(mode="after")
+    def _needs(self) -> "Catalog":
+        if self.type in ("hadoop", "jdbc") and not self.warehouse:
+            raise ValueError(f"catalog type {self.type} needs a warehouse")
+        if self.type in ("jdbc", "rest", "hive", "nessie") and not self.uri:
+            raise ValueError(f"catalog type {self.type} needs a uri")
+        return self
+
+    def options(self) -> dict[str, Optional[str]]:
+        """The type-specific settings, by name (see apply.catalogs)."""
+        return {"user": self.user, "password": self.password, "credential": self.credential,
+                "token": self.token, "oauth2_server_uri": self.oauth2_server_uri,
+                "scope": self.scope, "region": self.region, "catalog_id": self.catalog_id,
+                "ref": self.ref}
 
 
 _TRANSFORM = re.compile(
@@ -279,8 +311,8 @@ class Config(_Model):
 
     @property
     def warehouse(self) -> str:
-        wh = self.sink.catalog.warehouse
-        return wh if "://" in wh else str(self.path(wh))
+        wh = self.sink.catalog.warehouse or ""
+        return wh if "://" in wh or not wh else str(self.path(wh))
 
     def namespace_for(self, source_table: str) -> str:
         return self.sink.namespace or source_table.split(".")[0]

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from walberg import metrics, verify
-from walberg.apply import evolution
+from walberg.apply import catalogs, evolution
 from walberg.apply.batch import (
     BatchBuilder,
     DeadLetters,
@@ -184,9 +184,12 @@ class Pipeline:
     def session(self) -> Any:
         if self._session is None:
             cat = self.config.sink.catalog
+            props, jars = catalogs.spark_properties(
+                cat.type, self.config.warehouse, cat.uri, cat.options(), cat.properties,
+                self.config.spark.conf.get("spark.jars", ""))
             self._session = build_session(self.config.spark.master, cat.name,
-                                          self.config.warehouse, cat.properties,
-                                          self.config.spark.conf)
+                                          self.config.warehouse, props,
+                                          self.config.spark.conf, jars=jars)
             self._sink = IcebergSink(self._session, self.types)
         return self._session
 
@@ -532,13 +535,19 @@ class Pipeline:
 
         def warehouse() -> str:
             wh = self.config.warehouse
-            if "://" in wh and not wh.startswith("file:"):
-                return f"{wh}: not checked (remote storage)"
+            cat = self.config.sink.catalog
+            props, jars = catalogs.spark_properties(cat.type, wh, cat.uri, cat.options(),
+                                                    cat.properties,
+                                                    self.config.spark.conf.get("spark.jars", ""))
+            if not wh or ("://" in wh and not wh.startswith("file:")):
+                return f"{cat.type} catalog {cat.name}: {wh or 'warehouse from the catalog'} " \
+                       "not checked (remote)"
             root = Path(wh.removeprefix("file:"))
             root.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=root, prefix=".walberg-check-"):
                 pass
-            return f"hadoop catalog {self.config.sink.catalog.name} at {root} is writable"
+            return (f"{cat.type} catalog {cat.name}: warehouse {root} is writable"
+                    + (f"; driver {jars[0]}" if jars else ""))
 
         item("segment space", space)
         item("java", java)
@@ -560,8 +569,9 @@ class Pipeline:
         }
         for t in self.tables:
             _, namespace, table = self.targets[t].split(".")
+            hadoop = self.config.sink.catalog.type == "hadoop" and "://" not in self.config.warehouse
             summary = (read_hadoop_table(Path(self.config.warehouse), namespace, table)
-                       if "://" not in self.config.warehouse else None)
+                       if hadoop else None)
             out["tables"][t] = {
                 "iceberg_table": self.targets[t],
                 "snapshot_id": summary.snapshot_id if summary else None,

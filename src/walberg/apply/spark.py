@@ -9,7 +9,7 @@ import subprocess
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from walberg.errors import ApplyError, EnvironmentProblem
 
@@ -90,7 +90,8 @@ appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
 
 
 def build_session(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
-                  extra_conf: dict[str, str], app_name: str = "walberg") -> Any:
+                  extra_conf: dict[str, str], app_name: str = "walberg",
+                  jars: Sequence[str] = ()) -> Any:
     """One SparkSession per process, with the Iceberg catalog `catalog` configured."""
     java = find_java()
     check_java(java)
@@ -120,12 +121,18 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
         # A value that does not fit its type must fail loudly, never become NULL.
         "spark.sql.ansi.enabled": "true",
         prefix: "org.apache.iceberg.spark.SparkCatalog",
-        f"{prefix}.type": "hadoop",
-        f"{prefix}.warehouse": warehouse,
     }
+    if "type" not in catalog_properties and "catalog-impl" not in catalog_properties:
+        conf[f"{prefix}.type"] = "hadoop"
+    if warehouse:
+        conf[f"{prefix}.warehouse"] = warehouse
     for key, value in catalog_properties.items():
         conf[f"{prefix}.{key}"] = value
-    conf.update(extra_conf)
+    extra = dict(extra_conf)
+    # Jars a catalog or storage needs go with the Iceberg jar (and any the user lists), so
+    # executors on a cluster get them too.
+    conf["spark.jars"] = ",".join([str(jar), *jars, *filter(None, [extra.pop("spark.jars", "")])])
+    conf.update(extra)
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in conf.items():
         builder = builder.config(key, value)

@@ -1,0 +1,108 @@
+"""Catalog types: the Spark settings each one gets, and the jdbc catalog end to end (in the test
+PostgreSQL, read back with PyIceberg's SQL catalog, which shares its layout)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import make_config
+from lake import postgres_rows
+from walberg.apply import catalogs
+from walberg.config import parse_config
+from walberg.errors import ConfigError, EnvironmentProblem
+
+
+def _catalog(**catalog: Any) -> Any:
+    raw = {"source": {"postgres": {"dsn": "postgresql://x@h/db", "tables": ["public.t"]}},
+           "sink": {"catalog": catalog}}
+    return parse_config(raw, Path(".")).sink.catalog
+
+
+def _props(_jars: str = "", **catalog: Any) -> tuple[dict[str, str], list[str]]:
+    cat = _catalog(**catalog)
+    return catalogs.spark_properties(cat.type, cat.warehouse, cat.uri, cat.options(),
+                                     cat.properties, _jars)
+
+
+def test_each_catalog_type_gets_its_spark_settings() -> None:
+    assert _props(type="hadoop", warehouse="/wh")[0] == {"type": "hadoop", "warehouse": "/wh"}
+    rest, jars = _props(type="rest", uri="https://cat/api", credential="id:secret",
+                        oauth2_server_uri="https://auth/token", scope="catalog",
+                        warehouse="prod", properties={"header.X-Tenant": "a"})
+    assert rest == {"type": "rest", "uri": "https://cat/api", "credential": "id:secret",
+                    "oauth2-server-uri": "https://auth/token", "scope": "catalog",
+                    "warehouse": "prod", "header.X-Tenant": "a"} and jars == []
+    assert _props(type="rest", uri="https://cat/api", token="t0k")[0]["token"] == "t0k"
+    assert _props(type="hive", uri="thrift://ms:9083", warehouse="s3a://b/wh")[0] == {
+        "type": "hive", "uri": "thrift://ms:9083", "warehouse": "s3a://b/wh"}
+    nessie = _props(type="nessie", uri="http://nessie:19120/api/v2", warehouse="/wh")[0]
+    assert nessie["type"] == "nessie" and nessie["ref"] == "main"
+    with pytest.raises(EnvironmentProblem, match="iceberg-aws-bundle"):
+        _props(type="glue", warehouse="s3://b/wh", region="eu-west-1")
+    glue = _props(type="glue", warehouse="s3://b/wh", region="eu-west-1", catalog_id="123",
+                  _jars="/jars/iceberg-aws-bundle-1.10.2.jar")[0]
+    assert glue["catalog-impl"] == "org.apache.iceberg.aws.glue.GlueCatalog"
+    assert (glue["client.region"], glue["glue.id"]) == ("eu-west-1", "123")
+    jdbc, jars = _props(type="jdbc", uri="jdbc:postgresql://h/cat", user="u", password="p",
+                        warehouse="/wh")
+    assert jdbc == {"type": "jdbc", "uri": "jdbc:postgresql://h/cat", "jdbc.user": "u",
+                    "jdbc.password": "p", "warehouse": "/wh"}
+    assert jars and jars[0].endswith(".jar")
+    for bad, message in [({"type": "rest"}, "needs a uri"), ({"type": "jdbc", "uri": "x"},
+                                                              "needs a warehouse"),
+                         ({"type": "iceberg"}, "type")]:
+        with pytest.raises(ConfigError, match=message):
+            _catalog(**bad)
+    assert "secret" not in repr(_catalog(type="rest", uri="u", credential="id:secret"))
+
+
+def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
+                                 unique: str) -> None:
+    try:
+        catalogs.jdbc_driver()
+    except EnvironmentProblem as exc:
+        pytest.skip(str(exc))
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text, n numeric(8,2))")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g, g / 4.0 "
+                    "FROM generate_series(1, 50) g")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
+        mode="json", exclude={"base_dir"})
+    wh = tmp_path / "jdbc-warehouse"
+    raw["sink"]["catalog"] = {"name": "lake", "type": "jdbc", "warehouse": str(wh),
+                              "uri": f"jdbc:postgresql://127.0.0.1:{postgres.port}/"
+                                     f"{postgres.database}", "user": postgres.user}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+
+    def walberg(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", *args, "-c",
+                               str(path)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    walberg("run", "--once")
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 10")
+        cur.execute(f"DELETE FROM {table} WHERE id > 45")
+        cur.execute("SELECT count(*) FROM iceberg_tables WHERE catalog_name = 'lake'")
+        assert cur.fetchone()[0] >= 1  # the catalog lives in Postgres
+    walberg("run", "--once")
+    walberg("verify")
+
+    catalog = SqlCatalog("lake", uri=f"postgresql+psycopg2://{postgres.user}@127.0.0.1:"
+                                     f"{postgres.port}/{postgres.database}",
+                         warehouse=f"file://{wh}")
+    namespace = raw["sink"]["namespace"]
+    rows = catalog.load_table(f"{namespace}.{unique}").scan().to_arrow().to_pylist()
+    rows = sorted(({k: v for k, v in r.items() if not k.startswith("_walberg_")} for r in rows),
+                  key=lambda r: r["id"])
+    assert rows == postgres_rows(pg_conn, table)
