@@ -291,6 +291,42 @@ class Spark(_Model):
     conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings")
 
 
+class S3Storage(_Model):
+    endpoint: Optional[str] = Field(
+        None, description="S3 endpoint URL; set for MinIO and other S3-compatible servers")
+    region: Optional[str] = Field(None, description="AWS region")
+    path_style_access: bool = Field(
+        False, description="bucket in the path, not the host name (MinIO and most others)")
+    access_key_id: Optional[str] = Field(None, description="access key (use ${VAR})",
+                                         repr=False)
+    secret_access_key: Optional[str] = Field(None, description="secret key (use ${VAR})",
+                                             repr=False)
+    jars: list[str] = Field(
+        default_factory=list, description="hadoop-aws and aws-java-sdk-bundle jars; default: "
+                                          "those of the sagemaker-pyspark package")
+
+
+class GcsStorage(_Model):
+    project_id: Optional[str] = Field(None, description="GCP project")
+    service_account_json_keyfile: Optional[str] = Field(
+        None, description="path of a service account key file")
+    jars: list[str] = Field(default_factory=list, description="the gcs-connector jar")
+
+
+class AzureStorage(_Model):
+    account_name: Optional[str] = Field(None, description="storage account")
+    account_key: Optional[str] = Field(None, description="its key (use ${VAR})", repr=False)
+    jars: list[str] = Field(default_factory=list, description="hadoop-azure and its jars")
+
+
+class Storage(_Model):
+    """Where an object-store warehouse lives (sink.catalog.warehouse: s3a://bucket/path)."""
+
+    s3: Optional[S3Storage] = Field(None, description="S3 or S3-compatible storage")
+    gcs: Optional[GcsStorage] = Field(None, description="Google Cloud Storage (gs://)")
+    azure: Optional[AzureStorage] = Field(None, description="Azure Data Lake Storage (abfss://)")
+
+
 class Config(_Model):
     source: Source
     sink: Sink
@@ -298,6 +334,7 @@ class Config(_Model):
     spark: Spark = Field(default_factory=lambda: Spark())  # type: ignore[call-arg]
     maintenance: Maintenance = Field(default_factory=lambda: Maintenance())  # type: ignore[call-arg]
     metrics: Metrics = Field(default_factory=lambda: Metrics())  # type: ignore[call-arg]
+    storage: Storage = Field(default_factory=lambda: Storage())  # type: ignore[call-arg]
     base_dir: Path = Field(Path("."), exclude=True, description="directory of the YAML file")
 
     def path(self, value: str) -> Path:

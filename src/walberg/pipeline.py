@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from walberg import metrics, verify
-from walberg.apply import catalogs, evolution
+from walberg.apply import catalogs, evolution, storage
 from walberg.apply.batch import (
     BatchBuilder,
     DeadLetters,
@@ -187,9 +187,13 @@ class Pipeline:
             props, jars = catalogs.spark_properties(
                 cat.type, self.config.warehouse, cat.uri, cat.options(), cat.properties,
                 self.config.spark.conf.get("spark.jars", ""))
+            st = self.config.storage
+            storage_conf, storage_jars = storage.spark_settings(
+                *(None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure)))
             self._session = build_session(self.config.spark.master, cat.name,
                                           self.config.warehouse, props,
-                                          self.config.spark.conf, jars=jars)
+                                          {**storage_conf, **self.config.spark.conf},
+                                          jars=jars + storage_jars)
             self._sink = IcebergSink(self._session, self.types)
         return self._session
 
