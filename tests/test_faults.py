@@ -163,3 +163,35 @@ def test_postgres_restarts_and_crashes_while_streaming(
         assert iceberg_rows(warehouse, target) == postgres_rows(conn, table)
     finally:
         conn.close()
+
+
+def test_which_java_failures_are_worth_a_retry(spark: Any) -> None:
+    """The classification behind the commit retry, on real Java exceptions: storage and
+    catalog trouble and lost races are retried; errors in the data or the statement are not."""
+    from walberg.apply.spark import _transient
+
+    jvm = spark._jvm
+    gateway = spark.sparkContext._gateway
+    no_args = gateway.new_array(jvm.java.lang.Object, 0)
+
+    def wrapped(java_exc: Any) -> Exception:
+        exc = Exception("from Spark")
+        exc.java_exception = java_exc  # type: ignore[attr-defined]
+        return exc
+
+    iceberg = jvm.org.apache.iceberg.exceptions
+    retry = [
+        iceberg.CommitFailedException("Version 7 already exists", no_args),
+        iceberg.ValidationException("Found conflicting files that can contain records "
+                                    "matching true", no_args),
+        iceberg.ValidationException("Cannot commit, missing data files", no_args),
+        jvm.java.lang.RuntimeException("wrapped", jvm.java.io.IOException("disk went away")),
+        jvm.java.nio.file.AccessDeniedException("/warehouse/t/metadata/v9.metadata.json"),
+    ]
+    keep = [
+        iceberg.ValidationException("Cannot change column type: id: int -> string", no_args),
+        jvm.java.lang.IllegalArgumentException("bad value"),
+        jvm.java.lang.ArithmeticException("overflow"),
+    ]
+    assert [_transient(wrapped(e)) for e in retry] == [True] * len(retry)
+    assert [_transient(wrapped(e)) for e in keep] == [False] * len(keep)

@@ -178,7 +178,14 @@ def _transient(exc: BaseException) -> bool:
     try:
         cause, seen = java_exc, 0
         while cause is not None and seen < 20:
-            if cause.getClass().getSimpleName() in _TRANSIENT:
+            name = cause.getClass().getSimpleName()
+            if name in _TRANSIENT:
+                return True
+            # Another writer (a compaction, say) committed first and changed files this commit
+            # depends on: done again against the new state, the batch applies cleanly.
+            if name == "ValidationException" and any(
+                    word in str(cause.getMessage() or "")
+                    for word in ("conflicting", "Missing required files", "missing data files")):
                 return True
             cause, seen = cause.getCause(), seen + 1
     except Exception:
