@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from conftest import make_config
-from lake import iceberg_rows, postgres_rows
+from lake import duckdb_rows, iceberg_rows, postgres_rows
 from walberg.apply.evolution import NotEvolvable, Step, plan, widens
 from walberg.errors import Terminal
 from walberg.pipeline import Pipeline
@@ -102,6 +102,8 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
                       "v": "string", "e": "int", "f": "string", "g": "timestamptz",
                       "_walberg_lsn": "long"}
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    # DuckDB reads the evolved table too (columns by field id: renamed, dropped, promoted).
+    assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
     pipeline = Pipeline(config, session=spark)
     try:
         [verdict] = pipeline.verify()
