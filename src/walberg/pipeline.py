@@ -65,6 +65,7 @@ from walberg.model import (
     Relation,
     Truncate,
 )
+from walberg.progress import CopyProgress
 from walberg.source import postgres as pg
 from walberg.source.columnar import Changes, Malformed, decode_changes
 from walberg.source.pgoutput import Decoder
@@ -113,6 +114,7 @@ class PreparedBatch:
     last_commit_ts: Optional[int]  # Postgres commit time of its last transaction (µs since 2000)
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
     txns: list[tuple[int, int, int, int]] = field(default_factory=list)  # for changelogs
+    start: Lsn = Lsn(0)  # the lake held everything before this when the batch was staged
 
 
 @dataclass(frozen=True)
@@ -949,8 +951,11 @@ class Pipeline:
         producer = threading.Thread(target=produce, name=f"copy-{info.qualified_name}")
         producer.start()
         try:
-            csv_to_parquet(fifo, len(info.columns), parquet,
-                           self._prep(info.qualified_name, info.columns), dead)
+            progress = CopyProgress(info.qualified_name, info.estimated_rows)
+            rows = csv_to_parquet(fifo, len(info.columns), parquet,
+                                  self._prep(info.qualified_name, info.columns), dead,
+                                  progress.update)
+            progress.done(rows)
         finally:
             producer.join()
             fifo.unlink(missing_ok=True)
@@ -1258,7 +1263,7 @@ class Pipeline:
             raise
         return PreparedBatch(segments, end, builder, staged, live, last_seq if cut else seq, void,
                              changes, time.monotonic() - started, last_commit_ts, cut,
-                             [(lsn, *t) for lsn, t in txns.items()])
+                             [(lsn, *t) for lsn, t in txns.items()], floor)
 
     def _wanted_chunks(self, decoder: Decoder, chunks: "_Chunks", txn: Begin) -> dict[int, "_Chunk"]:
         return {oid: chunks.for_relation(rel) for oid, rel in decoder.relations.items()
@@ -1292,9 +1297,10 @@ class Pipeline:
                     metrics.RECORDS_WRITTEN.labels(source, _OP_NAMES[op]).inc(st.ops[op])
                 metrics.COMMITTED_LSN.labels(source).set(int(batch.end))
                 self.committed[source] = batch.end
-                log.info("applied %s: %d changes (I %d, U %d, D %d%s) up to LSN %s",
+                log.info("applied %s: %d changes (I %d, U %d, D %d%s), LSN %s..%s, in %.2f s",
                          source, st.rows, st.ops["I"], st.ops["U"], st.ops["D"],
-                         ", truncated" if st.truncates else "", batch.end)
+                         ", truncated" if st.truncates else "", batch.start, batch.end,
+                         time.monotonic() - commit_started)
         finally:
             batch.builder.discard()
         crash_point("committed")
@@ -1318,9 +1324,9 @@ class Pipeline:
         if batch.last_commit_ts is not None:
             metrics.END_TO_END_SECONDS.observe(max(time.time() - _pg_epoch(batch.last_commit_ts),
                                                    0.0))
-        log.info("batch of %d segment(s), %d changes, committed up to LSN %s: staged in %.2f s, "
-                 "committed in %.2f s", len(segments), batch.changes, batch.end, batch.staged_s,
-                 time.monotonic() - started)
+        log.info("batch of %d segment(s), %d changes, LSN %s..%s: staged in %.2f s, "
+                 "committed in %.2f s", len(segments), batch.changes, batch.start, batch.end,
+                 batch.staged_s, time.monotonic() - started)
 
     def _ensure_tables(self, source: str, info: pg.TableInfo) -> None:
         """Create the source's Iceberg table(s) (mirror, changelog, or both) or bring them to

@@ -258,8 +258,8 @@ class SchemaChanged(Exception):
 
 
 def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
-                   prep: Optional[TextPrep] = None, dead: Optional[tuple[DeadLetters, int]] = None
-                   ) -> int:
+                   prep: Optional[TextPrep] = None, dead: Optional[tuple[DeadLetters, int]] = None,
+                   progress: Optional[Callable[[int], None]] = None) -> int:
     """Convert a COPY ... (FORMAT csv) file into staged Parquet (``c0..cN`` as text), streaming.
     With ``prep`` the text is prepared like the stream's; rows that cannot be written go to
     ``dead`` (dead letters, marked with the copy's LSN). Returns the rows staged for the table.
@@ -304,6 +304,8 @@ def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
                 else:
                     writer.write_batch(chunk)
                     rows += chunk.num_rows
+                if progress is not None:
+                    progress(rows)
     return rows
 
 
