@@ -85,6 +85,9 @@ class StagedTable:
     unchanged_columns: set[int] = field(default_factory=set)
     dead_letters: Optional[Path] = None  # staged rows for the dead-letter table
     dead_rows: int = 0
+    # An UPDATE that changed the key and left a TOASTed value unsent: its value lives under
+    # the old key (see apply.iceberg's _carry_moved).
+    moved_unchanged: bool = False
 
     @property
     def insert_only(self) -> bool:
@@ -137,6 +140,8 @@ class _TableStage:
                 continue
             for r in np.flatnonzero(flags).tolist():
                 marks[r] = f"{marks[r] or ','}{i},"
+                if op_array[r] == "I":  # only the insert half of a key-changing update
+                    self.staged.moved_unchanged = True
             self.staged.unchanged_columns.add(i)
         raw = [v.cast(pa.string()) for v in values]
         arrays, reasons = self.prep.apply(raw)

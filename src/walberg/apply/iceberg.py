@@ -517,6 +517,7 @@ class IcebergSink:
             return
 
         keys = [value_column(i) for i, c in enumerate(columns) if c.is_key]
+        before_netting = df
         if df is not None:
             if staged.unchanged_columns:
                 df = _fill_unchanged(df, keys, sorted(staged.unchanged_columns))
@@ -541,7 +542,10 @@ class IcebergSink:
 
         assert df is not None
         view = f"walberg_batch_{abs(hash(target))}"
-        typed = self._typed(df, target, columns, "_wb_lsn", keep=["_wb_op", "_wb_unchanged"])
+        typed = self._typed(df, target, columns, "_wb_lsn",
+                            keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
+        if staged.moved_unchanged and before_netting is not None:
+            typed = self._carry_moved(target, columns, staged, before_netting, typed)
         typed.createOrReplaceTempView(view)
         names = [c.name for c in columns] + [LSN_COLUMN]
         on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
@@ -566,6 +570,69 @@ class IcebergSink:
                    lambda: with_commit_properties(self.spark, {LSN_PROPERTY: str(lsn)},
                                                   lambda: self.spark.sql(statement)))
         self.spark.catalog.dropTempView(view)
+
+    # Key changes of one row within one batch that are followed through (a -> b -> c ...).
+    MOVE_CHAIN = 4
+
+    def _carry_moved(self, target: str, columns: Sequence[Column], staged: StagedTable,
+                     rows: Any, typed: Any) -> Any:
+        """An UPDATE that changed the key and left a TOASTed value unsent became a delete of
+        the old key (sequence s-1) and an insert of the new one (s) that lacks the value. Take
+        it from the old key as it stood just before: its last earlier change in the batch that
+        carried the value, else the lake's row. Chains of key changes in one batch are
+        followed ``MOVE_CHAIN`` links deep."""
+        from pyspark.sql.functions import col, lit
+
+        names = [c.name for c in columns]
+        every = self._typed(rows, target, columns, "_wb_lsn",
+                            keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
+        lake = (self.spark.table(quote_target(target)).select(*[quote(n) for n in names])
+                .withColumn("_wb_seq", lit(-1).cast("bigint"))
+                .withColumn("_wb_unchanged", lit(None).cast("string")))
+        for _ in range(self.MOVE_CHAIN):
+            every = self._fill_moved_once(columns, sorted(staged.unchanged_columns), every,
+                                          lake).localCheckpoint()
+        moved = "_wb_op = 'I' AND _wb_unchanged IS NOT NULL"
+        seqs = typed.where(moved).select(col("_wb_seq").alias("_s"))
+        fixed = every.join(seqs, every["_wb_seq"] == seqs["_s"]).drop("_s")
+        return typed.where(f"NOT ({moved})").unionByName(fixed.select(*typed.columns))
+
+    @staticmethod
+    def _fill_moved_once(columns: Sequence[Column], unchanged: list[int], every: Any,
+                         lake: Any) -> Any:
+        from pyspark.sql.functions import col, expr, max_by, struct, when
+
+        names = [c.name for c in columns]
+        keys = [c.name for c in columns if c.is_key]
+        links = every.where("_wb_op = 'D'").select(
+            *[col(quote(k)).alias(f"_o{j}") for j, k in enumerate(keys)],
+            (col("_wb_seq") + 1).alias("_m_seq"))
+        history = every.where("_wb_op <> 'D'").select(
+            *[quote(n) for n in names], "_wb_seq", "_wb_unchanged").unionByName(lake)
+        is_moved = "_wb_op = 'I' AND _wb_unchanged IS NOT NULL"
+        moved = every.where(is_moved)
+        wanted = moved.select(col("_wb_seq").alias("_m")).join(links, col("_m") == col("_m_seq"))
+        on = None
+        for j, k in enumerate(keys):
+            cond = history[quote(k)].eqNullSafe(wanted[f"_o{j}"])
+            on = cond if on is None else on & cond
+        assert on is not None
+        joined = wanted.join(history, on & (history["_wb_seq"] < wanted["_m_seq"]))
+        marks = col("_wb_unchanged")
+        found = joined.groupBy("_m_seq").agg(*[
+            max_by(struct(col(quote(names[i])).alias("v")),
+                   when(marks.isNull() | ~marks.contains(f",{i},"), col("_wb_seq")))
+            .alias(f"_f{i}") for i in unchanged])
+        filled = moved.join(found, moved["_wb_seq"] == found["_m_seq"], "left")
+        for i in unchanged:
+            hit = col("_wb_unchanged").contains(f",{i},") & col(f"_f{i}").isNotNull()
+            filled = (filled.withColumn(names[i], when(hit, col(f"_f{i}.v"))
+                                        .otherwise(col(quote(names[i]))))
+                      .withColumn("_wb_unchanged", when(hit, expr(
+                          f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
+                          .otherwise(col("_wb_unchanged"))))
+        filled = filled.drop("_m_seq", *[f"_f{i}" for i in unchanged])
+        return every.where(f"NOT ({is_moved})").unionByName(filled)
 
     def count(self, target: str) -> int:
         return int(self.sql(f"counting {target}",
