@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_unreachable_postgres_names_the_server_without_password(tmp_path: Path) 
     cfg.write_text("source: {postgres: {dsn: 'postgresql://app:hunter2@127.0.0.1:9/db', "
                    "tables: [t]}}\nsink: {catalog: {warehouse: ./w}}\n")
     proc = walberg("run", "-c", str(cfg))
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "cannot connect to PostgreSQL at postgresql://app:***@127.0.0.1:9/db" in proc.stderr
     assert "hunter2" not in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -116,3 +117,39 @@ def test_json_log_lines(tmp_path: Path) -> None:
     proc = walberg("--log-format", "json", "run", "-c", str(cfg))
     lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     assert lines and all({"time", "level", "message"} <= set(e) for e in lines)
+
+
+def test_a_server_without_logical_wal_is_refused_with_the_fix(tmp_path: Path) -> None:
+    from walberg.embedded_pg import EmbeddedPostgres
+
+    with EmbeddedPostgres(settings={"wal_level": "replica"}) as server:
+        cfg = tmp_path / "pipeline.yaml"
+        cfg.write_text(f"source: {{postgres: {{dsn: '{server.dsn}', tables: [t]}}}}\n"
+                       "sink: {catalog: {warehouse: ./w}}\n")
+        proc = walberg("run", "-c", str(cfg))
+    assert proc.returncode == 2, proc.stderr
+    assert "wal_level=replica" in proc.stderr
+    assert "ALTER SYSTEM SET wal_level = logical" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_table_and_incomplete_publication_are_refused_with_the_fix(
+        tmp_path: Path, postgres: Any, pg_conn: Any, unique: str) -> None:
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {unique} (id int PRIMARY KEY)")
+        cur.execute(f"CREATE TABLE {unique}_b (id int PRIMARY KEY)")
+        cur.execute(f"CREATE PUBLICATION pub_{unique} FOR TABLE {unique}")
+    cfg = tmp_path / "pipeline.yaml"
+
+    def run(tables: str) -> subprocess.CompletedProcess[str]:
+        cfg.write_text(f"source: {{postgres: {{dsn: '{postgres.dsn}', tables: [{tables}], "
+                       f"publication: pub_{unique}, slot: s_{unique}}}}}\n"
+                       "sink: {catalog: {warehouse: ./w}}\n")
+        return walberg("run", "-c", str(cfg))
+
+    proc = run(f"{unique}_nope")
+    assert proc.returncode == 2 and f"table public.{unique}_nope" in proc.stderr
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run(f"{unique}, {unique}_b")
+    assert proc.returncode == 2, proc.stderr
+    assert "ALTER PUBLICATION" in proc.stderr and f"{unique}_b" in proc.stderr

@@ -715,7 +715,11 @@ class Pipeline:
                 if not (isinstance(exc, Transient) or pg.is_connection_error(exc)):
                     raise
                 if not self._reached_source:
-                    raise  # never reached: a wrong DSN or a server that is down, said at once
+                    # Never reached: a wrong DSN or a server that is down, said at once (a
+                    # configuration problem: exit code 2).
+                    if isinstance(exc, Transient):
+                        raise SourceError(str(exc)) from None
+                    raise
                 now = time.monotonic()
                 first_failure = first_failure or now
                 reason = " ".join(str(exc).split())
