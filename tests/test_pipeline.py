@@ -445,3 +445,18 @@ def test_prometheus_metrics_count_what_was_written(pg_conn: Any, postgres: Any, 
     assert value(f'walberg_committed_lsn{{table="{table}"}}') == int(lsn)
     assert value("walberg_segments_sealed_total") >= 1
     assert value("walberg_end_to_end_seconds_count") >= 1
+    assert value(f'walberg_initial_copy_progress{{table="{table}"}}') == 1
+    # What the one MERGE commit added, read back from its snapshot summary:
+    from pyiceberg.table import StaticTable
+
+    _, namespace, name = config.target_for(table).split(".")
+    meta = warehouse / namespace / name / "metadata"
+    version = (meta / "version-hint.text").read_text().strip()
+    summary = StaticTable.from_metadata(str(meta / f"v{version}.metadata.json")) \
+        .current_snapshot().summary
+    assert value(f'walberg_bytes_written_total{{table="{table}"}}') == \
+        int(summary["added-files-size"])
+    assert value(f'walberg_files_created_total{{kind="data",table="{table}"}}') == \
+        int(summary["added-data-files"]) >= 1
+    assert value(f'walberg_files_created_total{{kind="delete",table="{table}"}}') == \
+        int(summary["added-delete-files"]) >= 1

@@ -14,6 +14,12 @@ DEAD_LETTERS = Counter("walberg_dead_letters", "Rows sent to the dead-letter tab
                        "their table (they could not be written exactly)", ["table"])
 COMMIT_RETRIES = Counter("walberg_commit_retries", "Iceberg commits tried again after a "
                          "storage or catalog failure", ["table"])
+BYTES_WRITTEN = Counter("walberg_bytes_written", "Bytes of data and delete files committed",
+                        ["table"])
+FILES_CREATED = Counter("walberg_files_created", "Data and delete files committed",
+                        ["table", "kind"])
+COPY_PROGRESS = Gauge("walberg_initial_copy_progress",
+                      "Rows copied so far over the estimate (1 when done), per table", ["table"])
 COMMITS = Counter("walberg_commits", "Iceberg commits by walberg", ["table", "result"])
 BATCHES = Counter("walberg_batches", "Batches applied (one Iceberg commit per changed table)")
 SEGMENTS_SEALED = Counter("walberg_segments_sealed", "Segment files sealed")

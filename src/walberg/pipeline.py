@@ -956,10 +956,18 @@ class Pipeline:
         producer.start()
         try:
             progress = CopyProgress(info.qualified_name, info.estimated_rows)
+            gauge = metrics.COPY_PROGRESS.labels(info.qualified_name)
+            gauge.set(0)
+
+            def copied(rows: int) -> None:
+                progress.update(rows)
+                if info.estimated_rows:
+                    gauge.set(min(rows / info.estimated_rows, 0.99))
+
             rows = csv_to_parquet(fifo, len(info.columns), parquet,
-                                  self._prep(info.qualified_name, info.columns), dead,
-                                  progress.update)
+                                  self._prep(info.qualified_name, info.columns), dead, copied)
             progress.done(rows)
+            gauge.set(1)
         finally:
             producer.join()
             fifo.unlink(missing_ok=True)
@@ -1296,6 +1304,7 @@ class Pipeline:
                     metrics.COMMITS.labels(source, "failure").inc()
                     raise
                 metrics.COMMITS.labels(source, "success").inc()
+                self._count_files(source)
                 metrics.COMMIT_SECONDS.labels(source).observe(time.monotonic() - commit_started)
                 for op in ("I", "U", "D"):
                     metrics.RECORDS_WRITTEN.labels(source, _OP_NAMES[op]).inc(st.ops[op])
@@ -1495,6 +1504,16 @@ class Pipeline:
             if name in names:
                 self.sink.fill(target, name, expr)
             self.sink.set_property(target, key, None)
+
+    def _count_files(self, source: str) -> None:
+        try:
+            added = self.sink.last_commit(self.targets[source])
+        except WalbergError as exc:  # metrics must never fail a batch
+            log.debug("could not read the last commit of %s for metrics: %s", source, exc)
+            return
+        metrics.BYTES_WRITTEN.labels(source).inc(added["bytes"])
+        metrics.FILES_CREATED.labels(source, "data").inc(added["data_files"])
+        metrics.FILES_CREATED.labels(source, "delete").inc(added["delete_files"])
 
     def _count_dead(self, source: str, target: str, rows: int) -> None:
         if rows:

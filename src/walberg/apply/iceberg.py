@@ -634,6 +634,22 @@ class IcebergSink:
         filled = filled.drop("_m_seq", *[f"_f{i}" for i in unchanged])
         return every.where(f"NOT ({is_moved})").unionByName(filled)
 
+    def last_commit(self, target: str) -> dict[str, int]:
+        """What the table's current snapshot added: bytes, data files and delete files (from
+        its summary; Iceberg metadata only)."""
+        def read() -> dict[str, int]:
+            jspark = self.spark._jsparkSession
+            table = self.spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
+                jspark, quote_target(target))
+            snapshot = table.currentSnapshot()
+            summary = dict(snapshot.summary()) if snapshot is not None else {}
+            return {"bytes": int(summary.get("added-files-size", 0)),
+                    "data_files": int(summary.get("added-data-files", 0)),
+                    "delete_files": int(summary.get("added-delete-files", 0))
+                    + int(summary.get("added-dvs", 0))}
+
+        return spark_call(f"reading the last commit of {target}", read)
+
     def count(self, target: str) -> int:
         return int(self.sql(f"counting {target}",
                             f"SELECT count(*) AS n FROM {quote_target(target)}").collect()[0]["n"])
