@@ -201,7 +201,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from walberg.config import load_config
     from walberg.pipeline import Pipeline
 
-    pipeline = Pipeline(load_config(args.config))
+    config = load_config(args.config)
+    if config.sources:
+        from walberg.pipeline import Pipelines
+
+        several = Pipelines(config)
+        previous = _on_signals(lambda: several.stop())
+        try:
+            reports = several.run(once=args.once)
+        finally:
+            several.close()
+            _restore_signals(previous)
+        for name, report in reports.items():
+            logging.getLogger("walberg").info(
+                "source %s stopped: %d batch(es), %d change(s) applied, lake complete up to "
+                "LSN %s", name, report.batches, report.changes, report.applied_lsn)
+        return 0
+    pipeline = Pipeline(config)
     previous = _on_signals(lambda: pipeline.stop())
     try:
         report = pipeline.run(once=args.once)
@@ -307,8 +323,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    with _opened(args) as pipeline:
-        verdicts = pipeline.verify(args.table, args.limit, args.wait)
+    from walberg.config import load_config
+
+    config = load_config(args.config)
+    if config.sources:
+        from walberg.pipeline import Pipelines
+
+        several = Pipelines(config)
+        try:
+            verdicts = several.verify(args.table, args.limit, args.wait)
+        finally:
+            several.close()
+    else:
+        with _opened(args) as pipeline:
+            verdicts = pipeline.verify(args.table, args.limit, args.wait)
     if args.json:
         print(json.dumps([dataclasses.asdict(v) for v in verdicts], indent=2))
     for v in verdicts if not args.json else []:

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from walberg.errors import ConfigError
 from walberg.model import Layout
@@ -195,6 +203,10 @@ class Sink(_Model):
     text_types: list[str] = Field(
         default_factory=list,
         description="extension types (e.g. geometry) to store as their Postgres text form")
+    fan_in: bool = Field(
+        True, description="with several sources: tables of the same name land in one Iceberg "
+                          "table with a _walberg_source column (true), or each in its own "
+                          "<source>__<table> (false)")
     format_version: Literal[2, 3] = Field(
         2, description="Iceberg format version of new tables: 2, or 3 (deletion vectors)")
     write_mode: WriteMode = Field(
@@ -328,7 +340,11 @@ class Storage(_Model):
 
 
 class Config(_Model):
-    source: Source
+    source: Source = Field(description="the source database (or use `sources`)")
+    sources: dict[str, Source] = Field(
+        default_factory=dict,
+        description="several source databases (or shards) by name, each with its own slot and "
+                    "segments; their tables fan in to one Iceberg table each (sink.fan_in)")
     sink: Sink
     buffer: Buffer = Field(default_factory=lambda: Buffer())  # type: ignore[call-arg]
     spark: Spark = Field(default_factory=lambda: Spark())  # type: ignore[call-arg]
@@ -336,6 +352,38 @@ class Config(_Model):
     metrics: Metrics = Field(default_factory=lambda: Metrics())  # type: ignore[call-arg]
     storage: Storage = Field(default_factory=lambda: Storage())  # type: ignore[call-arg]
     base_dir: Path = Field(Path("."), exclude=True, description="directory of the YAML file")
+    _source_name: Optional[str] = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_or_many(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("sources"):
+            if data.get("source"):
+                raise ValueError("give either source or sources, not both")
+            sources = data["sources"]
+            if not isinstance(sources, dict):
+                raise ValueError("sources: a mapping of source names to sources")
+            for name in sources:
+                if not re.fullmatch(r"[a-z][a-z0-9_]{0,30}", str(name)):
+                    raise ValueError(f"sources: the name {name!r} must be 1-31 lower-case "
+                                     "letters, digits or underscores, starting with a letter")
+            # The first source stands in for `source` until for_source() picks one.
+            data = {**data, "source": next(iter(sources.values()))}
+        return data
+
+    @property
+    def source_name(self) -> Optional[str]:
+        """The source this configuration is for, in a pipeline with several (else None)."""
+        return self._source_name
+
+    def for_source(self, name: str) -> "Config":
+        """The single-source configuration of one of ``sources``: its own slot, publication and
+        segment directory (``buffer.dir/<name>``), the same sink."""
+        buffer = self.buffer.model_copy(update={"dir": str(Path(self.buffer.dir) / name)})
+        one = self.model_copy(update={"source": self.sources[name], "sources": {},
+                                      "buffer": buffer})
+        one._source_name = name
+        return one
 
     def path(self, value: str) -> Path:
         """A path from the config, relative to the YAML file's directory."""
@@ -355,11 +403,15 @@ class Config(_Model):
         return self.sink.namespace or source_table.split(".")[0]
 
     def target_for(self, source_table: str) -> str:
-        """The Iceberg identifier (catalog.namespace.table) for a source table."""
+        """The Iceberg identifier (catalog.namespace.table) for a source table. With several
+        sources and no fan-in, the table's name starts with its source's."""
         layout = self.sink.tables.get(source_table)
         if layout is not None and layout.target:
             return f"{self.sink.catalog.name}.{layout.target}"
-        return f"{self.sink.catalog.name}.{self.namespace_for(source_table)}.{source_table.split('.')[1]}"
+        name = source_table.split(".")[1]
+        if self._source_name is not None and not self.sink.fan_in:
+            name = f"{self._source_name}__{name}"
+        return f"{self.sink.catalog.name}.{self.namespace_for(source_table)}.{name}"
 
     def changelog_for(self, source_table: str) -> str:
         """The changelog table of a source table: the target itself in append mode, else
@@ -377,10 +429,22 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _tables_known(self) -> "Config":
-        unknown = sorted(set(self.sink.tables) - set(self.source.postgres.tables))
+        every = set(self.source.postgres.tables).union(
+            *[set(s.postgres.tables) for s in self.sources.values()])
+        unknown = sorted(set(self.sink.tables) - every)
         if unknown:
             raise ValueError(f"sink.tables names {', '.join(unknown)}, which source.postgres."
                              "tables does not list")
+        if self.sources:
+            slots = [s.postgres.slot for s in self.sources.values()]
+            for name, src in self.sources.items():
+                if slots.count(src.postgres.slot) > 1 and len({
+                        s.postgres.dsn for s in self.sources.values()}) == 1:
+                    raise ValueError(f"sources.{name}: two sources on one database need "
+                                     "their own slot names")
+            if self.sink.fan_in and any(self.layout_for(t).mode != "upsert" for t in every):
+                raise ValueError("sink.fan_in with several sources works in upsert mode only")
+            return self
         targets = [self.target_for(t) for t in self.source.postgres.tables]
         targets += [self.changelog_for(t) for t in self.source.postgres.tables
                     if self.layout_for(t).mode == "both"]

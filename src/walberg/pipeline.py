@@ -155,7 +155,10 @@ class Pipeline:
         self.report = RunReport()
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
         self._session: Any = session
-        self._sink: Optional[IcebergSink] = (IcebergSink(session, self.types)
+        # One of several sources fanning in to shared tables: its rows are tagged.
+        self.source_name = config.source_name
+        self._tag = config.source_name if config.sink.fan_in else None
+        self._sink: Optional[IcebergSink] = (IcebergSink(session, self.types, self._tag)
                                              if session is not None else None)
         self._store: Optional[SegmentStore] = None
         self._meta: dict[int, SegmentMeta] = {}
@@ -196,7 +199,7 @@ class Pipeline:
                                           self.config.warehouse, props,
                                           {**storage_conf, **self.config.spark.conf},
                                           jars=jars + storage_jars)
-            self._sink = IcebergSink(self._session, self.types)
+            self._sink = IcebergSink(self._session, self.types, self._tag)
         return self._session
 
     @property
@@ -429,7 +432,9 @@ class Pipeline:
                                     note=f"{target} has no walberg commit yet: run walberg "
                                          f"run -c <pipeline.yaml> --once first")
             src_n, src_hash = verify.source_digest(conn, table, info.columns, types)
-            lake_n, lake_hash = verify.lake_digest(self.session(), target, info.columns, types)
+            own = f"`_walberg_source` = '{self._tag}'" if self._tag else "true"
+            lake_n, lake_hash = verify.lake_digest(self.session(), target, info.columns, types,
+                                                   own)
             verdict = TableVerdict(source, target, (src_n, src_hash) == (lake_n, lake_hash),
                                    src_n, lake_n, str(at), str(lake_lsn))
             if lake_lsn < at:
@@ -441,7 +446,7 @@ class Pipeline:
                     hashes = Path(work) / "source.parquet"
                     verify.source_row_hashes(conn, table, info.columns, types, hashes)
                     verdict.differences = verify.differing_keys(
-                        self.session(), target, info.columns, types, hashes, limit)
+                        self.session(), target, info.columns, types, hashes, limit, own)
             return verdict
         finally:
             conn.rollback()
@@ -1674,3 +1679,66 @@ def _iso(ms: Optional[int]) -> Optional[str]:
 
 
 __all__ = ["CheckResult", "Pipeline", "RunReport"]
+
+
+class Pipelines:
+    """A pipeline file with several ``sources``: one ``Pipeline`` per source (its own slot,
+    publication and segment directory), one Spark session, run side by side. Tables of the same
+    name fan in to one Iceberg table (``sink.fan_in``), each source's rows tagged with
+    ``_walberg_source`` and recorded exactly once by its own ``walberg.lsn.<source>``."""
+
+    def __init__(self, config: Config, session: Any = None) -> None:
+        if not config.sources:
+            raise ConfigError("this pipeline file has one source; use Pipeline")
+        names = list(config.sources)
+        first = Pipeline(config.for_source(names[0]), session=session)
+        shared = first.session()
+        self.pipelines = {names[0]: first}
+        for name in names[1:]:
+            self.pipelines[name] = Pipeline(config.for_source(name), session=shared)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Pipelines":
+        return cls(load_config(path))
+
+    def run(self, once: bool = False) -> dict[str, RunReport]:
+        """Run every source's pipeline; if one fails, the others are stopped and its error
+        raised."""
+        reports: dict[str, RunReport] = {}
+        failures: list[BaseException] = []
+
+        def run_one(name: str, pipeline: Pipeline) -> None:
+            try:
+                reports[name] = pipeline.run(once=once)
+            except BaseException as exc:
+                failures.append(exc)
+                self.stop()
+
+        threads = [threading.Thread(target=run_one, args=(n, p), name=f"walberg-{n}")
+                   for n, p in self.pipelines.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise failures[0]
+        return reports
+
+    def verify(self, tables: Optional[list[str]] = None, limit: int = 20,
+               wait_seconds: float = 60.0) -> list[TableVerdict]:
+        verdicts = []
+        for name, pipeline in self.pipelines.items():
+            mine = [t for t in tables or pipeline.tables if t in pipeline.targets]
+            for v in pipeline.verify(mine or None, limit, wait_seconds):
+                v.source = f"{name}:{v.source}"
+                verdicts.append(v)
+        return verdicts
+
+    def stop(self) -> None:
+        for pipeline in self.pipelines.values():
+            pipeline.stop()
+
+    def close(self) -> None:
+        # The first pipeline owns the Spark session (when it built it): closed last.
+        for pipeline in reversed(list(self.pipelines.values())):
+            pipeline.close()

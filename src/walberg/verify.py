@@ -117,10 +117,11 @@ def source_digest(conn: Any, table: str, columns: Sequence[Column],
 
 
 def lake_digest(spark: Any, target: str, columns: Sequence[Column],
-                types: Sequence[SparkType]) -> tuple[int, int]:
+                types: Sequence[SparkType], where: str = "true") -> tuple[int, int]:
     row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
                                               zip(columns, types, strict=True)) + ")"
-    df = spark.table(_quote_target(target)).selectExpr(f"{_HASH_SPARK.format(row)} AS h")
+    df = spark.table(_quote_target(target)).where(where) \
+        .selectExpr(f"{_HASH_SPARK.format(row)} AS h")
     result = df.selectExpr("count(*) AS n", "CAST(coalesce(sum(h), 0) AS STRING) AS total") \
         .collect()[0]
     return int(result["n"]), int(result["total"])
@@ -150,12 +151,12 @@ def source_row_hashes(conn: Any, table: str, columns: Sequence[Column],
 
 def differing_keys(spark: Any, target: str, columns: Sequence[Column],
                    types: Sequence[SparkType], source_hashes: Path,
-                   limit: int) -> list[dict[str, Any]]:
+                   limit: int, where: str = "true") -> list[dict[str, Any]]:
     """The first ``limit`` keys whose rows differ between the source hashes and the lake."""
     keys = [(c, t) for c, t in zip(columns, types, strict=True) if c.is_key]
     row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
                                               zip(columns, types, strict=True)) + ")"
-    lake = spark.table(_quote_target(target)).selectExpr(
+    lake = spark.table(_quote_target(target)).where(where).selectExpr(
         *[f"{spark_render(c, t)} AS k{i}" for i, (c, t) in enumerate(keys)], f"md5({row}) AS h")
     source = spark.read.parquet(str(source_hashes))
     # Rows are counted per key and hash, so duplicates (tables without a key) show up too.

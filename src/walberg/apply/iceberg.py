@@ -27,6 +27,7 @@ from walberg.model import Column, Layout, Lsn
 
 LSN_PROPERTY = "walberg.lsn"
 LSN_COLUMN = "_walberg_lsn"
+SOURCE_COLUMN = "_walberg_source"  # with several sources fanning in to one table
 OP_COLUMN = "_walberg_op"
 # A changelog table's columns after the source's (and _walberg_lsn, the change's commit LSN).
 CHANGELOG_COLUMNS = [(LSN_COLUMN, "BIGINT"), (OP_COLUMN, "STRING"), ("_walberg_seq", "BIGINT"),
@@ -115,9 +116,9 @@ def spark_transform(text: str) -> str:
     return f"{name}({width}, {quote(column)})" if width else f"{name}({quote(column)})"
 
 
-def _writer(df: Any, target: str, lsn: Lsn) -> Any:
-    """A DataFrameWriterV2 to ``target`` whose commit carries ``walberg.lsn``."""
-    return df.writeTo(quote_target(target)).option(f"snapshot-property.{LSN_PROPERTY}", str(lsn))
+def _writer(df: Any, target: str, lsn: Lsn, prop: str = LSN_PROPERTY) -> Any:
+    """A DataFrameWriterV2 to ``target`` whose commit carries ``walberg.lsn`` (or ``prop``)."""
+    return df.writeTo(quote_target(target)).option(f"snapshot-property.{prop}", str(lsn))
 
 
 def _escape(value: str) -> str:
@@ -129,9 +130,15 @@ def quote_target(target: str) -> str:
 
 
 class IcebergSink:
-    def __init__(self, session: Any, types: Optional[TypeMap] = None) -> None:
+    def __init__(self, session: Any, types: Optional[TypeMap] = None,
+                 source: Optional[str] = None) -> None:
+        """``source``: this sink writes one of several sources that fan in to shared tables:
+        its rows carry ``_walberg_source``, and its commits record their LSN as
+        ``walberg.lsn.<source>``."""
         self.spark = session
         self.types = types or TypeMap()
+        self.source = source
+        self.lsn_property = LSN_PROPERTY if source is None else f"{LSN_PROPERTY}.{source}"
         self._schemas: dict[str, list[tuple[str, str]]] = {}
         self._dead_lsn: dict[str, Optional[Lsn]] = {}
 
@@ -145,8 +152,23 @@ class IcebergSink:
             return False
         cols = ", ".join(f"{quote(c.name)} {self.types.spark_type(c, target).sql}"
                          for c in columns)
-        self._create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT", layout)
+        if self.source is None:
+            self._create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT", layout)
+            return True
+        # Shared by several sources: each one's rows in a partition of their own, so a copy or
+        # a TRUNCATE replaces one source's rows without touching the others'.
+        self._create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT, "
+                             f"{quote(SOURCE_COLUMN)} STRING", self._shared(layout))
         return True
+
+    def _shared(self, layout: Optional[Layout]) -> Layout:
+        """A table shared by sources is partitioned by source first."""
+        layout = layout or Layout()
+        if self.source is None:
+            return layout
+        return Layout((SOURCE_COLUMN, *layout.partition_by), layout.properties,
+                      layout.format_version, layout.write_mode, layout.schema_evolution,
+                      layout.mode)
 
     def _create(self, target: str, columns: str, layout: Optional[Layout] = None) -> None:
         catalog, namespace, _ = target.split(".")
@@ -183,7 +205,7 @@ class IcebergSink:
             "CAST(NULL AS TIMESTAMP) AS `_walberg_commit_ts`",
             "CAST(NULL AS BIGINT) AS `_walberg_xid`", "CAST(NULL AS STRING) AS `_walberg_unchanged`"])
         spark_call(f"writing the initial copy of {target}",
-                   lambda: rows.writeTo(quote_target(target)).option(f"snapshot-property.{LSN_PROPERTY}",
+                   lambda: rows.writeTo(quote_target(target)).option(f"snapshot-property.{self.lsn_property}",
                                                        str(lsn)).append())
 
     def append_changes(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
@@ -234,7 +256,7 @@ class IcebergSink:
             count = int(spark_call(f"appending changes to {target}", rows.count))
             if count:
                 spark_call(f"appending changes to {target}",
-                           lambda: _writer(rows, target, lsn).append())
+                           lambda: _writer(rows, target, lsn, self.lsn_property).append())
         finally:
             rows.unpersist()
         return count
@@ -243,17 +265,22 @@ class IcebergSink:
         """The table's current partition fields, normalised (see ``normal_transform``)."""
         rows = self.sql(f"describing {target}",
                         f"DESCRIBE TABLE EXTENDED {quote_target(target)}").collect()
-        out, inside = [], False
+        # Spark prints a spec of identity fields only as "# Partition Information" (one row per
+        # column), any other as "# Partitioning" ("Part N" rows with the transform).
+        out: list[str] = []
+        section = ""
         for r in rows:
             name = (r["col_name"] or "").strip()
-            if name == "# Partitioning":
-                inside = True
-            elif inside and name.startswith("Part "):
+            if name in ("# Partitioning", "# Partition Information"):
+                section = name
+            elif section and (not name or (name.startswith("#") and name != "# col_name")):
+                break
+            elif section == "# Partitioning" and name.startswith("Part "):
                 field = normal_transform(r["data_type"])
                 if not field.startswith("void("):  # a field dropped from a v2 spec
                     out.append(field)
-            elif inside and (not name or name.startswith("#")):
-                break
+            elif section == "# Partition Information" and name != "# col_name":
+                out.append(normal_transform(name))
         return out
 
     def align(self, target: str, layout: Layout) -> list[str]:
@@ -261,6 +288,7 @@ class IcebergSink:
         changed. A format version can only go up."""
         t = quote_target(target)
         done: list[str] = []
+        layout = self._shared(layout)
         have = self.partitioning(target)
         want = [normal_transform(x) for x in layout.partition_by]
         if have != want:
@@ -368,11 +396,34 @@ class IcebergSink:
         t = quote_target(target)
         rows = self.sql(
             f"reading the snapshot history of {target}",
-            f"SELECT s.summary['{LSN_PROPERTY}'] AS lsn FROM {t}.snapshots s "
+            f"SELECT s.summary['{self.lsn_property}'] AS lsn FROM {t}.snapshots s "
             f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
-            f"WHERE h.is_current_ancestor AND s.summary['{LSN_PROPERTY}'] IS NOT NULL",
+            f"WHERE h.is_current_ancestor AND s.summary['{self.lsn_property}'] IS NOT NULL",
         ).collect()
         return max((Lsn.parse(r["lsn"]) for r in rows), default=None)
+
+    def _lsn_marks(self, target: str) -> dict[str, str]:
+        """Every source's LSN in the table's current history (the highest of each), so a
+        maintenance commit can carry them all: expiring old snapshots then loses none."""
+        t = quote_target(target)
+        rows = self.sql(
+            f"reading the snapshot history of {target}",
+            f"SELECT e.key AS key, e.value AS value FROM {t}.snapshots s "
+            f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
+            f"LATERAL VIEW explode(s.summary) e AS key, value "
+            f"WHERE h.is_current_ancestor AND (e.key = '{LSN_PROPERTY}' "
+            f"OR e.key LIKE '{LSN_PROPERTY}.%')").collect()
+        best: dict[str, Lsn] = {}
+        for r in rows:
+            lsn = Lsn.parse(r["value"])
+            best[r["key"]] = max(best.get(r["key"], lsn), lsn)
+        return {k: str(v) for k, v in best.items()}
+
+    def _own_rows(self) -> Any:
+        """The rows a copy or TRUNCATE replaces: all, or this source's in a shared table."""
+        from pyspark.sql.functions import col, lit
+
+        return lit(True) if self.source is None else col(SOURCE_COLUMN) == lit(self.source)
 
     def files(self, target: str) -> dict[str, int]:
         """Data and delete files of the current snapshot, their bytes, and the snapshot count."""
@@ -393,7 +444,7 @@ class IcebergSink:
         manifests, expire old snapshots and remove orphan files. Commits that replace files
         carry the table's walberg.lsn, so what the lake holds stays known after expiry."""
         before = self.files(target)
-        lsn = self.committed_lsn(target)
+        marks = self._lsn_marks(target)
         jvm = self.spark._jvm
         jspark = self.spark._jsparkSession
         # The actions look up helper catalogs through the JVM thread's active session, which a
@@ -405,7 +456,9 @@ class IcebergSink:
             return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(jspark, quote_target(target))
 
         def marked(action: Any) -> Any:
-            return action.snapshotProperty(LSN_PROPERTY, str(lsn)) if lsn is not None else action
+            for key, value in marks.items():
+                action = action.snapshotProperty(key, value)
+            return action
 
         options = {"target-file-size-bytes": str(target_file_size), "min-input-files": "2",
                    "delete-file-threshold": "1", "remove-dangling-deletes": "true",
@@ -441,6 +494,8 @@ class IcebergSink:
         exprs = [f"{self.types.spark_type(c, target).convert.format(value_column(i))} "
                  f"AS {quote(c.name)}" for i, c in enumerate(columns)]
         exprs.append(f"{lsn_expr} AS {quote(LSN_COLUMN)}")
+        if self.source is not None:
+            exprs.append(f"'{self.source}' AS {quote(SOURCE_COLUMN)}")
         exprs.extend(keep)
         return df.selectExpr(*exprs)
 
@@ -449,12 +504,9 @@ class IcebergSink:
         """Replace the table's contents with the initial copy, in one commit marked ``lsn``."""
         df = self.spark.read.parquet(*[str(f) for f in files])
         typed = self._typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
-        from pyspark.sql.functions import lit
-
         spark_call(
             f"writing the initial copy of {target}",
-            lambda: typed.writeTo(quote_target(target)).option(f"snapshot-property.{LSN_PROPERTY}", str(lsn))
-            .overwrite(lit(True)),
+            lambda: _writer(typed, target, lsn, self.lsn_property).overwrite(self._own_rows()),
         )
 
     def dead_letter_target(self, target: str) -> str:
@@ -490,8 +542,7 @@ class IcebergSink:
         count = int(spark_call(f"counting dead letters for {target}", rows.count))
         if count:
             spark_call(f"writing dead letters to {dlq}",
-                       lambda: rows.writeTo(quote_target(dlq)).option(f"snapshot-property.{LSN_PROPERTY}",
-                                                        str(lsn)).append())
+                       lambda: _writer(rows, dlq, lsn, self.lsn_property).append())
             self._dead_lsn[dlq] = lsn
         return count
 
@@ -508,7 +559,7 @@ class IcebergSink:
             df = df.where(seq_filter(max_seq, void, staged.truncates))
         else:
             df = None
-        option = f"snapshot-property.{LSN_PROPERTY}"
+        option = f"snapshot-property.{self.lsn_property}"
 
         if staged.insert_only and df is not None:
             typed = self._typed(df, target, columns, "_wb_lsn")
@@ -533,11 +584,12 @@ class IcebergSink:
                 empty = self.spark.table(quote_target(target)).where(lit(False))
                 spark_call(f"truncating {target}",
                            lambda: empty.writeTo(quote_target(target)).option(option, str(lsn))
-                           .overwrite(lit(True)))
+                           .overwrite(self._own_rows()))
                 return
             typed = self._typed(df.where(col("_wb_op") != "D"), target, columns, "_wb_lsn")
             spark_call(f"truncating and reloading {target}",
-                       lambda: _writer(typed, target, lsn).overwrite(lit(True)))
+                       lambda: _writer(typed, target, lsn, self.lsn_property)
+                       .overwrite(self._own_rows()))
             return
 
         assert df is not None
@@ -549,6 +601,9 @@ class IcebergSink:
         typed.createOrReplaceTempView(view)
         names = [c.name for c in columns] + [LSN_COLUMN]
         on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
+        if self.source is not None:
+            on = f"t.{quote(SOURCE_COLUMN)} = '{self.source}' AND {on}"
+            names.append(SOURCE_COLUMN)  # inserted with the row, never updated
 
         def assignment(i: int, name: str) -> str:
             if i in staged.unchanged_columns:
@@ -557,7 +612,7 @@ class IcebergSink:
                         f"THEN t.{quote(name)} ELSE s.{quote(name)} END")
             return f"t.{quote(name)} = s.{quote(name)}"
 
-        sets = ", ".join(assignment(i, n) for i, n in enumerate(names))
+        sets = ", ".join(assignment(i, n) for i, n in enumerate(names) if n != SOURCE_COLUMN)
         cols = ", ".join(quote(n) for n in names)
         vals = ", ".join(f"s.{quote(n)}" for n in names)
         statement = (
@@ -567,7 +622,7 @@ class IcebergSink:
             f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})"
         )
         spark_call(f"merging a batch into {target}",
-                   lambda: with_commit_properties(self.spark, {LSN_PROPERTY: str(lsn)},
+                   lambda: with_commit_properties(self.spark, {self.lsn_property: str(lsn)},
                                                   lambda: self.spark.sql(statement)))
         self.spark.catalog.dropTempView(view)
 
@@ -586,7 +641,8 @@ class IcebergSink:
         names = [c.name for c in columns]
         every = self._typed(rows, target, columns, "_wb_lsn",
                             keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
-        lake = (self.spark.table(quote_target(target)).select(*[quote(n) for n in names])
+        lake = (self.spark.table(quote_target(target)).where(self._own_rows())
+                .select(*[quote(n) for n in names])
                 .withColumn("_wb_seq", lit(-1).cast("bigint"))
                 .withColumn("_wb_unchanged", lit(None).cast("string")))
         for _ in range(self.MOVE_CHAIN):
@@ -659,7 +715,7 @@ class IcebergSink:
         rows = self.sql(
             f"reading the history of {target}",
             f"SELECT h.made_current_at, s.snapshot_id, s.operation, h.is_current_ancestor, "
-            f"s.summary['{LSN_PROPERTY}'] AS lsn, s.summary['added-records'] AS added, "
+            f"s.summary['{self.lsn_property}'] AS lsn, s.summary['added-records'] AS added, "
             f"s.summary['deleted-records'] AS deleted, "
             f"s.summary['added-position-deletes'] AS pos_deletes "
             f"FROM {t}.history h JOIN {t}.snapshots s ON s.snapshot_id = h.snapshot_id "
