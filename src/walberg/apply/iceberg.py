@@ -567,6 +567,11 @@ class IcebergSink:
                        lambda: typed.writeTo(quote_target(target)).option(option, str(lsn)).append())
             return
 
+        if df is not None and all(c.is_key for c in columns):
+            # No key but the whole row (REPLICA IDENTITY FULL): the table is a multiset.
+            self._apply_multiset(target, columns, df, lsn, truncated=truncate is not None)
+            return
+
         keys = [value_column(i) for i, c in enumerate(columns) if c.is_key]
         before_netting = df
         if df is not None:
@@ -621,6 +626,70 @@ class IcebergSink:
             f"WHEN MATCHED THEN UPDATE SET {sets} "
             f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})"
         )
+        spark_call(f"merging a batch into {target}",
+                   lambda: with_commit_properties(self.spark, {self.lsn_property: str(lsn)},
+                                                  lambda: self.spark.sql(statement)))
+        self.spark.catalog.dropTempView(view)
+
+    def _apply_multiset(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
+                        truncated: bool) -> None:
+        """Apply a batch to a table identified by whole rows, where equal rows may repeat: per
+        distinct row, the batch's inserts minus deletes change how many copies the lake holds.
+        One MERGE deletes every copy of each changed row and inserts the new number of them
+        (after a TRUNCATE, an overwrite with the batch's surviving rows)."""
+        from pyspark.sql.functions import coalesce, col, explode, expr, lit, sequence
+        from pyspark.sql.functions import max as max_
+        from pyspark.sql.functions import sum as sum_
+
+        names = [c.name for c in columns]
+        rows = self._typed(df, target, columns, "_wb_lsn", keep=["_wb_op"])
+        if self.source is not None:
+            rows = rows.drop(SOURCE_COLUMN)
+        delta = (rows.groupBy(*[quote(n) for n in names])
+                 .agg(sum_(expr("CASE _wb_op WHEN 'I' THEN 1 WHEN 'D' THEN -1 ELSE 0 END"))
+                      .alias("_d"), max_(col(quote(LSN_COLUMN))).alias("_lsn"))
+                 .where("_d <> 0"))
+        if truncated:
+            counted = delta.withColumn("_n", col("_d"))
+        else:
+            lake = (self.spark.table(quote_target(target)).where(self._own_rows())
+                    .groupBy(*[quote(n) for n in names]).count()
+                    .select(*[col(quote(n)).alias(f"_l{i}") for i, n in enumerate(names)],
+                            col("count").alias("_have")))
+            on = None
+            for i, n in enumerate(names):
+                cond = delta[quote(n)].eqNullSafe(lake[f"_l{i}"])
+                on = cond if on is None else on & cond
+            counted = (delta.join(lake, on, "left")
+                       .withColumn("_n", coalesce(col("_have"), lit(0)) + col("_d")))
+        extra = ([f"'{self.source}' AS {quote(SOURCE_COLUMN)}"] if self.source is not None
+                 else [])
+        copies = (counted.where("_n > 0")
+                  .withColumn("_copy", explode(sequence(lit(1), col("_n").cast("int"))))
+                  .selectExpr(*[quote(n) for n in names], f"_lsn AS {quote(LSN_COLUMN)}",
+                              *extra))
+        if truncated:
+            spark_call(f"truncating and reloading {target}",
+                       lambda: _writer(copies, target, lsn, self.lsn_property)
+                       .overwrite(self._own_rows()))
+            return
+        deleters = counted.selectExpr(*[quote(n) for n in names],
+                                      f"CAST(NULL AS BIGINT) AS {quote(LSN_COLUMN)}",
+                                      *([f"'{self.source}' AS {quote(SOURCE_COLUMN)}"]
+                                        if self.source is not None else []),
+                                      "'D' AS _kind")
+        source = deleters.unionByName(copies.withColumn("_kind", lit("I")))
+        view = f"walberg_multiset_{abs(hash(target))}"
+        source.createOrReplaceTempView(view)
+        on_sql = " AND ".join(f"t.{quote(n)} <=> s.{quote(n)}" for n in names)
+        if self.source is not None:
+            on_sql = f"t.{quote(SOURCE_COLUMN)} = '{self.source}' AND {on_sql}"
+        all_names = names + [LSN_COLUMN] + ([SOURCE_COLUMN] if self.source is not None else [])
+        cols = ", ".join(quote(n) for n in all_names)
+        vals = ", ".join(f"s.{quote(n)}" for n in all_names)
+        statement = (f"MERGE INTO {quote_target(target)} t USING {view} s "
+                     f"ON s._kind = 'D' AND {on_sql} WHEN MATCHED THEN DELETE "
+                     f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})")
         spark_call(f"merging a batch into {target}",
                    lambda: with_commit_properties(self.spark, {self.lsn_property: str(lsn)},
                                                   lambda: self.spark.sql(statement)))
