@@ -12,6 +12,7 @@ from conftest import make_config
 from lake import duckdb_rows, iceberg_rows, postgres_rows
 from walberg.apply.evolution import NotEvolvable, Step, plan, widens
 from walberg.errors import Terminal
+from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
 # ---- unit: planning -----------------------------------------------------------------------------
@@ -135,12 +136,33 @@ def test_what_iceberg_cannot_follow_stops_with_the_way_out(
     run_once(config, spark)  # full (the default) follows
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
-    # A narrowing Iceberg cannot express: stops, names the column, and the way out works.
+    # A narrowing Iceberg cannot express: that table stops, named with the column and the way
+    # out, while another table of the pipeline goes on; the slot waits for the stopped one.
+    other = f"{table}_other"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {other} (id int PRIMARY KEY)")
+    two = make_config(postgres, warehouse, tmp_path / "segments2", unique + "x", [table, other])
+    run_once(two, spark)
+    two_target = two.target_for(table)
     with pg_conn.cursor() as cur:
         cur.execute(f"ALTER TABLE {table} ALTER COLUMN v TYPE int")
         cur.execute(f"INSERT INTO {table} VALUES (3, 3, 'x')")
-    with pytest.raises(Terminal, match=rf"column v changed from bigint to int.*DROP TABLE {target}"):
-        run_once(config, spark)
+        cur.execute(f"INSERT INTO {other} VALUES (1)")
+    with pytest.raises(Terminal, match=rf"column v changed from bigint to int.*DROP TABLE "
+                                       rf"{two_target}.*The other tables were applied"):
+        run_once(two, spark)
+    assert iceberg_rows(warehouse, two.target_for(other)) == [{"id": 1}]
+    with pg_conn.cursor() as cur:
+        cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                    "WHERE slot_name = %s", (two.source.postgres.slot,))
+        confirmed = Lsn.parse(cur.fetchone()[0])
+    assert confirmed <= Pipeline(two, session=spark).sink.committed_lsn(two_target)
+    spark.sql(f"DROP TABLE {two_target}")
+    run_once(two, spark)
+    assert iceberg_rows(warehouse, two_target) == postgres_rows(pg_conn, table)
+    assert iceberg_rows(warehouse, two.target_for(other)) == postgres_rows(pg_conn, other)
+    with pytest.raises(Terminal, match="column v changed from bigint to int"):
+        run_once(config, spark)  # the first pipeline's copy of the table stops too
     spark.sql(f"DROP TABLE {target}")
     run_once(config, spark)
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)

@@ -20,6 +20,8 @@ FILES_CREATED = Counter("walberg_files_created", "Data and delete files committe
                         ["table", "kind"])
 COPY_PROGRESS = Gauge("walberg_initial_copy_progress",
                       "Rows copied so far over the estimate (1 when done), per table", ["table"])
+TABLE_STOPPED = Gauge("walberg_table_stopped", "1 while a table is stopped by a schema change "
+                      "Iceberg cannot follow (the other tables go on)", ["table"])
 COMMITS = Counter("walberg_commits", "Iceberg commits by walberg", ["table", "result"])
 BATCHES = Counter("walberg_batches", "Batches applied (one Iceberg commit per changed table)")
 SEGMENTS_SEALED = Counter("walberg_segments_sealed", "Segment files sealed")

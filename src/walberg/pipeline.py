@@ -98,6 +98,10 @@ class SegmentMeta:
     clean_end: bool  # its last frame is a Commit (no transaction continues in the next one)
 
 
+class SchemaStop(Terminal):
+    """A table's columns changed in a way its Iceberg table cannot follow."""
+
+
 @dataclass
 class PreparedBatch:
     """A batch decoded and staged, waiting for its Spark commit."""
@@ -151,6 +155,8 @@ class Pipeline:
                            if config.layout_for(t).mode in ("append", "both")}
         self._changelog_held: dict[str, Optional[Lsn]] = {}
         self._recopy: set[str] = set()  # tables `resync` copies again
+        # Tables stopped by a change Iceberg cannot follow, with why: the others go on.
+        self.halted: dict[str, str] = {}
         self.committed: dict[str, Lsn] = {}
         self.report = RunReport()
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
@@ -702,8 +708,17 @@ class Pipeline:
                 self._gauge_conn = None
         if self._apply_error is not None:
             raise self._apply_error
-        self.report.applied_lsn = self._applied
+        self.report.applied_lsn = self._confirmable()
+        if self.halted:
+            raise Terminal(" ".join(self.halted.values()) + " The other tables were applied.")
         return self.report
+
+    def _confirmable(self) -> Lsn:
+        """What the slot may be told: everything applied, but not past a stopped table's last
+        commit (its changes must be read again once it is fixed)."""
+        if not self.halted:
+            return self._applied
+        return Lsn(min([self._applied, *(self.committed.get(t, Lsn(0)) for t in self.halted)]))
 
     def _start_with_retries(self, once: bool
                             ) -> Optional[tuple[ReplicationStream, Optional[Lsn]]]:
@@ -811,7 +826,7 @@ class Pipeline:
                     self._stream_loop(stream, target)
                     if self._apply_error is None:
                         # Report the final position while the connection is still open.
-                        stream.confirm(self._applied)
+                        stream.confirm(self._confirmable())
                         stream.keepalive(force=True)
                         self._await_slot_confirmation()
                     return
@@ -884,12 +899,12 @@ class Pipeline:
             deadline = time.monotonic() + timeout
             while True:
                 state = pg.slot_state(conn, self.pg.slot)
-                if state is None or state.confirmed_flush >= self._applied:
+                if state is None or state.confirmed_flush >= self._confirmable():
                     return
                 if time.monotonic() > deadline:
                     log.warning("slot %s still confirms %s, not %s; the next run resumes from "
                                 "there and skips what the lake already holds", self.pg.slot,
-                                state.confirmed_flush, self._applied)
+                                state.confirmed_flush, self._confirmable())
                     return
                 time.sleep(0.05)
         finally:
@@ -988,8 +1003,8 @@ class Pipeline:
         self._streamed_since_start = False
         skip_before = self._received  # transactions already in segments are not written twice
         received = self._received
-        stream.confirm(self._applied)
-        stream.start(self._applied)
+        stream.confirm(self._confirmable())
+        stream.start(self._confirmable())
         interval = self.config.buffer.max_interval_seconds
         in_txn = skipping = False
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
@@ -999,7 +1014,7 @@ class Pipeline:
                 return
             if store.pending_bytes() > backlog_limit:
                 # Spark is behind: stop reading for a moment (status updates keep flowing).
-                stream.confirm(self._applied)
+                stream.confirm(self._confirmable())
                 stream.keepalive()
                 self._wake.wait(0.2)
                 continue
@@ -1038,7 +1053,7 @@ class Pipeline:
                 # change for our tables, so the slot may move on (keeps retained WAL bounded).
                 with self._lock:
                     self._applied = max(self._applied, stream.wal_end)
-            stream.confirm(self._applied, written=received)
+            stream.confirm(self._confirmable(), written=received)
             pending = store.pending_bytes()
             metrics.PENDING_BYTES.set(pending)
             if pending == 0:
@@ -1301,10 +1316,18 @@ class Pipeline:
         try:
             for source in sorted(batch.live):
                 st = batch.staged[source]
+                if source in self.halted:
+                    continue
                 commit_started = time.monotonic()
                 try:
                     self._with_retries(source, batch.end,
                                        functools.partial(self._commit_table, source, batch))
+                except SchemaStop as exc:
+                    # This table cannot follow its source; the others go on.
+                    self.halted[source] = str(exc)
+                    metrics.TABLE_STOPPED.labels(source).set(1)
+                    log.error("%s; the other tables go on", exc)
+                    continue
                 except BaseException:
                     metrics.COMMITS.labels(source, "failure").inc()
                     raise
@@ -1527,13 +1550,13 @@ class Pipeline:
                         "reason in _dlq_reason", rows, source, self.sink.dead_letter_target(target))
 
     def _schema_error(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
-                      reason: str = "") -> Terminal:
+                      reason: str = "") -> "SchemaStop":
         target = self.targets[source]
         now = ", ".join(f"{c.name} {self.types.spark_type(c, target).describe()}" for c in columns)
         why = (f"{reason}." if reason else
                "The ALTER TABLE ran inside a transaction that changed rows of the table before "
                "it, so no commit separates the old columns from the new.")
-        return Terminal(
+        return SchemaStop(
             f"{source} changed its columns in Postgres (ALTER TABLE) before LSN {lsn}; it now "
             f"has ({now}), and {target} cannot follow: {why} To go on, either set "
             f"sink.schema_evolution to allow the change (if it is allowed by Iceberg), or copy "
@@ -1555,6 +1578,8 @@ class Pipeline:
         return self.types.prep(columns, self.targets[source])
 
     def _wanted(self, rel: Relation, txn: Begin) -> bool:
+        if rel.qualified_name in self.halted:
+            return False
         committed = self.committed.get(rel.qualified_name)
         return committed is not None and txn.final_lsn >= committed
 
