@@ -460,3 +460,35 @@ def test_prometheus_metrics_count_what_was_written(pg_conn: Any, postgres: Any, 
         int(summary["added-data-files"]) >= 1
     assert value(f'walberg_files_created_total{{kind="delete",table="{table}"}}') == \
         int(summary["added-delete-files"]) >= 1
+
+
+def test_a_table_added_to_the_publication_while_running_gets_its_own_copy(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    first, later = f"public.{unique}", f"public.{unique}_later"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {first} (id int PRIMARY KEY, v text)")
+        cur.execute(f"CREATE TABLE {later} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {later} SELECT g, 'before' FROM generate_series(1, 50) g")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [first]).model_dump(
+        mode="json", exclude={"base_dir"})
+    raw["source"]["postgres"]["follow_publication"] = True
+    from walberg.config import parse_config
+
+    config = parse_config(raw, tmp_path)
+    pipeline = Pipeline(config, session=spark)
+    with running(pipeline) as failures:
+        with pg_conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {first} VALUES (1, 'a')")
+            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+            pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)  # streaming now
+            cur.execute(f"ALTER PUBLICATION {config.source.postgres.publication} "
+                        f"ADD TABLE {later}")
+            cur.execute(f"UPDATE {later} SET v = 'after' WHERE id <= 10")
+            cur.execute(f"INSERT INTO {later} VALUES (51, 'new')")
+            cur.execute(f"INSERT INTO {first} VALUES (2, 'b')")
+            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+            pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
+        assert not failures, failures
+    for table in (first, later):
+        assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)

@@ -45,6 +45,10 @@ class PostgresSource(_Model):
     status_interval_seconds: float = Field(
         10.0, gt=0, description="how often walberg confirms its position to the server, also when idle"
     )
+    follow_publication: bool = Field(
+        False, description="also mirror every other table of the publication, including "
+                           "tables added to it while walberg runs (each gets its own initial "
+                           "copy when it first appears)")
     reconnect_max_seconds: float = Field(
         300.0, ge=0, description="keep reconnecting a lost source for this long before failing"
     )

@@ -763,11 +763,14 @@ class Pipeline:
         self._reached_source = True
         try:
             pg.check_wal_level(conn)
+            pg.ensure_publication(conn, self.pg.publication, self.tables)
+            if self.pg.follow_publication:
+                for t in pg.published_tables(conn, self.pg.publication):
+                    self._add_table(t)
             infos = {t: pg.describe_table(conn, t) for t in self.tables}
             for info in infos.values():
                 pg.require_key(info)
             self._learn_types(conn, infos)
-            pg.ensure_publication(conn, self.pg.publication, self.tables)
             slot = pg.slot_state(conn, self.pg.slot)
             if slot is not None and slot.active_pid is not None:
                 slot = self._wait_for_free_slot(conn, slot)
@@ -1577,7 +1580,35 @@ class Pipeline:
     def _prep(self, source: str, columns: tuple[Column, ...]) -> TextPrep:
         return self.types.prep(columns, self.targets[source])
 
+    def _add_table(self, table: str) -> bool:
+        """Take a table of the publication into the pipeline (follow_publication)."""
+        if table in self.targets:
+            return False
+        self.tables.append(table)
+        self.targets[table] = self.config.target_for(table)
+        return True
+
+    def _adopt(self, rel: Relation) -> None:
+        """A table added to the publication while walberg runs: copy it inside a temporary
+        slot's snapshot; its changes count from that snapshot's position on."""
+        table = rel.qualified_name
+        conn = pg.connect(self.pg.dsn)
+        try:
+            if table not in pg.published_tables(conn, self.pg.publication):
+                return
+            info = pg.describe_table(conn, table)
+            pg.require_key(info)
+            self._add_table(table)
+            self._learn_types(conn, {table: info})
+        finally:
+            conn.close()
+        log.info("%s joined publication %s: copying it", table, self.pg.publication)
+        self._ensure_tables(table, info)
+        self._initial_copy([info], None)
+
     def _wanted(self, rel: Relation, txn: Begin) -> bool:
+        if rel.qualified_name not in self.targets and self.pg.follow_publication:
+            self._adopt(rel)
         if rel.qualified_name in self.halted:
             return False
         committed = self.committed.get(rel.qualified_name)

@@ -330,6 +330,15 @@ def can_select(conn: Any, table: str) -> bool:
         return bool(cur.fetchone()[0])
 
 
+def published_tables(conn: Any, publication: str) -> list[str]:
+    """The tables a publication publishes (as schema.table; partition roots with
+    publish_via_partition_root)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables "
+                    "WHERE pubname = %s ORDER BY 1", (publication,))
+        return [r[0] for r in cur.fetchall()]
+
+
 def publication_missing(conn: Any, publication: str, tables: list[str]) -> Optional[list[str]]:
     """The tables the publication lacks; None if the publication does not exist."""
     with conn.cursor() as cur:
