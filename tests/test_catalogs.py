@@ -84,11 +84,14 @@ def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, t
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
 
-    def walberg(*args: str) -> None:
+    def walberg(*args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", *args, "-c",
                                str(path)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return done.stdout
 
+    assert "catalog database postgresql://" in walberg("check")
+    assert not wh.exists()  # check creates nothing
     walberg("run", "--once")
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 10")

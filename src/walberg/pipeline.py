@@ -556,15 +556,27 @@ class Pipeline:
             props, jars = catalogs.spark_properties(cat.type, wh, cat.uri, cat.options(),
                                                     cat.properties,
                                                     self.config.spark.conf.get("spark.jars", ""))
+            reached = ""
+            if cat.type == "jdbc" and (cat.uri or "").startswith("jdbc:postgresql://"):
+                # The catalog's database answers (the same check walberg's Spark will pass).
+                dsn = "postgresql://" + cat.uri.removeprefix("jdbc:postgresql://")  # type: ignore[union-attr]
+                params = {k: v for k, v in (("user", cat.user), ("password", cat.password)) if v}
+                probe = pg.connect(dsn + ("&" if "?" in dsn else "?") + "&".join(
+                    f"{k}={v}" for k, v in params.items()) if params else dsn)
+                probe.close()
+                reached = f"; catalog database {pg.redact(dsn)} reachable"
             if not wh or ("://" in wh and not wh.startswith("file:")):
-                return f"{cat.type} catalog {cat.name}: {wh or 'warehouse from the catalog'} " \
-                       "not checked (remote)"
+                return (f"{cat.type} catalog {cat.name}: {wh or 'warehouse from the catalog'} "
+                        f"not checked (remote){reached}")
             root = Path(wh.removeprefix("file:"))
-            root.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=root, prefix=".walberg-check-"):
+            existing = root
+            while not existing.is_dir() and existing != existing.parent:
+                existing = existing.parent  # check creates nothing: probe what exists
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".walberg-check-"):
                 pass
-            return (f"{cat.type} catalog {cat.name}: warehouse {root} is writable"
-                    + (f"; driver {jars[0]}" if jars else ""))
+            state = "is writable" if existing == root else f"will be created under {existing}"
+            return (f"{cat.type} catalog {cat.name}: warehouse {root} {state}"
+                    + (f"; driver {jars[0]}" if jars else "") + reached)
 
         item("segment space", space)
         item("java", java)
