@@ -45,6 +45,9 @@ class PostgresSource(_Model):
     status_interval_seconds: float = Field(
         10.0, gt=0, description="how often walberg confirms its position to the server, also when idle"
     )
+    stream_in_progress: bool = Field(
+        True, description="receive large transactions while they run (pgoutput protocol 2, "
+                          "PostgreSQL 14+), spilled to disk until they commit")
     follow_publication: bool = Field(
         False, description="also mirror every other table of the publication, including "
                            "tables added to it while walberg runs (each gets its own initial "

@@ -45,6 +45,8 @@ from walberg.apply.iceberg import IcebergSink, pin_tables, quote_target
 from walberg.apply.metadata import read_hadoop_table
 from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
 from walberg.apply.types import TextPrep, TypeMap, parse_array, quote
+from walberg.buffer import spill
+from walberg.buffer.spill import TxnSpill
 from walberg.buffer.store import SegmentStore, inspect_directory
 from walberg.config import Config, load_config
 from walberg.errors import (
@@ -83,6 +85,13 @@ FRAME_PGOUTPUT = 0  # a pgoutput message as the server sent it
 FRAME_PREAMBLE = 1  # a Relation message repeated at the start of a segment (self-contained files)
 
 _TAG_BEGIN, _TAG_COMMIT, _TAG_RELATION = ord("B"), ord("C"), ord("R")
+# Protocol 2: transactions streamed while in progress.
+_TAG_STREAM_START, _TAG_STREAM_STOP = ord("S"), ord("E")
+_TAG_STREAM_COMMIT, _TAG_STREAM_ABORT = ord("c"), ord("A")
+_XID = struct.Struct(">I")
+_STREAM_TAGS = frozenset({_TAG_STREAM_START, _TAG_STREAM_STOP, _TAG_STREAM_COMMIT,
+                          _TAG_STREAM_ABORT})
+_STREAM_COMMIT = struct.Struct(">IBQQq")  # xid, flags, commit LSN, end LSN, commit time
 _TAG_INSERT, _TAG_UPDATE, _TAG_DELETE = ord("I"), ord("U"), ord("D")
 _CHANGE_TAGS = frozenset((_TAG_INSERT, _TAG_UPDATE, _TAG_DELETE))
 _BEGIN_FINAL_LSN = struct.Struct(">Q")  # at offset 1 of a Begin
@@ -1019,7 +1028,12 @@ class Pipeline:
         skip_before = self._received  # transactions already in segments are not written twice
         received = self._received
         stream.confirm(self._confirmable())
-        stream.start(self._confirmable())
+        in_progress = self.pg.stream_in_progress and stream.server_version() >= 140000
+        stream.start(self._confirmable(), in_progress=in_progress)
+        spill_dir = self.config.segment_dir / "spill"
+        spill.clear(spill_dir)  # an unfinished streamed transaction is streamed again
+        spills: dict[int, TxnSpill] = {}
+        chunk_xid: Optional[int] = None  # inside a Stream Start .. Stream Stop block
         interval = self.config.buffer.max_interval_seconds
         in_txn = skipping = False
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
@@ -1035,6 +1049,12 @@ class Pipeline:
                 continue
             for wal_start, payload in stream.messages(timeout=0.2):
                 tag = payload[0]
+                if tag in _STREAM_TAGS or chunk_xid is not None:
+                    chunk_xid, done = self._streamed(tag, payload, wal_start, chunk_xid, spills,
+                                                     spill_dir, skip_before)
+                    if done is not None:
+                        received = done
+                    continue
                 if tag == _TAG_RELATION:
                     self._relations_raw[_RELATION_OID.unpack_from(payload, 1)[0]] = bytes(payload)
                 elif tag == _TAG_BEGIN:
@@ -1062,7 +1082,7 @@ class Pipeline:
                 received >= target or stream.wal_end >= target)
             if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
                 self._seal(clean=not in_txn)
-            idle = not in_txn and store.pending_bytes() == 0
+            idle = not in_txn and not spills and store.pending_bytes() == 0
             if idle and stream.wal_end > self._applied:
                 # Nothing of ours is pending: positions up to the server's WAL end hold no
                 # change for our tables, so the slot may move on (keeps retained WAL bounded).
@@ -1102,6 +1122,68 @@ class Pipeline:
             metrics.RETAINED_WAL_BYTES.set(max(int(now) - int(state.restart_lsn), 0))
         oldest = self._oldest_unapplied_ts
         metrics.LAG_SECONDS.set(0.0 if oldest is None else max(time.time() - oldest, 0.0))
+
+    def _streamed(self, tag: int, payload: bytes, wal_start: int, chunk_xid: Optional[int],
+                  spills: dict[int, TxnSpill], spill_dir: Path,
+                  skip_before: Lsn) -> tuple[Optional[int], Optional[Lsn]]:
+        """One message of protocol 2's in-progress streaming. Changes go to their transaction's
+        spill file (without the xid protocol 2 puts after the tag, so they read like protocol
+        1); at Stream Commit the transaction is written to the segments as an ordinary one
+        (Begin, changes, Commit) at its commit position; Stream Abort drops it, or a
+        subtransaction's part of it. Returns the open chunk's xid and, after a commit written
+        to the segments, its end LSN."""
+        store = self._store
+        assert store is not None
+        if tag == _TAG_STREAM_START:
+            xid, first = _XID.unpack_from(payload, 1)[0], payload[5] == 1
+            if first or xid not in spills:  # (sent again from its start after a reconnect)
+                if xid in spills:
+                    spills[xid].discard()
+                spills[xid] = TxnSpill(spill_dir, xid)
+            return xid, None
+        if tag == _TAG_STREAM_STOP:
+            return None, None
+        if tag == _TAG_STREAM_ABORT:
+            xid, subxid = struct.unpack_from(">II", payload, 1)
+            if xid == subxid:
+                dropped = spills.pop(xid, None)
+                if dropped is not None:
+                    dropped.discard()
+            elif xid in spills:
+                spills[xid].abort(subxid)
+            return chunk_xid, None
+        if tag == _TAG_STREAM_COMMIT:
+            xid, _flags, commit_lsn, end_lsn, commit_ts = _STREAM_COMMIT.unpack_from(payload, 1)
+            txn = spills.pop(xid, None)
+            if txn is None:
+                return chunk_xid, None
+            try:
+                if Lsn(commit_lsn) < skip_before:
+                    return chunk_xid, None  # already in the segments
+                store.append(commit_lsn, FRAME_PGOUTPUT,
+                             struct.pack(">cQqI", b"B", commit_lsn, commit_ts, xid))
+                for lsn, change in txn.changes():
+                    if change[0] == _TAG_RELATION:
+                        self._relations_raw[_RELATION_OID.unpack_from(change, 1)[0]] = change
+                    store.append(lsn, FRAME_PGOUTPUT, change)
+                    if store.should_seal():
+                        self._seal(clean=False)
+                end = Lsn(end_lsn)
+                store.append(end, FRAME_PGOUTPUT,
+                             struct.pack(">cBQQq", b"C", 0, commit_lsn, end_lsn, commit_ts))
+                self._active_commit = self._received = end
+                self._streamed_since_start = True
+                if store.should_seal():
+                    self._seal(clean=True)
+                return chunk_xid, end
+            finally:
+                txn.discard()
+        # A change (or relation, type, message) inside a streamed chunk: Int32 xid after the tag.
+        assert chunk_xid is not None
+        if chunk_xid in spills:
+            subxid = _XID.unpack_from(payload, 1)[0]
+            spills[chunk_xid].add(subxid, wal_start, bytes(payload[:1]) + bytes(payload[5:]))
+        return chunk_xid, None
 
     def _seal(self, clean: bool) -> None:
         assert self._store is not None

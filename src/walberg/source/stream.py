@@ -66,16 +66,20 @@ class ReplicationStream:
             ) from None
         return CreatedSlot(row[0], Lsn.parse(row[1]), row[2])
 
-    def start(self, start_lsn: Optional[Lsn] = None) -> None:
+    def start(self, start_lsn: Optional[Lsn] = None, in_progress: bool = False) -> None:
         """Start streaming. The server resumes from the slot's confirmed position or ``start_lsn``,
-        whichever is later."""
+        whichever is later. ``in_progress``: protocol 2, with large transactions streamed
+        before they commit (PostgreSQL 14 and later)."""
+        options = {"proto_version": "1", "publication_names": self.publication,
+                   "messages": "true"}
+        if in_progress:
+            options.update(proto_version="2", streaming="on")
         try:
             self._cur.start_replication(
                 slot_name=self.slot,
                 slot_type=psycopg2.extras.REPLICATION_LOGICAL,
                 start_lsn=int(start_lsn or 0),
-                options={"proto_version": "1", "publication_names": self.publication,
-                         "messages": "true"},
+                options=options,
                 decode=False,
                 status_interval=self.status_interval,
             )
@@ -93,6 +97,9 @@ class ReplicationStream:
         except psycopg2.Error as exc:
             raise self._cannot_start(exc) from None
         self._last_feedback = time.monotonic()
+
+    def server_version(self) -> int:
+        return int(self._conn.server_version)
 
     def _cannot_start(self, exc: Exception) -> SourceError:
         reason = str(exc).strip()

@@ -1,0 +1,71 @@
+"""Large transactions streamed while in progress (pgoutput protocol 2): spilled to disk until
+their commit, interleaved with small ones, a rolled-back subtransaction leaving no trace, and an
+aborted streamed transaction leaving none either."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+
+from conftest import make_config, running
+from lake import iceberg_rows, postgres_rows
+from walberg.model import Lsn
+from walberg.pipeline import Pipeline
+
+
+def test_streamed_in_progress_transactions(pg_conn: Any, postgres: Any, spark: Any,
+                                           warehouse: Path, tmp_path: Path,
+                                           unique: str) -> None:
+    table, small = f"public.{unique}", f"public.{unique}_small"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"CREATE TABLE {small} (id int PRIMARY KEY)")
+        # Stream anything over 64 kB of decoded changes (the server's smallest setting).
+        cur.execute("ALTER SYSTEM SET logical_decoding_work_mem = '64kB'")
+        cur.execute("SELECT pg_reload_conf()")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table, small])
+    try:
+        pipeline = Pipeline(config, session=spark)
+        with running(pipeline) as failures:
+            with pg_conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {small} VALUES (0)")
+                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
+            other = psycopg2.connect(postgres.dsn)
+            other.autocommit = True
+            with pg_conn.cursor() as cur, other.cursor() as side:
+                cur.execute("BEGIN")
+                cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g "
+                            "FROM generate_series(1, 20000) g")
+                side.execute(f"INSERT INTO {small} VALUES (1)")  # commits in between
+                cur.execute(f"UPDATE {table} SET v = 'u' WHERE id % 4 = 0")
+                cur.execute("SAVEPOINT s")
+                cur.execute(f"INSERT INTO {table} SELECT g, 'gone' "
+                            "FROM generate_series(100001, 105000) g")
+                cur.execute("ROLLBACK TO SAVEPOINT s")
+                side.execute(f"INSERT INTO {small} VALUES (2)")
+                cur.execute(f"DELETE FROM {table} WHERE id <= 100")
+                cur.execute("COMMIT")
+                cur.execute("BEGIN")
+                cur.execute(f"INSERT INTO {table} SELECT g, 'aborted' "
+                            "FROM generate_series(200001, 220000) g")
+                cur.execute("ROLLBACK")
+                cur.execute(f"INSERT INTO {small} VALUES (3)")
+                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=180)
+            other.close()
+            assert not failures, failures
+        with pg_conn.cursor() as cur:
+            cur.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s",
+                        (config.source.postgres.slot,))
+            assert cur.fetchone()[0] >= 1, "the server did not stream a transaction"
+    finally:
+        with pg_conn.cursor() as cur:
+            cur.execute("ALTER SYSTEM RESET logical_decoding_work_mem")
+            cur.execute("SELECT pg_reload_conf()")
+    for t in (table, small):
+        assert iceberg_rows(warehouse, config.target_for(t)) == postgres_rows(pg_conn, t)
+    assert len(postgres_rows(pg_conn, table)) == 19900
+    assert not list((config.segment_dir / "spill").glob("*.spill"))
