@@ -62,3 +62,41 @@ def test_duplicate_rows_without_a_key_stay_duplicates(pg_conn: Any, postgres: An
     finally:
         pipeline.close()
     assert verdict.equal, verdict
+
+
+def test_replica_identity_using_index_and_a_truncate_of_two_tables(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """REPLICA IDENTITY USING INDEX (a unique index, no primary key) identifies rows by that
+    index's columns; a TRUNCATE of two tables in one statement empties both."""
+    a, b = f"public.{unique}_a", f"public.{unique}_b"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {a} (code text NOT NULL, n int, note text)")
+        cur.execute(f"CREATE UNIQUE INDEX {unique}_code ON {a} (code)")
+        cur.execute(f"ALTER TABLE {a} REPLICA IDENTITY USING INDEX {unique}_code")
+        cur.execute(f"CREATE TABLE {b} (id int PRIMARY KEY)")
+        cur.execute(f"INSERT INTO {a} SELECT 'c' || g, g, 'x' FROM generate_series(1, 20) g")
+        cur.execute(f"INSERT INTO {b} SELECT g FROM generate_series(1, 5) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [a, b])
+    _run(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {a} SET n = n * 10 WHERE n <= 5")
+        cur.execute(f"UPDATE {a} SET code = 'moved' WHERE code = 'c6'")  # the identity changes
+        cur.execute(f"DELETE FROM {a} WHERE n = 20")
+    _run(config, spark)
+    key = "code"
+    assert iceberg_rows(warehouse, config.target_for(a), key) == \
+        _rows(pg_conn, a, key)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"TRUNCATE {a}, {b}")
+        cur.execute(f"INSERT INTO {b} VALUES (42)")
+    _run(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(a), key) == []
+    assert iceberg_rows(warehouse, config.target_for(b)) == [{"id": 42}]
+
+
+def _rows(conn: Any, table: str, key: str) -> list[dict[str, Any]]:
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT * FROM {table} ORDER BY {key}")
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
