@@ -91,3 +91,21 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
         (f"east:public.{unique}", True), (f"west:public.{unique}", True)]
     for conn in conns.values():
         conn.close()
+    # status (and check) go through every source, without Spark.
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    done = subprocess.run([sys.executable, "-m", "walberg.cli", "status", "-c", str(path),
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    assert sorted(status) == ["east", "west"]
+    for name in ("east", "west"):
+        table_status = status[name]["tables"][f"public.{unique}"]
+        assert table_status["iceberg_table"] == target and table_status["last_lsn"]
+        assert status[name]["slot"]["name"] == f"s_{name}_{unique}"

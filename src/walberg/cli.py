@@ -278,25 +278,51 @@ def _show(args: argparse.Namespace, statement: Callable[[], str], pipeline: "Pip
     return 0
 
 
+def _each_source(args: argparse.Namespace) -> Iterator[tuple[Optional[str], "Pipeline"]]:
+    """The pipeline of ``-c``, or one per source when the file has several (no Spark)."""
+    from walberg.config import load_config
+    from walberg.pipeline import Pipeline
+
+    config = load_config(args.config)
+    names: list[Optional[str]] = list(config.sources) or [None]
+    for name in names:
+        pipeline = Pipeline(config.for_source(name) if name else config)
+        try:
+            yield name, pipeline
+        finally:
+            pipeline.close()
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
-    with _opened(args) as pipeline:
+    failed = total = 0
+    for name, pipeline in _each_source(args):
+        if name:
+            print(f"source {name}:")
         results = pipeline.check()
-    for r in results:
-        mark = "ok  " if r.ok else "FAIL"
-        print(f"[{mark}] {r.name}: {r.detail}")
-    failed = [r for r in results if not r.ok]
-    print(f"{len(results) - len(failed)} of {len(results)} checks passed")
+        for r in results:
+            mark = "ok  " if r.ok else "FAIL"
+            print(f"[{mark}] {r.name}: {r.detail}")
+        failed += sum(1 for r in results if not r.ok)
+        total += len(results)
+    print(f"{total - failed} of {total} checks passed")
     return 0 if not failed else 1
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    with _opened(args) as pipeline:
-        status = pipeline.status()
+    statuses = {name: pipeline.status() for name, pipeline in _each_source(args)}
     if args.json:
-        print(json.dumps(status, indent=2))
+        print(json.dumps(statuses[None] if None in statuses else statuses, indent=2))
         return 0
+    for name, status in statuses.items():
+        if name:
+            print(f"source {name}:")
+        _print_status(status)
+    return 0
+
+
+def _print_status(status: dict[str, Any]) -> None:
     p = status["pipeline"]
     running = f"running (pid {p['pid']})" if p["running"] else "not running"
     print(f"walberg: {running}; {p['pending_segments']} sealed segment(s) pending, "
@@ -316,7 +342,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"slot {slot['name']}: confirmed {slot['confirmed_flush_lsn']}, server at "
               f"{slot['server_wal_lsn']}, lag {slot['lag_bytes']:,} bytes, retains "
               f"{slot['retained_wal_bytes']:,} bytes of WAL ({slot['wal_status']})")
-    return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -608,7 +608,8 @@ class Pipeline:
         for t in self.tables:
             _, namespace, table = self.targets[t].split(".")
             hadoop = self.config.sink.catalog.type == "hadoop" and "://" not in self.config.warehouse
-            summary = (read_hadoop_table(Path(self.config.warehouse), namespace, table)
+            prop = "walberg.lsn" + (f".{self._tag}" if self._tag else "")
+            summary = (read_hadoop_table(Path(self.config.warehouse), namespace, table, prop)
                        if hadoop else None)
             out["tables"][t] = {
                 "iceberg_table": self.targets[t],

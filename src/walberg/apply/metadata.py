@@ -24,8 +24,10 @@ class TableSummary:
     snapshots: int
 
 
-def read_hadoop_table(warehouse: Path, namespace: str, table: str) -> Optional[TableSummary]:
-    """The summary of a hadoop-catalog table, or None if it does not exist."""
+def read_hadoop_table(warehouse: Path, namespace: str, table: str,
+                      lsn_property: str = LSN_PROPERTY) -> Optional[TableSummary]:
+    """The summary of a hadoop-catalog table, or None if it does not exist. ``lsn_property``:
+    the summary key of the LSN to report (``walberg.lsn.<source>`` in a shared table)."""
     meta_dir = warehouse / namespace / table / "metadata"
     hint = meta_dir / "version-hint.text"
     if not hint.exists():
@@ -39,8 +41,8 @@ def read_hadoop_table(warehouse: Path, namespace: str, table: str) -> Optional[T
     lsn_at: Optional[int] = None
     walk = current
     while walk is not None:
-        if LSN_PROPERTY in walk.get("summary", {}):
-            lsn, lsn_at = walk["summary"][LSN_PROPERTY], walk.get("timestamp-ms")
+        if lsn_property in walk.get("summary", {}):
+            lsn, lsn_at = walk["summary"][lsn_property], walk.get("timestamp-ms")
             break
         walk = snapshots.get(walk.get("parent-snapshot-id"))
 
