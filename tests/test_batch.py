@@ -134,3 +134,23 @@ def test_unchanged_toast_values_are_never_overwritten(spark: Any, tmp_path: Path
     sink.apply(target, b.finish()["public.t"], Lsn(2), max_seq=4)
     got = {r["id"]: (r["v"], str(r["n"])) for r in spark.sql(f"SELECT * FROM {target}").collect()}
     assert got == {1: (big, "2.00"), 2: ("inserted", "5.00")}
+
+
+def test_staging_tells_whether_any_key_repeats(tmp_path: Path) -> None:
+    from walberg.model import Column as Col
+
+    cols = (Col("id", 23, -1, True), Col("v", 25))
+    b = BatchBuilder(tmp_path / "unique", chunk_rows=2)
+    for seq, key in enumerate([1, 2, 3, 4, 5]):
+        b.add("public.t", cols, Op.INSERT if seq % 2 else Op.UPDATE, seq, 10,
+              (str(key).encode(), b"x"))
+    assert b.finish()["public.t"].unique_keys is True
+    b = BatchBuilder(tmp_path / "repeat", chunk_rows=2)
+    for seq, key in enumerate([1, 2, 3, 2]):
+        b.add("public.t", cols, Op.UPDATE, seq, 10, (str(key).encode(), b"x"))
+    assert b.finish()["public.t"].unique_keys is False
+    # A key whose text is not its identity (numeric: 1.0 = 1.00) is never trusted.
+    b = BatchBuilder(tmp_path / "numeric")
+    b.add("public.t", (Col("n", 1700, -1, True), Col("v", 25)), Op.UPDATE, 1, 10,
+          (b"1.0", b"x"))
+    assert b.finish()["public.t"].unique_keys is False

@@ -27,6 +27,10 @@ from walberg.apply.types import TextPrep
 from walberg.model import UNCHANGED, Column, Op, Row
 
 META = ("_wb_seq", "_wb_op", "_wb_lsn", "_wb_unchanged")
+# Key types whose Postgres text is one-to-one with the value (int2, int4, int8, text, varchar,
+# bpchar, uuid): equal keys have equal text, so repeats can be found on the text.
+_EXACT_TEXT_KEYS = frozenset({21, 23, 20, 25, 1043, 1042, 2950})
+_KEY_TRACK_LIMIT = 5_000_000
 DLQ_REASON = "_dlq_reason"
 
 
@@ -88,6 +92,8 @@ class StagedTable:
     # An UPDATE that changed the key and left a TOASTed value unsent: its value lives under
     # the old key (see apply.iceberg's _carry_moved).
     moved_unchanged: bool = False
+    # No key occurs twice among the staged rows: the batch needs no netting per key.
+    unique_keys: bool = False
 
     @property
     def insert_only(self) -> bool:
@@ -109,6 +115,14 @@ class _TableStage:
         self.meta: list[tuple[int, str, int]] = []  # seq, op, lsn
         self.schema = _schema(self.ncols)
         self.writer: Optional[pq.ParquetWriter] = None
+        # Key columns seen, to tell at close whether any key repeats; only for keys whose
+        # Postgres text is their identity (integers, text, uuid), and up to a bound.
+        self.key_index = [i for i, c in enumerate(columns) if c.is_key]
+        exact = self.key_index and not all(c.is_key for c in columns) and all(
+            columns[i].type_oid in _EXACT_TEXT_KEYS for i in self.key_index)
+        self.keys: Optional[list[list[pa.Array]]] = [[] for _ in self.key_index] if exact \
+            else None
+        self.key_rows = 0
 
     def add(self, op: str, seq: int, lsn: int, row: Row) -> None:
         if len(row) != self.ncols:
@@ -155,6 +169,13 @@ class _TableStage:
             op_array = op_array[np.asarray(keep)]
             n = table.num_rows
         self._write(table)
+        if self.keys is not None:
+            self.key_rows += table.num_rows
+            if self.key_rows > _KEY_TRACK_LIMIT:
+                self.keys = None  # too many to keep: net in Spark
+            else:
+                for slot, i in zip(self.keys, self.key_index, strict=True):
+                    slot.append(table.column(i).combine_chunks())
         for op in ("I", "U", "D"):
             self.staged.ops[op] += int(np.count_nonzero(op_array == op))
         self.staged.rows += n
@@ -196,6 +217,11 @@ class _TableStage:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.keys is not None and self.key_rows and not self.staged.truncates:
+            columns = {f"k{j}": pa.concat_arrays(parts) for j, parts in enumerate(self.keys)}
+            distinct = pa.table(columns).group_by(list(columns)).aggregate([]).num_rows
+            self.staged.unique_keys = distinct == self.key_rows
+        self.keys = None
         self.dead.close()
         if self.dead.rows:
             self.staged.dead_letters, self.staged.dead_rows = self.dead.path, self.dead.rows

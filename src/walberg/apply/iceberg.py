@@ -574,10 +574,11 @@ class IcebergSink:
 
         keys = [value_column(i) for i, c in enumerate(columns) if c.is_key]
         before_netting = df
-        if df is not None:
+        if df is not None and not staged.unique_keys:
             if staged.unchanged_columns:
                 df = _fill_unchanged(df, keys, sorted(staged.unchanged_columns))
-            # The last change per key wins: a hash aggregate, no sort.
+            # The last change per key wins: a hash aggregate, no sort. (Skipped when staging
+            # found no key twice: each row is then its key's last change already.)
             df = (df.groupBy(*keys)
                   .agg(max_by(struct(*[c for c in df.columns if c not in keys]), "_wb_seq")
                        .alias("_wb_last"))
