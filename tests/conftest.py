@@ -72,6 +72,15 @@ def make_config(postgres: EmbeddedPostgres, warehouse: Path, segments: Path, nam
     return parse_config(raw, segments.parent, "test config")
 
 
+def run_once(config: Config, spark: Any) -> Any:
+    """`walberg run --once` in this process, on the test session's Spark; returns its report."""
+    pipeline = Pipeline(config, session=spark)
+    try:
+        return pipeline.run(once=True)
+    finally:
+        pipeline.close()
+
+
 @contextmanager
 def running(pipeline: Pipeline) -> Iterator[list[BaseException]]:
     """Run ``pipeline`` (streaming, until stopped) in a thread for the ``with`` block; yields

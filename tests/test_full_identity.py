@@ -8,17 +8,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from conftest import make_config
+from conftest import make_config, run_once
 from lake import iceberg_rows
 from walberg.pipeline import Pipeline
-
-
-def _run(config: Any, spark: Any) -> None:
-    p = Pipeline(config, session=spark)
-    try:
-        p.run(once=True)
-    finally:
-        p.close()
 
 
 def test_duplicate_rows_without_a_key_stay_duplicates(pg_conn: Any, postgres: Any, spark: Any,
@@ -41,7 +33,7 @@ def test_duplicate_rows_without_a_key_stay_duplicates(pg_conn: Any, postgres: An
     def lake() -> Counter[tuple[Any, ...]]:
         return Counter((r["n"], r["v"]) for r in iceberg_rows(warehouse, target, key="n"))
 
-    _run(config, spark)
+    run_once(config, spark)
     assert lake() == source()
     one = f"(SELECT ctid FROM {table} WHERE n = %s AND v IS NOT DISTINCT FROM %s LIMIT 1)"
     with pg_conn.cursor() as cur:
@@ -49,12 +41,12 @@ def test_duplicate_rows_without_a_key_stay_duplicates(pg_conn: Any, postgres: An
         cur.execute(f"UPDATE {table} SET v = 'c' WHERE ctid = {one}", (3, None))  # one of two
         cur.execute(f"INSERT INTO {table} VALUES (2, 'b'), (4, 'd')")
         cur.execute(f"DELETE FROM {table} WHERE ctid = {one}", (4, "d"))  # in the same batch
-    _run(config, spark)
+    run_once(config, spark)
     assert lake() == source() == Counter({(1, "a"): 2, (2, "b"): 2, (3, None): 1, (3, "c"): 1})
     with pg_conn.cursor() as cur:
         cur.execute(f"TRUNCATE {table}")
         cur.execute(f"INSERT INTO {table} VALUES (5, 'e'), (5, 'e')")
-    _run(config, spark)
+    run_once(config, spark)
     assert lake() == source() == Counter({(5, "e"): 2})
     pipeline = Pipeline(config, session=spark)
     try:
@@ -78,19 +70,19 @@ def test_replica_identity_using_index_and_a_truncate_of_two_tables(
         cur.execute(f"INSERT INTO {a} SELECT 'c' || g, g, 'x' FROM generate_series(1, 20) g")
         cur.execute(f"INSERT INTO {b} SELECT g FROM generate_series(1, 5) g")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [a, b])
-    _run(config, spark)
+    run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {a} SET n = n * 10 WHERE n <= 5")
         cur.execute(f"UPDATE {a} SET code = 'moved' WHERE code = 'c6'")  # the identity changes
         cur.execute(f"DELETE FROM {a} WHERE n = 20")
-    _run(config, spark)
+    run_once(config, spark)
     key = "code"
     assert iceberg_rows(warehouse, config.target_for(a), key) == \
         _rows(pg_conn, a, key)
     with pg_conn.cursor() as cur:
         cur.execute(f"TRUNCATE {a}, {b}")
         cur.execute(f"INSERT INTO {b} VALUES (42)")
-    _run(config, spark)
+    run_once(config, spark)
     assert iceberg_rows(warehouse, config.target_for(a), key) == []
     assert iceberg_rows(warehouse, config.target_for(b)) == [{"id": 42}]
 

@@ -16,19 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import make_config, running
+from conftest import make_config, run_once, running
 from lake import duckdb_rows, iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.errors import Terminal
 from walberg.model import Lsn
 from walberg.pipeline import Pipeline
-
-
-def run_once(config: Any, spark: Any) -> Any:
-    pipeline = Pipeline(config, session=spark)
-    try:
-        return pipeline.run(once=True)
-    finally:
-        pipeline.close()
 
 
 def assert_lake_equals(pg_conn: Any, warehouse: Path, table: str, target: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import make_config
+from conftest import make_config, run_once
 from lake import duckdb_rows, iceberg_rows, postgres_rows
 from walberg.apply.evolution import NotEvolvable, Step, plan, widens
 from walberg.errors import Terminal
@@ -44,14 +44,6 @@ def test_plan_refuses_what_iceberg_cannot_do(old: str, new: str) -> None:
 
 
 # ---- integration ------------------------------------------------------------------------------
-
-
-def run_once(config: Any, spark: Any) -> Any:
-    pipeline = Pipeline(config, session=spark)
-    try:
-        return pipeline.run(once=True)
-    finally:
-        pipeline.close()
 
 
 def test_alter_table_between_changes_evolves_the_iceberg_table(

@@ -14,21 +14,13 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from conftest import make_config
+from conftest import make_config, run_once
 from lake import iceberg_rows, postgres_rows
 from walberg.config import parse_config
 from walberg.errors import WalbergError
 from walberg.pipeline import Pipeline
 
 SECRET = "S3cr3t-Pa55-do-not-print"
-
-
-def _run(config: Any, spark: Any) -> Any:
-    p = Pipeline(config, session=spark)
-    try:
-        return p.run(once=True)
-    finally:
-        p.close()
 
 
 def _with_dsn(config: Any, dsn: str) -> Any:
@@ -59,10 +51,10 @@ def test_least_privilege_role_and_secrets_never_leak(
                                         f"@127.0.0.1:{postgres.port}/{postgres.database}")
     config = parse_config(raw, tmp_path)
     caplog.set_level(logging.DEBUG)
-    _run(config, spark)
+    run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 'u' WHERE id <= 5")
-    _run(config, spark)
+    run_once(config, spark)
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
 
     pipeline = Pipeline(config, session=spark)
@@ -77,7 +69,7 @@ def test_least_privilege_role_and_secrets_never_leak(
     # A wrong port: the error names the server, not the password.
     broken = _with_dsn(config, config.source.postgres.dsn.replace(str(postgres.port), "1"))
     with pytest.raises(WalbergError) as failed:
-        _run(broken, spark)
+        run_once(broken, spark)
     texts = {"logs": caplog.text, "status": status, "checks": repr(checks),
              "error": str(failed.value), "metrics": generate_latest(REGISTRY).decode(),
              "config repr": repr(config)}
@@ -138,19 +130,19 @@ def test_tls_with_verify_full(spark: Any, warehouse: Path, tmp_path: Path, uniqu
             assert cur.fetchone()[0] is True
         config = _with_dsn(make_config(server, warehouse, tmp_path / "segments", unique,
                                        [table]), dsn)
-        _run(config, spark)
+        run_once(config, spark)
         with conn.cursor() as cur:
             cur.execute(f"INSERT INTO {table} VALUES (2, 'b')")
             cur.execute("SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) "
                         "WHERE a.backend_type = 'walsender' AND NOT s.ssl")
             assert cur.fetchone()[0] == 0
-        _run(config, spark)
+        run_once(config, spark)
         assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(conn, table)
         conn.close()
         # A server certificate signed by another CA is refused, and said so.
         other, _, _ = _make_certificates(_fresh(tmp_path / "other"))
         with pytest.raises(WalbergError, match="certificate verify failed"):
-            _run(_with_dsn(config, f"{server.dsn}?sslmode=verify-full&sslrootcert={other}"),
+            run_once(_with_dsn(config, f"{server.dsn}?sslmode=verify-full&sslrootcert={other}"),
                  spark)
     finally:
         server.stop()
@@ -176,12 +168,12 @@ def test_odd_identifiers_are_names_not_sql(pg_conn: Any, postgres: Any, spark: A
         cur.execute(f"INSERT INTO {quoted} SELECT g, 'f' || g, g / 3.0, 'q', now() "
                     "FROM generate_series(1, 20) g")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    _run(config, spark)
+    run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f'UPDATE {quoted} SET "from" = \'changed\', "q""uote" = \'it\'\'s\' '
                     'WHERE "Id" <= 5')
         cur.execute(f'DELETE FROM {quoted} WHERE "Id" > 18')
-    _run(config, spark)
+    run_once(config, spark)
     pipeline = Pipeline(config, session=spark)
     try:
         [verdict] = pipeline.verify()

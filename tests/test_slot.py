@@ -13,18 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import make_config, running
+from conftest import make_config, run_once, running
 from lake import iceberg_rows, postgres_rows
 from walberg.errors import WalbergError
 from walberg.pipeline import Pipeline
-
-
-def _run(config: Any, spark: Any) -> Any:
-    p = Pipeline(config, session=spark)
-    try:
-        return p.run(once=True)
-    finally:
-        p.close()
 
 
 def _wal_status(pg_conn: Any, slot: str) -> Any:
@@ -44,7 +36,7 @@ def test_an_invalidated_slot_is_said_plainly_and_resync_recovers(
         cur.execute(f"CREATE TABLE {unique}_noise (x text)")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     slot = config.source.postgres.slot
-    _run(config, spark)
+    run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f"INSERT INTO {table} SELECT g, 'lost?' FROM generate_series(101, 150) g")
         cur.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
@@ -63,7 +55,7 @@ def test_an_invalidated_slot_is_said_plainly_and_resync_recovers(
     assert _wal_status(pg_conn, slot) == "lost"
 
     with pytest.raises(WalbergError, match=r"invalidated by the server.*walberg resync"):
-        _run(config, spark)
+        run_once(config, spark)
     pipeline = Pipeline(config, session=spark)
     try:
         report = pipeline.resync()
@@ -74,7 +66,7 @@ def test_an_invalidated_slot_is_said_plainly_and_resync_recovers(
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
     with pg_conn.cursor() as cur:  # and it streams on from the new slot
         cur.execute(f"UPDATE {table} SET v = 'after' WHERE id <= 10")
-    _run(config, spark)
+    run_once(config, spark)
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
 
 
@@ -86,7 +78,7 @@ def test_resync_of_one_table_repairs_it(pg_conn: Any, postgres: Any, spark: Any,
             cur.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, v text)")
             cur.execute(f"INSERT INTO {t} SELECT g, 'v' FROM generate_series(1, 30) g")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [a, b])
-    _run(config, spark)
+    run_once(config, spark)
     spark.sql(f"DELETE FROM {config.target_for(a)} WHERE id <= 5")  # damage behind its back
     with pg_conn.cursor() as cur:
         cur.execute(f"INSERT INTO {a} VALUES (31, 'new')")

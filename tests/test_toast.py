@@ -6,19 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from conftest import make_config
+from conftest import make_config, run_once
 from lake import iceberg_rows, postgres_rows
-from walberg.pipeline import Pipeline
 
 BIG = "(SELECT string_agg(md5(g::text || {seed}), '') FROM generate_series(1, 400) g)"
-
-
-def _run(config: Any, spark: Any) -> None:
-    p = Pipeline(config, session=spark)
-    try:
-        p.run(once=True)
-    finally:
-        p.close()
 
 
 def test_key_change_keeps_the_unsent_toasted_value(pg_conn: Any, postgres: Any, spark: Any,
@@ -30,7 +21,7 @@ def test_key_change_keeps_the_unsent_toasted_value(pg_conn: Any, postgres: Any, 
         for i in (1, 2, 3):
             cur.execute(f"INSERT INTO {table} VALUES ({i}, 0, {BIG.format(seed=i)})")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    _run(config, spark)
+    run_once(config, spark)
     with pg_conn.cursor() as cur:
         # The old key's value is only in the lake:
         cur.execute(f"UPDATE {table} SET id = 10 WHERE id = 1")
@@ -44,7 +35,7 @@ def test_key_change_keeps_the_unsent_toasted_value(pg_conn: Any, postgres: Any, 
         # and a moved key that then gets the value changed: the change wins.
         cur.execute(f"UPDATE {table} SET id = 30 WHERE id = 3")
         cur.execute(f"UPDATE {table} SET big = 'small now' WHERE id = 30")
-    _run(config, spark)
+    run_once(config, spark)
     lake = iceberg_rows(warehouse, config.target_for(table))
     source = postgres_rows(pg_conn, table)
     assert [r["id"] for r in lake] == [10, 20, 30, 41]
