@@ -785,13 +785,15 @@ class Pipeline:
         self._reached_source = True
         try:
             pg.check_wal_level(conn)
-            pg.ensure_publication(conn, self.pg.publication, self.tables)
-            if self.pg.follow_publication:
-                for t in pg.published_tables(conn, self.pg.publication):
-                    self._add_table(t)
             infos = {t: pg.describe_table(conn, t) for t in self.tables}
             for info in infos.values():
                 pg.require_key(info)
+            pg.ensure_publication(conn, self.pg.publication, self.tables)
+            if self.pg.follow_publication:
+                for t in pg.published_tables(conn, self.pg.publication):
+                    if self._add_table(t):
+                        infos[t] = pg.describe_table(conn, t)
+                        pg.require_key(infos[t])
             self._learn_types(conn, infos)
             slot = pg.slot_state(conn, self.pg.slot)
             if slot is not None and slot.active_pid is not None:
