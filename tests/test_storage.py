@@ -121,3 +121,12 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
     rows = sorted(({k: v for k, v in r.items() if not k.startswith("_walberg_")}
                    for r in lake.scan().to_arrow().to_pylist()), key=lambda r: r["id"])
     assert rows == postgres_rows(pg_conn, table)
+
+
+def test_s3a_jars_from_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("hadoop-aws-3.3.1.jar", "aws-java-sdk-bundle-1.11.901.jar", "other.jar"):
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.setenv("WALBERG_S3A_JARS", str(tmp_path))
+    _, jars = storage.spark_settings(s3={})
+    assert sorted(Path(j).name for j in jars) == ["aws-java-sdk-bundle-1.11.901.jar",
+                                                  "hadoop-aws-3.3.1.jar"]

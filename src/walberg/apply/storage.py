@@ -4,13 +4,15 @@ filesystem connectors (Spark settings ``spark.hadoop.fs.*``) and the jars each o
 S3 and S3-compatible servers (MinIO, ...) use Hadoop's s3a connector: ``hadoop-aws`` and the
 AWS SDK bundle. They are found in the ``sagemaker_pyspark`` package when it is installed
 (``pip install --no-deps sagemaker-pyspark==1.4.5`` ships hadoop-aws-3.3.1 and
-aws-java-sdk-bundle-1.11.901, which match pyspark 3.5's Hadoop), or listed in ``jars``.
+aws-java-sdk-bundle-1.11.901, which match pyspark 3.5's Hadoop), in the folder
+``WALBERG_S3A_JARS`` names, or listed in ``jars``.
 GCS and Azure map their settings the same way; their connector jars go on ``jars``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -20,6 +22,10 @@ S3A_JARS = ("hadoop-aws-", "aws-java-sdk-bundle-")
 
 
 def _shipped_s3a_jars() -> list[str]:
+    folder_env = os.environ.get("WALBERG_S3A_JARS")  # a folder holding the two jars
+    if folder_env:
+        return sorted(str(p) for p in Path(folder_env).glob("*.jar")
+                      if p.name.startswith(S3A_JARS))
     try:
         package = importlib.import_module("sagemaker_pyspark")
     except ImportError:
