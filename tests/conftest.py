@@ -72,6 +72,38 @@ def make_config(postgres: EmbeddedPostgres, warehouse: Path, segments: Path, nam
     return parse_config(raw, segments.parent, "test config")
 
 
+@pytest.fixture(autouse=True)
+def _drop_finished_slots(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the server: drop the replication slots nothing streams from any
+    more (each test makes its own), so a long session never runs out of slots or keeps WAL."""
+    yield
+    if "postgres" not in request.fixturenames:
+        return
+    server = request.getfixturevalue("postgres")
+    try:
+        conn = psycopg2.connect(server.dsn)
+    except psycopg2.Error:
+        return  # a test that stopped the server has its own cleanup to do
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("SELECT slot_name, database FROM pg_replication_slots WHERE NOT active")
+        slots = cur.fetchall()
+    conn.close()
+    for slot, database in slots:
+        try:
+            other = psycopg2.connect(server.dsn.rsplit("/", 1)[0] + f"/{database}")
+        except psycopg2.Error:
+            continue
+        other.autocommit = True
+        try:
+            with other.cursor() as cur:
+                cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        except psycopg2.Error:
+            pass  # taken again meanwhile, or gone
+        finally:
+            other.close()
+
+
 def run_once(config: Config, spark: Any) -> Any:
     """`walberg run --once` in this process, on the test session's Spark; returns its report."""
     pipeline = Pipeline(config, session=spark)

@@ -138,6 +138,11 @@ def test_postgres_restarts_and_crashes_while_streaming(
     pipeline = Pipeline(config, session=spark)
     try:
         with running(pipeline) as failures:
+            # Streaming first: a source never reached at start is refused at once, by design.
+            with pg_conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {table} VALUES (999, 'first')")
+                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
             for round_, mode in enumerate(("fast", "immediate")):
                 conn = psycopg2.connect(postgres.dsn)
                 conn.autocommit = True

@@ -137,6 +137,8 @@ def test_what_iceberg_cannot_follow_stops_with_the_way_out(
     run_once(two, spark)
     two_target = two.target_for(table)
     with pg_conn.cursor() as cur:
+        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+        before_change = Lsn.parse(cur.fetchone()[0])
         cur.execute(f"ALTER TABLE {table} ALTER COLUMN v TYPE int")
         cur.execute(f"INSERT INTO {table} VALUES (3, 3, 'x')")
         cur.execute(f"INSERT INTO {other} VALUES (1)")
@@ -148,7 +150,7 @@ def test_what_iceberg_cannot_follow_stops_with_the_way_out(
         cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
                     "WHERE slot_name = %s", (two.source.postgres.slot,))
         confirmed = Lsn.parse(cur.fetchone()[0])
-    assert confirmed <= Pipeline(two, session=spark).sink.committed_lsn(two_target)
+    assert confirmed <= before_change  # the stopped table's change will be sent again
     spark.sql(f"DROP TABLE {two_target}")
     run_once(two, spark)
     assert iceberg_rows(warehouse, two_target) == postgres_rows(pg_conn, table)

@@ -22,8 +22,8 @@ from walberg.errors import EnvironmentProblem
 
 _SERVER_SETTINGS = {
     "wal_level": "logical",
-    "max_replication_slots": "32",
-    "max_wal_senders": "32",
+    "max_replication_slots": "64",
+    "max_wal_senders": "64",
     "listen_addresses": "'127.0.0.1'",
     "max_connections": "100",
     "shared_buffers": "256MB",
