@@ -44,7 +44,7 @@ from walberg.apply.batch import (
 from walberg.apply.iceberg import IcebergSink, pin_tables, quote_target
 from walberg.apply.metadata import read_hadoop_table
 from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
-from walberg.apply.types import TextPrep, TypeMap, parse_array, quote
+from walberg.apply.types import TextPrep, TypeMap, parse_array, quote, sql_string
 from walberg.buffer import spill
 from walberg.buffer.spill import TxnSpill
 from walberg.buffer.store import SegmentStore, inspect_directory
@@ -1606,8 +1606,8 @@ class Pipeline:
                     if not parsed or isinstance(parsed[0], list) or parsed[0] is None:
                         continue
                     col = next(c for c in columns if c.name == step.name)
-                    text = parsed[0].replace("\\", "\\\\").replace("'", "\\'")
-                    expr = self.types.spark_type(col, target).convert.format(f"'{text}'")
+                    expr = self.types.spark_type(col, target).convert.format(
+                        sql_string(parsed[0]))
                     # Recorded before the column exists, so a crash part-way is finished on start.
                     self.sink.set_property(target, FILL_PROPERTY + step.name, expr)
         finally:

@@ -30,25 +30,19 @@ from typing import Any, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.iceberg import quote_target
 from walberg.apply.types import SparkType, quote
 from walberg.model import Column
+from walberg.source.postgres import sql_identifier
 
 SEP = "\x1f"  # between columns in the canonical row text
 _HASH_PG = "('x' || substr(md5({}), 1, 15))::bit(60)::bigint::numeric"
 _HASH_SPARK = "CAST(conv(substr(md5({}), 1, 15), 16, 10) AS DECIMAL(20,0))"
 
 
-def _quote_target(target: str) -> str:
-    return ".".join(quote(p) for p in target.split("."))
-
-
-def _pg_ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
 def pg_render(col: Column, t: SparkType) -> str:
     """Postgres SQL rendering a column's value as the canonical text (never NULL itself)."""
-    c = _pg_ident(col.name)
+    c = sql_identifier(col.name)
     sql = t.sql
     if sql in ("INT", "BIGINT", "BOOLEAN", "DATE"):
         text = f"{c}::text"
@@ -120,7 +114,7 @@ def lake_digest(spark: Any, target: str, columns: Sequence[Column],
                 types: Sequence[SparkType], where: str = "true") -> tuple[int, int]:
     row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
                                               zip(columns, types, strict=True)) + ")"
-    df = spark.table(_quote_target(target)).where(where) \
+    df = spark.table(quote_target(target)).where(where) \
         .selectExpr(f"{_HASH_SPARK.format(row)} AS h")
     result = df.selectExpr("count(*) AS n", "CAST(coalesce(sum(h), 0) AS STRING) AS total") \
         .collect()[0]
@@ -156,7 +150,7 @@ def differing_keys(spark: Any, target: str, columns: Sequence[Column],
     keys = [(c, t) for c, t in zip(columns, types, strict=True) if c.is_key]
     row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
                                               zip(columns, types, strict=True)) + ")"
-    lake = spark.table(_quote_target(target)).where(where).selectExpr(
+    lake = spark.table(quote_target(target)).where(where).selectExpr(
         *[f"{spark_render(c, t)} AS k{i}" for i, (c, t) in enumerate(keys)], f"md5({row}) AS h")
     source = spark.read.parquet(str(source_hashes))
     # Rows are counted per key and hash, so duplicates (tables without a key) show up too.

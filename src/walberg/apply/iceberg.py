@@ -21,7 +21,7 @@ from walberg.apply.batch import (
 )
 from walberg.apply.evolution import Step
 from walberg.apply.spark import spark_call, with_commit_properties
-from walberg.apply.types import TypeMap, quote
+from walberg.apply.types import TypeMap, quote, sql_string
 from walberg.errors import ApplyError
 from walberg.model import Column, Layout, Lsn
 
@@ -116,15 +116,6 @@ def spark_transform(text: str) -> str:
     return f"{name}({width}, {quote(column)})" if width else f"{name}({quote(column)})"
 
 
-def _writer(df: Any, target: str, lsn: Lsn, prop: str = LSN_PROPERTY) -> Any:
-    """A DataFrameWriterV2 to ``target`` whose commit carries ``walberg.lsn`` (or ``prop``)."""
-    return df.writeTo(quote_target(target)).option(f"snapshot-property.{prop}", str(lsn))
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("'", "\\'")
-
-
 def quote_target(target: str) -> str:
     return ".".join(quote(p) for p in target.split("."))
 
@@ -174,7 +165,7 @@ class IcebergSink:
         catalog, namespace, _ = target.split(".")
         self.sql(f"creating namespace {catalog}.{namespace}",
                  f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}")
-        props = ", ".join(f"'{k}'='{_escape(v)}'" for k, v in table_properties(layout).items())
+        props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in table_properties(layout).items())
         parts = ""
         if layout is not None and layout.partition_by:
             parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"
@@ -205,8 +196,7 @@ class IcebergSink:
             "CAST(NULL AS TIMESTAMP) AS `_walberg_commit_ts`",
             "CAST(NULL AS BIGINT) AS `_walberg_xid`", "CAST(NULL AS STRING) AS `_walberg_unchanged`"])
         spark_call(f"writing the initial copy of {target}",
-                   lambda: rows.writeTo(quote_target(target)).option(f"snapshot-property.{self.lsn_property}",
-                                                       str(lsn)).append())
+                   lambda: self._writer(rows, target, lsn).append())
 
     def append_changes(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
                        void: Sequence[tuple[int, int]],
@@ -256,7 +246,7 @@ class IcebergSink:
             count = int(spark_call(f"appending changes to {target}", rows.count))
             if count:
                 spark_call(f"appending changes to {target}",
-                           lambda: _writer(rows, target, lsn, self.lsn_property).append())
+                           lambda: self._writer(rows, target, lsn).append())
         finally:
             rows.unpersist()
         return count
@@ -316,7 +306,7 @@ class IcebergSink:
             if current.get(key) != value:
                 changed[key] = value
         if changed:
-            props = ", ".join(f"'{k}'='{_escape(v)}'" for k, v in changed.items())
+            props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in changed.items())
             self.sql(f"setting properties of {target}", f"ALTER TABLE {t} SET TBLPROPERTIES ({props})")
             done += [f"set {k}={v}" for k, v in changed.items()]
         self._schemas.pop(target, None)
@@ -328,6 +318,11 @@ class IcebergSink:
         if self._schemas.get(target) != want:
             self._schemas[target] = self.schema(target)
         return self._schemas[target] == want
+
+    def _writer(self, df: Any, target: str, lsn: Lsn) -> Any:
+        """A DataFrameWriterV2 to ``target`` whose commit carries this sink's LSN property."""
+        return df.writeTo(quote_target(target)).option(f"snapshot-property.{self.lsn_property}",
+                                                       str(lsn))
 
     def forget(self, target: str) -> None:
         """Drop what is cached about ``target`` (after a failed commit: read it afresh)."""
@@ -372,9 +367,8 @@ class IcebergSink:
         if value is None:
             self.sql(f"updating {target}", f"ALTER TABLE {t} UNSET TBLPROPERTIES IF EXISTS ('{key}')")
         else:
-            escaped = value.replace("\\", "\\\\").replace("'", "\\'")
             self.sql(f"updating {target}",
-                     f"ALTER TABLE {t} SET TBLPROPERTIES ('{key}' = '{escaped}')")
+                     f"ALTER TABLE {t} SET TBLPROPERTIES ('{key}' = {sql_string(value)})")
 
     def fill(self, target: str, column: str, value_expr: str) -> None:
         """Give every row with no value in ``column`` the value ``value_expr`` (a column added
@@ -506,7 +500,7 @@ class IcebergSink:
         typed = self._typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
         spark_call(
             f"writing the initial copy of {target}",
-            lambda: _writer(typed, target, lsn, self.lsn_property).overwrite(self._own_rows()),
+            lambda: self._writer(typed, target, lsn).overwrite(self._own_rows()),
         )
 
     def dead_letter_target(self, target: str) -> str:
@@ -542,7 +536,7 @@ class IcebergSink:
         count = int(spark_call(f"counting dead letters for {target}", rows.count))
         if count:
             spark_call(f"writing dead letters to {dlq}",
-                       lambda: _writer(rows, dlq, lsn, self.lsn_property).append())
+                       lambda: self._writer(rows, dlq, lsn).append())
             self._dead_lsn[dlq] = lsn
         return count
 
@@ -559,12 +553,11 @@ class IcebergSink:
             df = df.where(seq_filter(max_seq, void, staged.truncates))
         else:
             df = None
-        option = f"snapshot-property.{self.lsn_property}"
 
         if staged.insert_only and df is not None:
             typed = self._typed(df, target, columns, "_wb_lsn")
             spark_call(f"appending to {target}",
-                       lambda: typed.writeTo(quote_target(target)).option(option, str(lsn)).append())
+                       lambda: self._writer(typed, target, lsn).append())
             return
 
         if df is not None and all(c.is_key for c in columns):
@@ -589,12 +582,12 @@ class IcebergSink:
             if df is None:
                 empty = self.spark.table(quote_target(target)).where(lit(False))
                 spark_call(f"truncating {target}",
-                           lambda: empty.writeTo(quote_target(target)).option(option, str(lsn))
+                           lambda: self._writer(empty, target, lsn)
                            .overwrite(self._own_rows()))
                 return
             typed = self._typed(df.where(col("_wb_op") != "D"), target, columns, "_wb_lsn")
             spark_call(f"truncating and reloading {target}",
-                       lambda: _writer(typed, target, lsn, self.lsn_property)
+                       lambda: self._writer(typed, target, lsn)
                        .overwrite(self._own_rows()))
             return
 
@@ -671,7 +664,7 @@ class IcebergSink:
                               *extra))
         if truncated:
             spark_call(f"truncating and reloading {target}",
-                       lambda: _writer(copies, target, lsn, self.lsn_property)
+                       lambda: self._writer(copies, target, lsn)
                        .overwrite(self._own_rows()))
             return
         deleters = counted.selectExpr(*[quote(n) for n in names],

@@ -72,6 +72,11 @@ def quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
+def sql_string(text: str) -> str:
+    """A Spark SQL string literal for ``text`` (quotes and backslashes escaped)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def numeric_precision(type_modifier: int) -> tuple[int, int] | None:
     if type_modifier < 4:
         return None
