@@ -1050,7 +1050,13 @@ class Pipeline:
                 stream.keepalive()
                 self._wake.wait(0.2)
                 continue
-            for wal_start, payload in stream.messages(timeout=0.2):
+            # --once: what committed after the target is left for the next run, so a source
+            # that never stops writing cannot keep this run from ending.
+            reached = target is not None and not in_txn and received >= target
+            if reached:
+                stream.keepalive()
+                self._wake.wait(0.2)
+            for wal_start, payload in () if reached else stream.messages(timeout=0.2):
                 tag = payload[0]
                 if tag in _STREAM_TAGS or chunk_xid is not None:
                     chunk_xid, done = self._streamed(tag, payload, wal_start, chunk_xid, spills,
@@ -1075,6 +1081,8 @@ class Pipeline:
                     self._streamed_since_start = True
                     if store.should_seal():
                         self._seal(clean=True)
+                    if target is not None and end >= target:
+                        break
                 else:
                     store.append(wal_start, FRAME_PGOUTPUT, payload)
                     crash_point("segment-write")
@@ -1086,7 +1094,9 @@ class Pipeline:
             if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
                 self._seal(clean=not in_txn)
             idle = not in_txn and not spills and store.pending_bytes() == 0
-            if idle and stream.wal_end > self._applied:
+            # (past the target, messages may wait unread: the server's WAL end says nothing then)
+            reached = target is not None and not in_txn and received >= target
+            if idle and not reached and stream.wal_end > self._applied:
                 # Nothing of ours is pending: positions up to the server's WAL end hold no
                 # change for our tables, so the slot may move on (keeps retained WAL bounded).
                 with self._lock:
