@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import psycopg2
 import pytest
 
+from walberg.apply.jdbc import driver_jar
 from walberg.apply.spark import build_session, stop_session
 from walberg.config import Config, parse_config
 from walberg.embedded_pg import EmbeddedPostgres
@@ -39,7 +40,9 @@ def warehouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def spark(warehouse: Path) -> Iterator[Any]:
-    session = build_session("local[2]", CATALOG, str(warehouse), {}, {}, app_name="walberg-tests")
+    # With the PostgreSQL JDBC driver, for the parallel initial copy's tests.
+    session = build_session("local[2]", CATALOG, str(warehouse), {}, {}, app_name="walberg-tests",
+                            jars=[driver_jar()])
     yield session
     stop_session(session)
 

@@ -34,6 +34,24 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class CopySettings(_Model):
+    """How the initial copy reads a table."""
+
+    method: Literal["copy", "jdbc"] = Field(
+        "copy", description="copy: one COPY ... TO STDOUT stream per table, staged locally "
+                            "(fastest on one machine); jdbc: Spark executors read the table in "
+                            "parallel spans over JDBC, inside the slot's snapshot, one commit per "
+                            "chunk, resumable after an interruption (for a Spark cluster and "
+                            "large tables; needs the PostgreSQL JDBC driver)")
+    chunk_rows: int = Field(
+        1_000_000, ge=1000, description="jdbc: about this many rows per chunk (one commit each; "
+                                        "an interrupted copy resumes after the last chunk "
+                                        "committed)")
+    parallelism: int = Field(
+        0, ge=0, description="jdbc: readers per chunk (0: Spark's default parallelism)")
+    fetch_size: int = Field(10_000, ge=1, description="jdbc: rows per round trip of a reader")
+
+
 class PostgresSource(_Model):
     """Where changes come from."""
 
@@ -55,6 +73,8 @@ class PostgresSource(_Model):
     reconnect_max_seconds: float = Field(
         300.0, ge=0, description="keep reconnecting a lost source for this long before failing"
     )
+    initial_copy: CopySettings = Field(default_factory=lambda: CopySettings(),  # type: ignore[call-arg]
+                                       description="how the initial copy reads tables")
 
     @field_validator("slot", "publication")
     @classmethod

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from walberg import metrics, verify
-from walberg.apply import catalogs, evolution, storage
+from walberg.apply import catalogs, evolution, jdbc, storage
 from walberg.apply.batch import (
     BatchBuilder,
     DeadLetters,
@@ -41,7 +41,7 @@ from walberg.apply.batch import (
     csv_to_parquet,
     seq_filter,
 )
-from walberg.apply.iceberg import IcebergSink, pin_tables, quote_target
+from walberg.apply.iceberg import COPY_PREFIX, IcebergSink, pin_tables, quote_target
 from walberg.apply.metadata import read_hadoop_table
 from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
 from walberg.apply.types import TextPrep, TypeMap, parse_array, quote, sql_string
@@ -68,7 +68,9 @@ from walberg.model import (
     Truncate,
 )
 from walberg.progress import CopyProgress
+from walberg.source import chunks
 from walberg.source import postgres as pg
+from walberg.source.chunks import Span
 from walberg.source.columnar import Changes, Malformed, decode_changes
 from walberg.source.pgoutput import Decoder
 from walberg.source.snapshot import copy_table
@@ -167,6 +169,8 @@ class Pipeline:
         # Tables stopped by a change Iceberg cannot follow, with why: the others go on.
         self.halted: dict[str, str] = {}
         self.committed: dict[str, Lsn] = {}
+        # Tables whose resumed copy the stream has not yet caught up with: the LSN to pass.
+        self._catchup: dict[str, Lsn] = {}
         self.report = RunReport()
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
         self._session: Any = session
@@ -210,6 +214,8 @@ class Pipeline:
             st = self.config.storage
             storage_conf, storage_jars = storage.spark_settings(
                 *(None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure)))
+            if self.pg.initial_copy.method == "jdbc" and jdbc.driver_jar() not in jars:
+                jars.append(jdbc.driver_jar())
             self._session = build_session(self.config.spark.master, cat.name,
                                           self.config.warehouse, props,
                                           {**storage_conf, **self.config.spark.conf},
@@ -823,8 +829,11 @@ class Pipeline:
             for t in self._recopy:
                 self.committed.pop(t, None)
             owed = [t for t in self.tables if t not in self.committed]
+            for t in self.committed:
+                self._catchup_after_resume(t)
             if owed:
-                self._initial_copy([infos[t] for t in owed], created)
+                self._initial_copy([infos[t] for t in owed], created,
+                                   None if slot is None else slot.confirmed_flush)
             target = pg.current_wal_lsn(conn) if once else None
             return stream, target
         except BaseException:
@@ -937,10 +946,13 @@ class Pipeline:
         finally:
             conn.close()
 
-    def _initial_copy(self, infos: list[pg.TableInfo], created: Optional[CreatedSlot]) -> None:
+    def _initial_copy(self, infos: list[pg.TableInfo], created: Optional[CreatedSlot],
+                      slot_flushed: Optional[Lsn] = None) -> None:
         """Copy tables inside a snapshot exported by a replication slot: the slot's own when it
         was just created, else a temporary slot's. Either way the copy is marked with the slot's
-        consistent point, and the stream applies exactly the transactions after it."""
+        consistent point, and the stream applies exactly the transactions after it.
+        ``slot_flushed``: where the existing slot resumes (None: the slot is new), which tells
+        whether a chunked copy cut short can resume."""
         temp: Optional[ReplicationStream] = None
         if created is None:
             temp = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication)
@@ -951,6 +963,12 @@ class Pipeline:
         try:
             for info in infos:
                 started = time.monotonic()
+                if self._chunked(info):
+                    rows = self._copy_chunked(info, created,
+                                              slot_flushed if temp is not None else None)
+                    self.report.copied[info.qualified_name] = rows
+                    metrics.COPIED_ROWS.labels(info.qualified_name).inc(rows)
+                    continue
                 parquet = workdir / f"{info.qualified_name}.parquet"
                 dead = DeadLetters(workdir / f"dlq-{info.qualified_name}.parquet", len(info.columns))
                 rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet,
@@ -980,6 +998,110 @@ class Pipeline:
             shutil.rmtree(workdir, ignore_errors=True)
             if temp is not None:
                 temp.close()
+
+    def _chunked(self, info: pg.TableInfo) -> bool:
+        """Whether this table's copy is read by Spark over JDBC in chunks."""
+        if self.pg.initial_copy.method != "jdbc":
+            return False
+        source = info.qualified_name
+        why = None
+        if self.config.layout_for(source).mode != "upsert":
+            why = "its sink mode keeps a changelog"
+        elif any(self.types.spark_type(c, source).array_dims for c in info.columns):
+            why = "it has array columns"
+        if why:
+            log.info("initial copy of %s: through COPY, not jdbc, because %s", source, why)
+            return False
+        return True
+
+    def _copy_chunked(self, info: pg.TableInfo, created: CreatedSlot,
+                      slot_flushed: Optional[Lsn]) -> int:
+        """The parallel initial copy: Spark reads the table over JDBC in chunks, each a commit
+        recording the span it covers (``walberg.copy.*``); the last also carries the LSN mark.
+
+        Resuming: a copy cut by key ranges that an interruption left unfinished goes on with
+        the spans not yet committed, read in this (newer) snapshot, provided the slot still
+        starts at or before the copy's start (``slot_flushed``). The table is then marked with
+        the copy's original start, so the stream replays everything after it; rows read in the
+        newer snapshot already hold part of that replay, which is harmless as long as the
+        replayed inserts are merged by key rather than appended: they are, until the stream
+        passes the newer snapshot (``walberg.copy.catchup``)."""
+        source, target = info.qualified_name, self.targets[info.qualified_name]
+        settings = self.pg.initial_copy
+        key = chunks.range_key(info)
+        kind = "key" if key else "ctid"
+        point, catchup = created.consistent_point, None
+        done: list[Span] = []
+        if key is not None and slot_flushed is not None:
+            history = self.sink.copy_marks(target)
+            if history and history[0].get(COPY_PREFIX + "key") == key:
+                start = Lsn.parse(history[0][COPY_PREFIX + "point"])
+                if start >= slot_flushed:
+                    done = [Span.decode(m[COPY_PREFIX + "span"]) for m in history
+                            if COPY_PREFIX + "span" in m]
+                    point, catchup = start, created.consistent_point
+                    log.info("resuming the initial copy of %s: %d chunk(s) were committed (from "
+                             "LSN %s); the rest is read at LSN %s", source, len(done), start,
+                             catchup)
+        conn = pg.connect(self.pg.dsn, autocommit=False)
+        try:
+            conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
+            with conn.cursor() as cur:
+                cur.execute("SET TRANSACTION SNAPSHOT %s", (created.snapshot_name,))
+                extent = chunks.table_extent(cur, info, key)
+            conn.rollback()
+        finally:
+            conn.close()
+        todo = chunks.remaining(done) if key else [Span(kind, None, None)]
+        parallel = settings.parallelism or int(self.session().sparkContext.defaultParallelism)
+        plan = chunks.plan_chunks(extent, info.estimated_rows, settings.chunk_rows, parallel,
+                                  kind, todo)
+        url, props = chunks.jdbc_target(self.pg.dsn)
+        init = chunks.session_init(created.snapshot_name)
+        progress = CopyProgress(source, info.estimated_rows)
+        gauge = metrics.COPY_PROGRESS.labels(source)
+        rows = dead = 0
+        for n, chunk in enumerate(plan):
+            started = time.monotonic()
+            df = jdbc.read_text(self.session(), url, props,
+                                [chunks.text_query(info, part, key) for part in chunk.parts],
+                                init, settings.fetch_size)
+            last = n == len(plan) - 1
+            marks = {COPY_PREFIX + "point": str(point), COPY_PREFIX + "key": key or "",
+                     COPY_PREFIX + "span": chunk.span.encode()}
+            first = not done and n == 0
+            if first:
+                marks[COPY_PREFIX + "first"] = "true"
+            if last and catchup is not None:
+                marks[COPY_PREFIX + "catchup"] = str(catchup)
+            added, bad = self.sink.load_chunk(
+                target, info.columns, df, point, marks, first=first, done=last,
+                dead_span=(key, chunk.span.lo, chunk.span.hi) if key else None)
+            crash_point("chunk")
+            rows, dead = rows + added, dead + bad
+            progress.update(rows)
+            if info.estimated_rows:
+                gauge.set(min(rows / info.estimated_rows, 0.99))
+            log.info("initial copy of %s: chunk %d of %d (%s) -> %d rows in %.1f s", source,
+                     n + 1, len(plan), chunk.span.encode(), added, time.monotonic() - started)
+        progress.done(rows)
+        gauge.set(1)
+        self._count_dead(source, target, dead)
+        self.committed[source] = point
+        if catchup is not None:
+            self._catchup[source] = catchup
+        metrics.COMMITTED_LSN.labels(source).set(int(point))
+        return rows
+
+    def _catchup_after_resume(self, source: str) -> None:
+        """A table whose copy was resumed merges the stream's inserts by key until the stream
+        passes the snapshot the copy finished in (see ``_copy_chunked``)."""
+        if self.pg.initial_copy.method != "jdbc":
+            return
+        marks = self.sink.copy_marks(self.targets[source])
+        value = marks[-1].get(COPY_PREFIX + "catchup") if marks else None
+        if value is not None and Lsn.parse(value) > self.committed[source]:
+            self._catchup[source] = Lsn.parse(value)
 
     def _copy_to_parquet(self, info: pg.TableInfo, workdir: Path, snapshot: str,
                          parquet: Path, dead: tuple[DeadLetters, int]) -> int:
@@ -1523,7 +1645,11 @@ class Pipeline:
                 self._changelog_held[source] = batch.end
         if changelog != target:
             crash_point("commit", delay=0.5)
-            self.sink.apply(target, st, batch.end, batch.max_seq, batch.void)
+            catchup = self._catchup.get(source)
+            self.sink.apply(target, st, batch.end, batch.max_seq, batch.void,
+                            upsert=catchup is not None)
+            if catchup is not None and batch.end >= catchup:
+                del self._catchup[source]
 
     def _with_retries(self, source: str, lsn: Lsn, commit: Callable[[], None]) -> None:
         """Run ``commit``; when it fails for the storage or the catalog (I/O, a conflicting

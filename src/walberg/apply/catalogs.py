@@ -24,14 +24,14 @@ TYPES = ("hadoop", "jdbc", "rest", "hive", "glue", "nessie")
 PG_JDBC_JARS = (Path("/usr/share/java/postgresql.jar"),)
 
 
-def jdbc_driver() -> Path:
-    """The PostgreSQL JDBC driver jar for the jdbc catalog."""
+def jdbc_driver(purpose: str = "the jdbc catalog") -> Path:
+    """The PostgreSQL JDBC driver jar (for the jdbc catalog, or the parallel initial copy)."""
     override = os.environ.get("WALBERG_JDBC_DRIVER")
     for candidate in ([Path(override)] if override else []) + list(PG_JDBC_JARS):
         if candidate.is_file():
             return candidate
     raise EnvironmentProblem(
-        "the jdbc catalog needs the PostgreSQL JDBC driver, which was not found at "
+        f"{purpose} needs the PostgreSQL JDBC driver, which was not found at "
         f"{', '.join(str(p) for p in PG_JDBC_JARS)}. Install it (Debian/Ubuntu: apt-get install "
         "libpostgresql-jdbc-java) or point WALBERG_JDBC_DRIVER at postgresql-<version>.jar.")
 

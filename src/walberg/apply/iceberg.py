@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from walberg.apply.batch import (
     DLQ_REASON,
@@ -26,6 +26,8 @@ from walberg.errors import ApplyError
 from walberg.model import Column, Layout, Lsn
 
 LSN_PROPERTY = "walberg.lsn"
+# Marks of a chunked initial copy (see source.chunks): first, point, span, catchup.
+COPY_PREFIX = "walberg.copy."
 LSN_COLUMN = "_walberg_lsn"
 SOURCE_COLUMN = "_walberg_source"  # with several sources fanning in to one table
 OP_COLUMN = "_walberg_op"
@@ -319,10 +321,17 @@ class IcebergSink:
             self._schemas[target] = self.schema(target)
         return self._schemas[target] == want
 
-    def _writer(self, df: Any, target: str, lsn: Lsn) -> Any:
-        """A DataFrameWriterV2 to ``target`` whose commit carries this sink's LSN property."""
-        return df.writeTo(quote_target(target)).option(f"snapshot-property.{self.lsn_property}",
-                                                       str(lsn))
+    def _writer(self, df: Any, target: str, lsn: Optional[Lsn],
+                marks: Mapping[str, str] = {}) -> Any:
+        """A DataFrameWriterV2 to ``target`` whose commit carries this sink's LSN property (and
+        any other ``marks``)."""
+        props = dict(marks)
+        if lsn is not None:
+            props[self.lsn_property] = str(lsn)
+        writer = df.writeTo(quote_target(target))
+        for key, value in props.items():
+            writer = writer.option(f"snapshot-property.{key}", value)
+        return writer
 
     def forget(self, target: str) -> None:
         """Drop what is cached about ``target`` (after a failed commit: read it afresh)."""
@@ -506,13 +515,8 @@ class IcebergSink:
     def dead_letter_target(self, target: str) -> str:
         return target + DLQ_SUFFIX
 
-    def write_dead_letters(self, target: str, columns: Sequence[Column], path: Path, lsn: Lsn,
-                           where: str = "true", snapshot: bool = False) -> int:
-        """Append staged dead letters to ``<target>__dlq`` in one commit marked ``lsn``: the raw
-        text of every column, the change's op and LSN, and the reason. Rows of transactions the
-        dead-letter table already holds (a replay after a crash) are left out. ``snapshot``: the
-        rows come from an initial copy and replace those of any earlier copy. Returns the rows
-        written."""
+    def _dead_letter_table(self, target: str, columns: Sequence[Column]) -> str:
+        """``<target>__dlq``, created if missing, with what it holds known."""
         dlq = self.dead_letter_target(target)
         if dlq not in self._dead_lsn:
             if not self.table_exists(dlq):
@@ -520,6 +524,105 @@ class IcebergSink:
                 self._create(dlq, f"{cols}, {quote(OP_COLUMN)} STRING, {quote(LSN_COLUMN)} BIGINT, "
                                   f"{quote(DLQ_REASON)} STRING")
             self._dead_lsn[dlq] = self.committed_lsn(dlq)
+        return dlq
+
+    def load_chunk(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
+                   marks: Mapping[str, str], *, first: bool, done: bool,
+                   dead_span: Optional[tuple[str, Optional[int], Optional[int]]]
+                   ) -> tuple[int, int]:
+        """One chunk of a parallel initial copy (``df``: Postgres text in ``c0..cN``) in one
+        commit carrying ``marks``; the first replaces the table's rows, the others append. Only
+        the last (``done``) carries the LSN mark: until then the copy is still owed. Rows that
+        cannot be written exactly go to the dead-letter table first, replacing what an earlier
+        attempt at the same key span (``dead_span``: key column, low, high; None: none) left
+        there.
+        Returns (rows written, dead letters)."""
+        from pyspark import StorageLevel
+
+        checks = []
+        for i, c in enumerate(columns):
+            t = self.types.spark_type(c, target)
+            if t.valid:
+                checks.append(
+                    f"CASE WHEN c{i} IS NOT NULL AND NOT c{i} RLIKE {sql_string(t.valid)} THEN "
+                    f"concat({sql_string(f'column {c.name}: ' + chr(39))}, substring(c{i}, 1, 60),"
+                    f" {sql_string(chr(39) + ' ' + t.why_invalid)}) END")
+        dead = 0
+        if checks:
+            reason = f"nullif(concat_ws('; ', {', '.join(checks)}), '')"
+            df = df.selectExpr("*", f"{reason} AS {DLQ_REASON}").persist(StorageLevel.MEMORY_AND_DISK)
+            bad = df.where(f"{DLQ_REASON} IS NOT NULL")
+            dead = int(spark_call(f"checking the initial copy of {target}", bad.count))
+            dlq_known = self.table_exists(self.dead_letter_target(target))
+            if dead or dlq_known:
+                dlq = self._dead_letter_table(target, columns)
+                where = f"{quote(OP_COLUMN)} = 'snapshot'"
+                if not first:
+                    if dead_span is None:
+                        where = "false"
+                    else:
+                        key, lo, hi = dead_span
+                        k = f"TRY_CAST({quote(key)} AS BIGINT)"
+                        where += "".join([f" AND {k} >= {lo}" if lo is not None else "",
+                                          f" AND {k} < {hi}" if hi is not None else ""])
+                self.sql(f"replacing earlier initial-copy dead letters in {dlq}",
+                         f"DELETE FROM {quote_target(dlq)} WHERE {where}")
+                if dead:
+                    rows = bad.selectExpr(
+                        *[f"c{i} AS {quote(c.name)}" for i, c in enumerate(columns)],
+                        f"'snapshot' AS {quote(OP_COLUMN)}",
+                        f"CAST({int(lsn)} AS BIGINT) AS {quote(LSN_COLUMN)}",
+                        f"{DLQ_REASON} AS {quote(DLQ_REASON)}")
+                    spark_call(f"writing dead letters to {dlq}",
+                               lambda: self._writer(rows, dlq, lsn).append())
+                    self._dead_lsn[dlq] = lsn
+            df = df.where(f"{DLQ_REASON} IS NULL")
+        typed = self._typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
+        writer = self._writer(typed, target, lsn if done else None, marks)
+        try:
+            if first:
+                spark_call(f"writing the initial copy of {target}",
+                           lambda: writer.overwrite(self._own_rows()))
+            else:
+                spark_call(f"writing the initial copy of {target}", writer.append)
+            added = self.last_commit_records(target)
+        finally:
+            if checks:
+                df.unpersist()
+        return added, dead
+
+    def copy_marks(self, target: str) -> list[dict[str, str]]:
+        """The walberg.copy.* marks of the table's current history since the start of its last
+        chunked copy, oldest first (empty when no chunked copy was started)."""
+        if not self.table_exists(target):
+            return []
+        t = quote_target(target)
+        rows = self.sql(
+            f"reading the snapshot history of {target}",
+            f"SELECT s.summary AS summary FROM {t}.snapshots s "
+            f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
+            f"WHERE h.is_current_ancestor ORDER BY s.committed_at, s.snapshot_id").collect()
+        marks: list[dict[str, str]] = []
+        for r in rows:
+            summary = {k: v for k, v in (r["summary"] or {}).items() if k.startswith(COPY_PREFIX)}
+            if summary.get(COPY_PREFIX + "first"):
+                marks = []
+            if summary:
+                marks.append(summary)
+        return marks
+
+    def last_commit_records(self, target: str) -> int:
+        """Records the table's latest commit added."""
+        return self.last_commit(target).get("records", 0)
+
+    def write_dead_letters(self, target: str, columns: Sequence[Column], path: Path, lsn: Lsn,
+                           where: str = "true", snapshot: bool = False) -> int:
+        """Append staged dead letters to ``<target>__dlq`` in one commit marked ``lsn``: the raw
+        text of every column, the change's op and LSN, and the reason. Rows of transactions the
+        dead-letter table already holds (a replay after a crash) are left out. ``snapshot``: the
+        rows come from an initial copy and replace those of any earlier copy. Returns the rows
+        written."""
+        dlq = self._dead_letter_table(target, columns)
         held = self._dead_lsn[dlq]
         df = self.spark.read.parquet(str(path)).where(where)
         if snapshot:
@@ -541,9 +644,11 @@ class IcebergSink:
         return count
 
     def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
-              void: Sequence[tuple[int, int]] = ()) -> None:
+              void: Sequence[tuple[int, int]] = (), upsert: bool = False) -> None:
         """Apply one table's staged changes in one commit marked ``lsn``: the rows with
-        ``_wb_seq <= max_seq`` outside the ``void`` ranges, after the last TRUNCATE that counts."""
+        ``_wb_seq <= max_seq`` outside the ``void`` ranges, after the last TRUNCATE that counts.
+        ``upsert``: inserts are merged by key even when the batch only inserts (the table may
+        hold some of them already)."""
         from pyspark.sql.functions import col, lit, max_by, struct
 
         columns = staged.columns
@@ -554,7 +659,7 @@ class IcebergSink:
         else:
             df = None
 
-        if staged.insert_only and df is not None:
+        if staged.insert_only and df is not None and not upsert:
             typed = self._typed(df, target, columns, "_wb_lsn")
             spark_call(f"appending to {target}",
                        lambda: self._writer(typed, target, lsn).append())
@@ -765,7 +870,8 @@ class IcebergSink:
             return {"bytes": int(summary.get("added-files-size", 0)),
                     "data_files": int(summary.get("added-data-files", 0)),
                     "delete_files": int(summary.get("added-delete-files", 0))
-                    + int(summary.get("added-dvs", 0))}
+                    + int(summary.get("added-dvs", 0)),
+                    "records": int(summary.get("added-records", 0))}
 
         return spark_call(f"reading the last commit of {target}", read)
 
