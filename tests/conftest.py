@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from walberg.apply.jdbc import driver_jar
 from walberg.apply.spark import build_session, stop_session
 from walberg.config import Config, parse_config
 from walberg.embedded_pg import EmbeddedPostgres
+from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
 CATALOG = "lake"
@@ -105,6 +107,30 @@ def _drop_finished_slots(request: pytest.FixtureRequest) -> Iterator[None]:
             pass  # taken again meanwhile, or gone
         finally:
             other.close()
+
+
+def insert_lsn(conn: Any) -> Lsn:
+    """The server's current WAL insert position: every transaction committed so far on this
+    connection's server ends before it (what ``wait_for`` waits for)."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+        return Lsn.parse(cur.fetchone()[0])
+
+
+def walberg_cli(*args: str, timeout: float = 300, cwd: Path | None = None,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The walberg command line in a subprocess of this Python, output captured, stdin not a
+    terminal (so confirmations need --yes)."""
+    return subprocess.run([sys.executable, "-m", "walberg.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def walberg_ok(*args: str, timeout: float = 300) -> str:
+    """``walberg_cli`` that must exit 0 (else the output's tail is the failure); its stdout."""
+    done = walberg_cli(*args, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def run_once(config: Config, spark: Any) -> Any:

@@ -10,15 +10,20 @@ from typing import Any
 from pyiceberg.table import StaticTable
 
 
+def hadoop_table(warehouse: Path, target: str) -> StaticTable:
+    """The current version of an Iceberg table (catalog.namespace.table) of the hadoop catalog
+    in ``warehouse``, for PyIceberg: the metadata file that version-hint.text names."""
+    _, namespace, table = target.split(".")
+    meta_dir = warehouse / namespace / table / "metadata"
+    version = (meta_dir / "version-hint.text").read_text().strip()
+    return StaticTable.from_metadata(str(meta_dir / f"v{version}.metadata.json"))
+
+
 def iceberg_rows(warehouse: Path, target: str, key: str = "id",
                  keep_own: bool = False) -> list[dict[str, Any]]:
     """All rows of an Iceberg table of the hadoop catalog, read by PyIceberg, sorted by ``key``,
     without walberg's own columns unless ``keep_own``."""
-    _, namespace, table = target.split(".")
-    meta_dir = warehouse / namespace / table / "metadata"
-    version = (meta_dir / "version-hint.text").read_text().strip()
-    tbl = StaticTable.from_metadata(str(meta_dir / f"v{version}.metadata.json"))
-    rows = tbl.scan().to_arrow().to_pylist()
+    rows = hadoop_table(warehouse, target).scan().to_arrow().to_pylist()
     if not keep_own:
         rows = [{k: v for k, v in r.items() if not k.startswith("_walberg_")} for r in rows]
     return sorted(rows, key=lambda r: r[key])
@@ -32,14 +37,11 @@ def postgres_rows(conn: Any, table: str, key: str = "id") -> list[dict[str, Any]
 
 
 def snapshot_lsns(warehouse: Path, target: str) -> list[str]:
-    _, namespace, table = target.split(".")
-    meta_dir = warehouse / namespace / table / "metadata"
-    version = (meta_dir / "version-hint.text").read_text().strip()
-    tbl = StaticTable.from_metadata(str(meta_dir / f"v{version}.metadata.json"))
-    return [s.summary.additional_properties.get("walberg.lsn") for s in tbl.snapshots()]
+    return [s.summary.additional_properties.get("walberg.lsn")
+            for s in hadoop_table(warehouse, target).snapshots()]
 
 
-__all__ = ["iceberg_rows", "postgres_rows", "snapshot_lsns", "Decimal"]
+__all__ = ["hadoop_table", "iceberg_rows", "postgres_rows", "snapshot_lsns", "Decimal"]
 
 
 def duckdb_rows(warehouse: Path, target: str, key: str = "id") -> list[dict[str, Any]]:

@@ -3,15 +3,13 @@ PostgreSQL, read back with PyIceberg's SQL catalog, which shares its layout)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from conftest import make_config
+from conftest import make_config, walberg_ok
 from lake import postgres_rows
 from walberg.apply import catalogs
 from walberg.config import parse_config
@@ -85,10 +83,7 @@ def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, t
     path.write_text(yaml.safe_dump(raw))
 
     def walberg(*args: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", *args, "-c",
-                               str(path)], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        return done.stdout
+        return walberg_ok("-q", *args, "-c", str(path))
 
     assert "catalog database postgresql://" in walberg("check")
     assert not wh.exists()  # check creates nothing

@@ -7,21 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pyiceberg.table import StaticTable
 
 from conftest import make_config
-from lake import iceberg_rows, postgres_rows
+from lake import hadoop_table, iceberg_rows, postgres_rows
 from walberg.config import parse_config
 from walberg.errors import ApplyError
 from walberg.pipeline import Pipeline
 
 
 def _rows(warehouse: Path, target: str) -> list[dict[str, Any]]:
-    _, namespace, name = target.split(".")
-    meta = warehouse / namespace / name / "metadata"
-    version = (meta / "version-hint.text").read_text().strip()
-    rows = StaticTable.from_metadata(str(meta / f"v{version}.metadata.json")).scan() \
-        .to_arrow().to_pylist()
+    rows = hadoop_table(warehouse, target).scan().to_arrow().to_pylist()
     return sorted(rows, key=lambda r: (r["_walberg_lsn"], r["_walberg_seq"] or 0, r["id"] or 0))
 
 

@@ -14,12 +14,8 @@ from typing import Any
 
 import pytest
 
+from conftest import walberg_cli
 from walberg.cli import main
-
-
-def walberg(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "walberg.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=timeout)
 
 
 def test_help_lists_commands_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,7 +31,7 @@ def test_config_error_is_one_paragraph_and_exit_2(tmp_path: Path) -> None:
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text("source: {postgres: {dsn: 'postgresql://x@127.0.0.1:1/db', tables: [t]}}\n"
                    "sink: {catalog: {warehouse: ./w}, mood: happy}\n")
-    proc = walberg("run", "-c", str(cfg))
+    proc = walberg_cli("run", "-c", str(cfg))
     assert proc.returncode == 2
     assert "sink.mood: unknown key" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -45,7 +41,7 @@ def test_unreachable_postgres_names_the_server_without_password(tmp_path: Path) 
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text("source: {postgres: {dsn: 'postgresql://app:hunter2@127.0.0.1:9/db', "
                    "tables: [t]}}\nsink: {catalog: {warehouse: ./w}}\n")
-    proc = walberg("run", "-c", str(cfg))
+    proc = walberg_cli("run", "-c", str(cfg))
     assert proc.returncode == 2
     assert "cannot connect to PostgreSQL at postgresql://app:***@127.0.0.1:9/db" in proc.stderr
     assert "hunter2" not in proc.stderr
@@ -61,7 +57,7 @@ def _accepting(port: int) -> bool:
 
 
 def test_demo_walks_through_and_cleans_up(tmp_path: Path) -> None:
-    proc = walberg("demo", "--rows", "2000", "--dir", str(tmp_path / "demo"), timeout=600)
+    proc = walberg_cli("demo", "--rows", "2000", "--dir", str(tmp_path / "demo"), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "rows in lake.analytics.employee: 2,000" in out
@@ -114,7 +110,7 @@ def test_json_log_lines(tmp_path: Path) -> None:
     cfg = tmp_path / "pipeline.yaml"
     cfg.write_text("source: {postgres: {dsn: 'postgresql://x@127.0.0.1:9/db', tables: [t], "
                    "reconnect_max_seconds: 0}}\nsink: {catalog: {warehouse: ./w}}\n")
-    proc = walberg("--log-format", "json", "run", "-c", str(cfg))
+    proc = walberg_cli("--log-format", "json", "run", "-c", str(cfg))
     lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     assert lines and all({"time", "level", "message"} <= set(e) for e in lines)
 
@@ -126,7 +122,7 @@ def test_a_server_without_logical_wal_is_refused_with_the_fix(tmp_path: Path) ->
         cfg = tmp_path / "pipeline.yaml"
         cfg.write_text(f"source: {{postgres: {{dsn: '{server.dsn}', tables: [t]}}}}\n"
                        "sink: {catalog: {warehouse: ./w}}\n")
-        proc = walberg("run", "-c", str(cfg))
+        proc = walberg_cli("run", "-c", str(cfg))
     assert proc.returncode == 2, proc.stderr
     assert "wal_level=replica" in proc.stderr
     assert "ALTER SYSTEM SET wal_level = logical" in proc.stderr
@@ -145,7 +141,7 @@ def test_missing_table_and_incomplete_publication_are_refused_with_the_fix(
         cfg.write_text(f"source: {{postgres: {{dsn: '{postgres.dsn}', tables: [{tables}], "
                        f"publication: pub_{unique}, slot: s_{unique}}}}}\n"
                        "sink: {catalog: {warehouse: ./w}}\n")
-        return walberg("run", "-c", str(cfg))
+        return walberg_cli("run", "-c", str(cfg))
 
     proc = run(f"{unique}_nope")
     assert proc.returncode == 2 and f"table public.{unique}_nope" in proc.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from conftest import make_config
+from conftest import make_config, walberg_ok
 from lake import iceberg_rows, postgres_rows
 from walberg.apply.spark import find_java
 
@@ -87,10 +86,7 @@ def test_copy_and_stream_through_a_standalone_cluster(
     path.write_text(yaml.safe_dump(raw))
 
     def walberg(*args: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "walberg.cli", *args, "-c", str(path)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        return done.stdout + done.stderr
+        return walberg_ok(*args, "-c", str(path))
 
     walberg("run", "--once")
     with pg_conn.cursor() as cur:

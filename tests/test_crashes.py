@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from conftest import make_config
+from conftest import make_config, walberg_cli
 from lake import iceberg_rows, postgres_rows
 
 POINTS = ("segment-write", "seal", "decode", "commit", "committed")
@@ -72,8 +72,7 @@ def test_kill_9_at_20_points_loses_and_duplicates_nothing(
         stop.set()
         thread.join(timeout=30)
     assert not errors, errors
-    done = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(path),
-                           "--once"], capture_output=True, text=True, timeout=300)
+    done = walberg_cli("-q", "run", "-c", str(path), "--once")
     assert done.returncode == 0, done.stdout[-3000:]
 
     lake = iceberg_rows(warehouse, config.target_for(table))

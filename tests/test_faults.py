@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from conftest import make_config, running
+from conftest import insert_lsn, make_config, running
 from lake import iceberg_rows, postgres_rows
 from walberg.errors import ApplyError
-from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
 
@@ -54,8 +53,7 @@ def test_a_commit_is_retried_until_the_warehouse_is_writable_again(
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 'new' WHERE id <= 10")
         cur.execute(f"DELETE FROM {table} WHERE id > 90")
-        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-        lsn = Lsn.parse(cur.fetchone()[0])
+        lsn = insert_lsn(pg_conn)
     pipeline = Pipeline(config, session=spark)
     try:
         with running(pipeline) as failures:
@@ -106,8 +104,7 @@ def test_an_unwritable_segment_directory_stops_walberg_cleanly_and_it_resumes(
         with running(pipeline) as failures:
             with pg_conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {table} VALUES (101, 'a')")
-                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=60)
+                pipeline.wait_for(insert_lsn(pg_conn), timeout=60)
             immutable(config.segment_dir)  # no file can be created, renamed or removed there
             with pg_conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {table} SELECT g, 'b' FROM generate_series(102, 200) g")
@@ -141,8 +138,7 @@ def test_postgres_restarts_and_crashes_while_streaming(
             # Streaming first: a source never reached at start is refused at once, by design.
             with pg_conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {table} VALUES (999, 'first')")
-                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
+                pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
             for round_, mode in enumerate(("fast", "immediate")):
                 conn = psycopg2.connect(postgres.dsn)
                 conn.autocommit = True
@@ -155,8 +151,7 @@ def test_postgres_restarts_and_crashes_while_streaming(
                 conn.autocommit = True
                 with conn.cursor() as cur:
                     cur.execute(f"UPDATE {table} SET v = 'after {mode}' WHERE id % 3 = 0")
-                    cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-                    lsn = Lsn.parse(cur.fetchone()[0])
+                    lsn = insert_lsn(conn)
                 conn.close()
                 pipeline.wait_for(lsn, timeout=120)
             assert not failures, failures

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pyiceberg.table import StaticTable
 
 from conftest import make_config
-from lake import duckdb_rows, iceberg_rows, postgres_rows
+from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.iceberg import normal_transform, spark_transform
 from walberg.config import parse_config
 from walberg.errors import ConfigError
@@ -61,13 +60,6 @@ def test_transforms_have_one_spelling(text: str, normal: str, spark: str) -> Non
     assert normal_transform(text) == normal and spark_transform(text) == spark
 
 
-def _table(warehouse: Path, target: str) -> Any:
-    _, namespace, name = target.split(".")
-    meta = warehouse / namespace / name / "metadata"
-    version = (meta / "version-hint.text").read_text().strip()
-    return StaticTable.from_metadata(str(meta / f"v{version}.metadata.json"))
-
-
 def test_partitioned_copy_on_write_table_and_partition_evolution(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
         unique: str) -> None:
@@ -101,7 +93,7 @@ def test_partitioned_copy_on_write_table_and_partition_evolution(
         cur.execute(f"UPDATE {table} SET note = 'u' WHERE id % 10 = 0")
         cur.execute(f"DELETE FROM {table} WHERE id % 7 = 0")
     run(config)
-    lake = _table(warehouse, target)
+    lake = hadoop_table(warehouse, target)
     assert [f.transform.__class__.__name__ for f in lake.spec().fields] == \
         ["DayTransform", "BucketTransform"]
     props = lake.properties
@@ -120,7 +112,7 @@ def test_partitioned_copy_on_write_table_and_partition_evolution(
                     "'1 day', g % 13, 'late' FROM generate_series(1001, 1100) g")
         cur.execute(f"UPDATE {table} SET note = 'v' WHERE id % 10 = 1")
     run(config)
-    lake = _table(warehouse, target)
+    lake = hadoop_table(warehouse, target)
     assert [f.transform.__class__.__name__ for f in lake.spec().fields
             if f.transform.__class__.__name__ != "VoidTransform"] == ["MonthTransform"]
     assert len(lake.specs()) > 1  # one spec per ALTER; old files keep theirs
@@ -151,7 +143,7 @@ def test_format_version_3_table(pg_conn: Any, postgres: Any, spark: Any, warehou
             p.run(once=True)
         finally:
             p.close()
-    assert _table(warehouse, target).metadata.format_version == 3
+    assert hadoop_table(warehouse, target).metadata.format_version == 3
     got = sorted(tuple(r) for r in spark.sql(f"SELECT id, v FROM {target}").collect())
     assert got == sorted((r["id"], r["v"]) for r in postgres_rows(pg_conn, table))
     # Deletion vectors are read by the other engines too.

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import make_config, running
+from conftest import insert_lsn, make_config, running
 from lake import iceberg_rows
 from walberg.apply.batch import BatchBuilder
 from walberg.apply.iceberg import IcebergSink
@@ -73,8 +73,7 @@ def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, 
             with pg_conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {table} VALUES (%s, 'x')", (i,))
                 cur.execute(f"UPDATE {table} SET v = 'y' WHERE id = %s", (i,))
-                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
+                pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if "replace" in [h["operation"] for h in pipeline.history(table)]:

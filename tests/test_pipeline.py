@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import make_config, run_once, running
-from lake import duckdb_rows, iceberg_rows, postgres_rows, snapshot_lsns
+from conftest import insert_lsn, make_config, run_once, running
+from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.errors import Terminal
 from walberg.model import Lsn
 from walberg.pipeline import Pipeline
@@ -162,8 +162,7 @@ def test_idle_slot_advances_while_unpublished_tables_change(pg_conn: Any, postgr
     start = slot_flush(pg_conn, config.source.postgres.slot)
     with pg_conn.cursor() as cur:
         cur.execute(f"INSERT INTO {unique}_busy SELECT generate_series(1, 10000)")
-        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-        busy_end = Lsn.parse(cur.fetchone()[0])
+        busy_end = insert_lsn(pg_conn)
     run_once(config, spark)
     assert slot_flush(pg_conn, config.source.postgres.slot) >= busy_end > start
 
@@ -269,8 +268,7 @@ def test_reconnects_after_the_replication_connection_is_killed(
         with pg_conn.cursor() as cur:
             cur.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(%s, %s) g",
                         (lo, hi))
-            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-            lsn = Lsn.parse(cur.fetchone()[0])
+            lsn = insert_lsn(pg_conn)
         pipeline.wait_for(lsn, timeout=120)
 
     with running(pipeline) as failures:
@@ -439,13 +437,7 @@ def test_prometheus_metrics_count_what_was_written(pg_conn: Any, postgres: Any, 
     assert value("walberg_end_to_end_seconds_count") >= 1
     assert value(f'walberg_initial_copy_progress{{table="{table}"}}') == 1
     # What the one MERGE commit added, read back from its snapshot summary:
-    from pyiceberg.table import StaticTable
-
-    _, namespace, name = config.target_for(table).split(".")
-    meta = warehouse / namespace / name / "metadata"
-    version = (meta / "version-hint.text").read_text().strip()
-    summary = StaticTable.from_metadata(str(meta / f"v{version}.metadata.json")) \
-        .current_snapshot().summary
+    summary = hadoop_table(warehouse, config.target_for(table)).current_snapshot().summary
     assert value(f'walberg_bytes_written_total{{table="{table}"}}') == \
         int(summary["added-files-size"])
     assert value(f'walberg_files_created_total{{kind="data",table="{table}"}}') == \
@@ -472,15 +464,13 @@ def test_a_table_added_to_the_publication_while_running_gets_its_own_copy(
     with running(pipeline) as failures:
         with pg_conn.cursor() as cur:
             cur.execute(f"INSERT INTO {first} VALUES (1, 'a')")
-            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-            pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)  # streaming now
+            pipeline.wait_for(insert_lsn(pg_conn), timeout=120)  # streaming now
             cur.execute(f"ALTER PUBLICATION {config.source.postgres.publication} "
                         f"ADD TABLE {later}")
             cur.execute(f"UPDATE {later} SET v = 'after' WHERE id <= 10")
             cur.execute(f"INSERT INTO {later} VALUES (51, 'new')")
             cur.execute(f"INSERT INTO {first} VALUES (2, 'b')")
-            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-            pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
+            pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
         assert not failures, failures
     for table in (first, later):
         assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import make_config
+from conftest import insert_lsn, make_config, walberg_cli
 from walberg.apply.iceberg import pin_tables
 from walberg.errors import Terminal
 from walberg.model import Lsn
@@ -46,9 +44,7 @@ def test_time_travel_export_and_changes(pg_conn: Any, postgres: Any, spark: Any,
             p.run(once=True)
         finally:
             p.close()
-        with pg_conn.cursor() as cur:
-            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-            return Lsn.parse(cur.fetchone()[0])
+        return insert_lsn(pg_conn)
 
     at_copy = run()
     time.sleep(1.1)
@@ -94,16 +90,14 @@ def test_time_travel_export_and_changes(pg_conn: Any, postgres: Any, spark: Any,
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
     out_csv = tmp_path / "now.csv"
-    cli = [sys.executable, "-m", "walberg.cli", "query", "-c", str(path),
-           f"SELECT id, v FROM {target} ORDER BY id", "--format", "csv", "--output", str(out_csv)]
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    done = walberg_cli("query", "-c", str(path), f"SELECT id, v FROM {target} ORDER BY id",
+                       "--format", "csv", "--output", str(out_csv))
     assert done.returncode == 0, done.stderr
     with open(out_csv) as f:
         assert list(csv.DictReader(f))[0] == {"id": "1", "v": "changed"}
     out_json = tmp_path / "changes.json"
-    done = subprocess.run([sys.executable, "-m", "walberg.cli", "changes", "-c", str(path), table,
-                           "--from", str(first), "--format", "json", "--output", str(out_json)],
-                          capture_output=True, text=True, timeout=300)
+    done = walberg_cli("changes", "-c", str(path), table, "--from", str(first), "--format", "json",
+                       "--output", str(out_json))
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in out_json.read_text().splitlines()]
     assert sorted(r["_change"] for r in lines) == ["delete", "insert", "update", "update",

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from conftest import make_config, run_once
-from lake import duckdb_rows, iceberg_rows, postgres_rows
+from conftest import insert_lsn, make_config, run_once
+from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.evolution import NotEvolvable, Step, plan, widens
 from walberg.errors import Terminal
 from walberg.model import Lsn
@@ -85,12 +85,7 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
     report = run_once(config, spark)
     assert report.batches >= 5  # cut before each change of columns that rows follow
 
-    from pyiceberg.table import StaticTable
-    meta = warehouse / target.split(".")[1] / target.split(".")[2] / "metadata"
-    version = (meta / "version-hint.text").read_text().strip()
-    schema = {f.name: str(f.field_type)
-              for f in StaticTable.from_metadata(str(meta / f"v{version}.metadata.json"))
-              .schema().fields}
+    schema = {f.name: str(f.field_type) for f in hadoop_table(warehouse, target).schema().fields}
     assert schema == {"id": "int", "a": "long", "c2": "double", "d": "decimal(9, 2)",
                       "v": "string", "e": "int", "f": "string", "g": "timestamptz",
                       "_walberg_lsn": "long"}
@@ -137,8 +132,7 @@ def test_what_iceberg_cannot_follow_stops_with_the_way_out(
     run_once(two, spark)
     two_target = two.target_for(table)
     with pg_conn.cursor() as cur:
-        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-        before_change = Lsn.parse(cur.fetchone()[0])
+        before_change = insert_lsn(pg_conn)
         cur.execute(f"ALTER TABLE {table} ALTER COLUMN v TYPE int")
         cur.execute(f"INSERT INTO {table} VALUES (3, 3, 'x')")
         cur.execute(f"INSERT INTO {other} VALUES (1)")

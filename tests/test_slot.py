@@ -4,8 +4,6 @@ drops it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import make_config, run_once, running
+from conftest import make_config, run_once, running, walberg_cli
 from lake import iceberg_rows, postgres_rows
 from walberg.errors import WalbergError
 from walberg.pipeline import Pipeline
@@ -136,16 +134,12 @@ def test_slot_commands(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: P
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
     slot = config.source.postgres.slot
 
-    def walberg(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "walberg.cli", *args], capture_output=True,
-                              text=True, timeout=120, stdin=subprocess.DEVNULL)
-
-    done = walberg("slot", "create", "-c", str(path))
+    done = walberg_cli("slot", "create", "-c", str(path))
     assert done.returncode == 0 and "created replication slot" in done.stdout, done.stderr
     assert _wal_status(pg_conn, slot) is not None
-    done = walberg("slot", "drop", "-c", str(path))  # not on a terminal, no --yes: refused
+    done = walberg_cli("slot", "drop", "-c", str(path))  # not on a terminal, no --yes: refused
     assert done.returncode == 1 and "pass --yes" in done.stderr
     assert _wal_status(pg_conn, slot) is not None
-    done = walberg("slot", "drop", "-c", str(path), "--yes")
+    done = walberg_cli("slot", "drop", "-c", str(path), "--yes")
     assert done.returncode == 0 and f"dropped replication slot {slot}" in done.stdout
     assert _wal_status(pg_conn, slot) is None

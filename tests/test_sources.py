@@ -1,37 +1,50 @@
 """Several sources in one pipeline: two PostgreSQL databases whose `orders` tables fan in to one
-Iceberg table, each row tagged with its source, each source exactly once by its own LSN."""
+Iceberg table, each row tagged with its source, each source exactly once by its own LSN; and
+the commands that act on a pipeline (maintain, resync, slot) going through every source."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import psycopg2
-from pyiceberg.table import StaticTable
+import yaml
 
-from lake import duckdb_rows
+from conftest import walberg_cli
+from lake import duckdb_rows, hadoop_table
 from walberg.config import parse_config
 from walberg.pipeline import Pipelines
 
 
-def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: Any,
-                                           warehouse: Path, tmp_path: Path,
-                                           unique: str) -> None:
-    second = f"{unique}_db2"
-    with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE DATABASE {second}")
-    dsns = {"east": postgres.dsn, "west": postgres.dsn.rsplit("/", 1)[0] + f"/{second}"}
-    conns = {}
-    for name, dsn in dsns.items():
+def _databases(pg_conn: Any, postgres: Any, unique: str, names: tuple[str, str],
+               tables: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, Any]]:
+    """One database per source on the test server (the first is the server's own), each with
+    ``tables[name]`` (id int key, v text) holding ids 1-20; their dsns and open connections by
+    source name."""
+    dsns, conns = {}, {}
+    for i, name in enumerate(names):
+        dsn = postgres.dsn
+        if i:
+            with pg_conn.cursor() as cur:
+                cur.execute(f"CREATE DATABASE {unique}_db{i + 1}")
+            dsn = postgres.dsn.rsplit("/", 1)[0] + f"/{unique}_db{i + 1}"
         conn = psycopg2.connect(dsn)
         conn.autocommit = True
         with conn.cursor() as cur:
-            cur.execute(f"CREATE TABLE {unique} (id int PRIMARY KEY, v text)")
-            cur.execute(f"INSERT INTO {unique} SELECT g, '{name}' || g "
-                        "FROM generate_series(1, 20) g")  # the same ids in both
-        conns[name] = conn
-    raw = {
-        "sources": {name: {"postgres": {"dsn": dsn, "tables": [unique], "slot": f"s_{name}_{unique}",
+            for table in tables[name]:
+                cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+                cur.execute(f"INSERT INTO {table} SELECT g, '{name}' || g "
+                            "FROM generate_series(1, 20) g")  # the same ids in both
+        dsns[name], conns[name] = dsn, conn
+    return dsns, conns
+
+
+def _raw(dsns: dict[str, str], tables: dict[str, list[str]], unique: str, warehouse: Path,
+         tmp_path: Path) -> dict[str, Any]:
+    return {
+        "sources": {name: {"postgres": {"dsn": dsn, "tables": tables[name],
+                                        "slot": f"s_{name}_{unique}",
                                         "publication": f"p_{unique}",
                                         "status_interval_seconds": 1}}
                     for name, dsn in dsns.items()},
@@ -39,16 +52,25 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
                  "namespace": f"ns_{unique}"},
         "buffer": {"dir": str(tmp_path / "segments"), "max_interval_seconds": 0.5},
     }
+
+
+def _run(config: Any, spark: Any) -> None:
+    several = Pipelines(config, session=spark)
+    try:
+        several.run(once=True)
+    finally:
+        several.close()
+
+
+def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: Any,
+                                           warehouse: Path, tmp_path: Path,
+                                           unique: str) -> None:
+    dsns, conns = _databases(pg_conn, postgres, unique, ("east", "west"),
+                             {"east": [unique], "west": [unique]})
+    raw = _raw(dsns, {"east": [unique], "west": [unique]}, unique, warehouse, tmp_path)
     config = parse_config(raw, tmp_path)
     target = config.for_source("east").target_for(f"public.{unique}")
     assert target == config.for_source("west").target_for(f"public.{unique}")
-
-    def run() -> None:
-        several = Pipelines(config, session=spark)
-        try:
-            several.run(once=True)
-        finally:
-            several.close()
 
     def expected() -> list[tuple[str, int, str]]:
         rows = []
@@ -58,7 +80,7 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
                 rows += [(name, i, v) for i, v in cur.fetchall()]
         return sorted(rows)
 
-    run()
+    _run(config, spark)
     with conns["east"].cursor() as cur:
         cur.execute(f"UPDATE {unique} SET v = 'changed' WHERE id <= 5")
         cur.execute(f"DELETE FROM {unique} WHERE id > 18")
@@ -66,12 +88,9 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
         cur.execute(f"INSERT INTO {unique} VALUES (100, 'only west')")
         cur.execute(f"TRUNCATE {unique}")
         cur.execute(f"INSERT INTO {unique} VALUES (1, 'after truncate')")
-    run()
+    _run(config, spark)
 
-    _, namespace, name = target.split(".")
-    meta = warehouse / namespace / name / "metadata"
-    version = (meta / "version-hint.text").read_text().strip()
-    table = StaticTable.from_metadata(str(meta / f"v{version}.metadata.json"))
+    table = hadoop_table(warehouse, target)
     got = sorted((r["_walberg_source"], r["id"], r["v"])
                  for r in table.scan().to_arrow().to_pylist())
     assert got == expected()
@@ -92,16 +111,9 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
     for conn in conns.values():
         conn.close()
     # status (and check) go through every source, without Spark.
-    import json
-    import subprocess
-    import sys
-
-    import yaml
-
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
-    done = subprocess.run([sys.executable, "-m", "walberg.cli", "status", "-c", str(path),
-                           "--json"], capture_output=True, text=True, timeout=120)
+    done = walberg_cli("status", "-c", str(path), "--json", timeout=120)
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     assert sorted(status) == ["east", "west"]
@@ -109,3 +121,127 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
         table_status = status[name]["tables"][f"public.{unique}"]
         assert table_status["iceberg_table"] == target and table_status["last_lsn"]
         assert status[name]["slot"]["name"] == f"s_{name}_{unique}"
+
+
+def _files(warehouse: Path, target: str) -> tuple[int, int]:
+    """Data files and delete files of a table's current snapshot, as PyIceberg plans them."""
+    tasks = list(hadoop_table(warehouse, target).scan().plan_files())
+    return len(tasks), len({d.file_path for t in tasks for d in t.delete_files})
+
+
+def _marks(warehouse: Path, target: str) -> dict[str, str]:
+    """Each source's walberg.lsn.<source> in the table's remaining snapshots (the highest:
+    where a restart of that source resumes)."""
+    marks: dict[str, str] = {}
+    for snap in hadoop_table(warehouse, target).snapshots():
+        for key, value in snap.summary.additional_properties.items():
+            if key.startswith("walberg.lsn.") and int(value.replace("/", ""), 16) > int(
+                    marks.get(key, "0/0").replace("/", ""), 16):
+                marks[key] = value
+    return marks
+
+
+def _lake(warehouse: Path, target: str) -> list[tuple[str, int, str, int]]:
+    """(source, id, v, _walberg_lsn) of every row of a table."""
+    return sorted((r["_walberg_source"], r["id"], r["v"], r["_walberg_lsn"])
+                  for r in hadoop_table(warehouse, target).scan().to_arrow().to_pylist())
+
+
+def _slot_exists(pg_conn: Any, slot: str) -> bool:
+    with pg_conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+        return cur.fetchone() is not None
+
+
+def test_maintain_resync_and_slot_go_through_every_source(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    shared, only_a, only_b = unique, f"{unique}_a", f"{unique}_b"
+    tables = {"a": [shared, only_a], "b": [shared, only_b]}
+    dsns, conns = _databases(pg_conn, postgres, unique, ("a", "b"), tables)
+    raw = _raw(dsns, tables, unique, warehouse, tmp_path)
+    # Expire every snapshot the maintenance does not need: the LSN marks must survive that.
+    raw["maintenance"] = {"snapshot_retention": "0s", "retain_last": 1}
+    config = parse_config(raw, tmp_path)
+    targets = {t: config.for_source(s).target_for(f"public.{t}")
+               for s, mine in tables.items() for t in mine}
+    assert len(set(targets.values())) == 3  # the shared table fans in
+
+    # The copy, then small commits: several data and delete files in each source's partition.
+    _run(config, spark)
+    for round_ in range(3):
+        for name, conn in conns.items():
+            with conn.cursor() as cur:
+                for table in tables[name]:
+                    cur.execute(f"INSERT INTO {table} VALUES ({100 + round_}, 'r{round_}')")
+                    cur.execute(f"UPDATE {table} SET v = 'u{round_}' WHERE id = {round_ + 1}")
+        _run(config, spark)
+    before = {t: _files(warehouse, target) for t, target in targets.items()}
+    rows = {t: _lake(warehouse, target) for t, target in targets.items()}
+    marks = {t: _marks(warehouse, target) for t, target in targets.items()}
+    assert sorted(marks[shared]) == ["walberg.lsn.a", "walberg.lsn.b"]
+    for table, (data_files, delete_files) in before.items():
+        assert data_files >= 4 and delete_files >= 1, (table, data_files, delete_files)
+
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    done = walberg_cli("maintain", "-c", str(path))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    maintained = [line.split()[0] for line in done.stdout.splitlines()[2:-1]]
+    assert sorted(maintained) == sorted(targets.values())  # every table, the shared one once
+    for table, target in targets.items():
+        data_files, delete_files = _files(warehouse, target)
+        assert data_files < before[table][0] and delete_files == 0, (table, data_files)
+        assert _lake(warehouse, target) == rows[table]  # the data is unchanged
+        # Both sources' marks stay, at the same LSNs, though their snapshots expired: only
+        # maintenance's own commits (newer than the expiry cut-off) are left to carry them.
+        assert _marks(warehouse, target) == marks[table]
+        assert {s.summary.operation.value for s in
+                hadoop_table(warehouse, target).snapshots()} == {"replace"}
+
+    # A restart of both sources after maintenance neither copies again nor re-applies.
+    done = walberg_cli("run", "-c", str(path), "--once")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "initial copy" not in done.stderr
+    for name in ("a", "b"):
+        assert f"source {name} stopped: 0 batch(es), 0 change(s) applied" in done.stderr
+    assert {t: _lake(warehouse, target) for t, target in targets.items()} == rows
+
+    # resync --source b copies b's tables again (a fresh _walberg_lsn on each of b's rows) and
+    # leaves a's rows, slot and tables as they were.
+    a_slot = raw["sources"]["a"]["postgres"]["slot"]
+    with pg_conn.cursor() as cur:
+        cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                    "WHERE slot_name = %s", (a_slot,))
+        a_flush = cur.fetchone()[0]
+    done = walberg_cli("resync", "-c", str(path), "--source", "b", "--yes")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "source b: copied" in done.stdout and "source a" not in done.stdout
+    for table in (shared, only_b):
+        after = _lake(warehouse, targets[table])
+        assert [r[:3] for r in after] == [r[:3] for r in rows[table]]
+        old_b = max(r[3] for r in rows[table] if r[0] == "b")
+        assert all(r[3] > old_b for r in after if r[0] == "b"), table
+        assert [r for r in after if r[0] == "a"] == [r for r in rows[table] if r[0] == "a"]
+    assert _lake(warehouse, targets[only_a]) == rows[only_a]
+    with pg_conn.cursor() as cur:
+        cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                    "WHERE slot_name = %s", (a_slot,))
+        assert cur.fetchone()[0] == a_flush
+
+    # A source name the file does not have: exit 2, naming the ones it has (before any Spark).
+    for command in (["resync", "--yes"], ["slot", "drop", "--yes"]):
+        done = walberg_cli(*command, "-c", str(path), "--source", "c", timeout=60)
+        said = " ".join(done.stderr.split())
+        assert done.returncode == 2 and "its sources are a, b" in said, said
+    # slot without --source refuses: each source has a slot, and dropping both is costly.
+    slots = [raw["sources"][n]["postgres"]["slot"] for n in ("a", "b")]
+    done = walberg_cli("slot", "drop", "-c", str(path), "--yes", timeout=60)
+    said = " ".join(done.stderr.split())  # the message is wrapped for the terminal
+    assert done.returncode == 2 and "several sources (a, b)" in said, said
+    assert "--source NAME" in said and all(_slot_exists(pg_conn, s) for s in slots)
+    done = walberg_cli("slot", "drop", "-c", str(path), "--source", "b", "--yes", timeout=60)
+    assert done.returncode == 0 and f"dropped replication slot {slots[1]}" in done.stdout
+    assert _slot_exists(pg_conn, slots[0]) and not _slot_exists(pg_conn, slots[1])
+    for conn in conns.values():
+        conn.close()

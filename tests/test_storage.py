@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from conftest import make_config
+from conftest import make_config, walberg_ok
 from lake import postgres_rows
 from walberg.apply import storage
 from walberg.errors import EnvironmentProblem
@@ -92,10 +92,7 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
     path.write_text(yaml.safe_dump(raw))
 
     def walberg(*args: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "walberg.cli", *args, "-c", str(path)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        return done.stdout
+        return walberg_ok(*args, "-c", str(path))
 
     walberg("run", "--once")
     with pg_conn.cursor() as cur:

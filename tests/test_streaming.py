@@ -9,9 +9,8 @@ from typing import Any
 
 import psycopg2
 
-from conftest import make_config, running
+from conftest import insert_lsn, make_config, running
 from lake import iceberg_rows, postgres_rows
-from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
 
@@ -31,8 +30,7 @@ def test_streamed_in_progress_transactions(pg_conn: Any, postgres: Any, spark: A
         with running(pipeline) as failures:
             with pg_conn.cursor() as cur:
                 cur.execute(f"INSERT INTO {small} VALUES (0)")
-                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=120)
+                pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
             other = psycopg2.connect(postgres.dsn)
             other.autocommit = True
             with pg_conn.cursor() as cur, other.cursor() as side:
@@ -53,8 +51,7 @@ def test_streamed_in_progress_transactions(pg_conn: Any, postgres: Any, spark: A
                             "FROM generate_series(200001, 220000) g")
                 cur.execute("ROLLBACK")
                 cur.execute(f"INSERT INTO {small} VALUES (3)")
-                cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-                pipeline.wait_for(Lsn.parse(cur.fetchone()[0]), timeout=180)
+                pipeline.wait_for(insert_lsn(pg_conn), timeout=180)
             other.close()
             assert not failures, failures
         with pg_conn.cursor() as cur:

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from pyiceberg.table import StaticTable
 
 from conftest import make_config
+from lake import hadoop_table
 from walberg.apply.types import (
     INT4,
     NUMERIC,
@@ -239,10 +239,7 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
     finally:
         conn.close()
 
-    _, namespace, name = target.split(".")
-    meta = warehouse / namespace / name / "metadata"
-    version = (meta / "version-hint.text").read_text().strip()
-    lake = StaticTable.from_metadata(str(meta / f"v{version}.metadata.json"))
+    lake = hadoop_table(warehouse, target)
     schema = {f.name: str(f.field_type) for f in lake.schema().fields}
     assert schema["n38"] == "decimal(38, 10)" and schema["nu"] == "decimal(38, 18)"
     assert schema["dom"] == "decimal(12, 2)" and schema["tstz"] == "timestamptz"
@@ -255,9 +252,7 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
     assert not [(i, c, str(e)[:80], str(g)[:80]) for i, c, e, g in mismatches]
     assert got[103]["tx"] == LONG and got[103]["i4"] == 7
 
-    dead = StaticTable.from_metadata(str(sorted(
-        (warehouse / namespace / f"{name}__dlq" / "metadata").glob("v*.metadata.json"),
-        key=lambda p: int(p.stem[1:].split(".")[0]))[-1]))
+    dead = hadoop_table(warehouse, f"{target}__dlq")
     letters = {(int(r["id"]), r["_walberg_op"]): r for r in dead.scan().to_arrow().to_pylist()}
     assert sorted(letters) == sorted([(i, "snapshot") for i in BAD]
                                      + [(i + 100, "insert") for i in BAD])

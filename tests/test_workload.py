@@ -10,9 +10,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from conftest import make_config, running
+from conftest import insert_lsn, make_config, running
 from lake import iceberg_rows, postgres_rows
-from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
 STEPS = int(os.environ.get("WALBERG_TEST_STEPS", "300"))
@@ -105,8 +104,7 @@ def test_random_workload_ends_with_verify_equal(pg_conn: Any, postgres: Any, spa
                         cur.execute(text.replace("%%", "%"))
                 cur.execute("ROLLBACK" if rng.random() < 0.05 else "COMMIT")
                 done += size
-            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-            end = Lsn.parse(cur.fetchone()[0])
+            end = insert_lsn(pg_conn)
         pipeline.wait_for(end, timeout=300)
         assert not failures, failures
     check = Pipeline(config, session=spark)

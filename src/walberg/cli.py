@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 from walberg.errors import WalbergError
 
 if TYPE_CHECKING:
+    from walberg.config import Config
     from walberg.pipeline import Pipeline
 
 EXAMPLES = {
@@ -30,7 +31,7 @@ EXAMPLES = {
     "changes": "walberg changes -c pipeline.yaml public.employee --from 2026-11-21T10:00:00 "
                "--format parquet --output changes.parquet",
     "resync": "walberg resync -c pipeline.yaml public.employee   # or no table: all, new slot",
-    "slot": "walberg slot drop -c pipeline.yaml --yes",
+    "slot": "walberg slot drop -c pipeline.yaml --yes   # several sources: --source NAME",
     "verify": "walberg verify -c pipeline.yaml --table public.employee   # exit 0 only if equal",
     "init": "walberg init pipeline.yaml                # then edit the dsn and the tables",
 }
@@ -136,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "remove orphan files")
     maintain.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     maintain.add_argument("--table", action="append", help="source table (schema.table); "
-                                                           "repeat for several; default: all")
+                                                           "repeat for several; default: all "
+                                                           "(of every source)")
 
     verify = command("verify", "prove each Iceberg table equals its Postgres table (row counts, "
                                "hashes over all columns, differing keys)")
@@ -154,11 +156,15 @@ def _parser() -> argparse.ArgumentParser:
     resync.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     resync.add_argument("tables", nargs="*", help="source tables (schema.table); none: all "
                                                   "tables, with a new replication slot")
+    resync.add_argument("--source", help="with several sources: only this one (default: "
+                                         "every source, or those that have the named tables)")
     resync.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
     slot = command("slot", "create or drop the pipeline's replication slot")
     slot.add_argument("action", choices=["create", "drop"])
     slot.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    slot.add_argument("--source", help="with several sources: the source whose slot it is "
+                                       "(required then)")
     slot.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
     init = command("init", "write a commented starter pipeline.yaml")
@@ -386,11 +392,24 @@ def _confirm(args: argparse.Namespace, question: str) -> bool:
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
+def _chosen_sources(config: "Config", source: Optional[str]) -> Optional[list[str]]:
+    """The sources a command acts on: None for a file with one source (``source:``), else
+    the one ``--source`` names or, without it, all of them. A name the file does not have is
+    an error that lists the ones it has."""
+    if source is not None:
+        config.for_source(source)  # raises ConfigError, naming the sources there are
+        return [source]
+    return list(config.sources) or None
+
+
 def _cmd_resync(args: argparse.Namespace) -> int:
     from walberg.config import load_config
 
     config = load_config(args.config)
     tables = [t if "." in t else f"public.{t}" for t in args.tables] or None
+    names = _chosen_sources(config, args.source)
+    if names is not None:
+        return _resync_sources(args, config, names, tables)
     what = (", ".join(f"{t} -> {config.target_for(t)}" for t in tables) if tables else
             f"every table, after dropping replication slot {config.source.postgres.slot}")
     if not _confirm(args, f"This copies {what} from Postgres again, replacing the Iceberg "
@@ -403,12 +422,46 @@ def _cmd_resync(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resync_sources(args: argparse.Namespace, config: "Config", names: list[str],
+                    tables: Optional[list[str]]) -> int:
+    """``resync`` in a file with several sources: each chosen source that has the tables."""
+    from walberg.pipeline import Pipelines
+
+    plan = config.tables_by_source(tables, names)  # before asking: a wrong name fails first
+    what = "; ".join(
+        f"from source {name}: " + (
+            ", ".join(f"{t} -> {config.for_source(name).target_for(t)}" for t in mine) if mine
+            else "every table, after dropping replication slot "
+                 f"{config.sources[name].postgres.slot}")
+        for name, mine in plan.items())
+    if not _confirm(args, f"This copies {what} from Postgres again, replacing those rows of the "
+                          "Iceberg tables (their history stays for time travel)."):
+        return 1
+    several = Pipelines(config, names=list(plan))
+    try:
+        reports = several.resync(tables)
+    finally:
+        several.close()
+    for name, report in reports.items():
+        copied = ", ".join(f"{t}: {n:,} rows" for t, n in report.copied.items())
+        print(f"source {name}: copied {copied}; the lake is complete up to LSN "
+              f"{report.applied_lsn}")
+    return 0
+
+
 def _cmd_slot(args: argparse.Namespace) -> int:
     from walberg.config import load_config
     from walberg.source import postgres as pg
     from walberg.source.stream import ReplicationStream
 
     config = load_config(args.config)
+    if config.sources and args.source is None:
+        # Each source has its own slot; acting on all of them unasked (dropping several
+        # slots, and so copying several databases again) is too easy a mistake.
+        return _fail(f"{args.config} has several sources ({', '.join(config.sources)}), each "
+                     f"with its own replication slot: name one with --source NAME", 2)
+    if args.source is not None:
+        config = config.for_source(args.source)  # a name it does not have: ConfigError
     src = config.source.postgres
     if args.action == "drop":
         if not _confirm(args, f"Dropping replication slot {src.slot} frees the WAL it holds; "
@@ -454,8 +507,20 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_maintain(args: argparse.Namespace) -> int:
-    with _opened(args) as pipeline:
-        reports = pipeline.maintain(args.table)
+    from walberg.config import load_config
+
+    config = load_config(args.config)
+    if config.sources:
+        from walberg.pipeline import Pipelines
+
+        several = Pipelines(config)
+        try:
+            reports = several.maintain(args.table)
+        finally:
+            several.close()
+    else:
+        with _opened(args) as pipeline:
+            reports = pipeline.maintain(args.table)
     rows = [(r["table"], f"{r['before']['data_files']} -> {r['after']['data_files']}",
              f"{r['before']['delete_files']} -> {r['after']['delete_files']}",
              f"{r['before']['snapshots']} -> {r['after']['snapshots']}",

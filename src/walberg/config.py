@@ -406,11 +406,34 @@ class Config(_Model):
     def for_source(self, name: str) -> "Config":
         """The single-source configuration of one of ``sources``: its own slot, publication and
         segment directory (``buffer.dir/<name>``), the same sink."""
+        if name not in self.sources:
+            raise ConfigError(
+                f"there is no source {name!r} in this pipeline file; its sources are "
+                f"{', '.join(self.sources)}" if self.sources else
+                f"this pipeline file has one source (`source:`), not several, so there is no "
+                f"source {name!r} to choose: leave out --source")
         buffer = self.buffer.model_copy(update={"dir": str(Path(self.buffer.dir) / name)})
         one = self.model_copy(update={"source": self.sources[name], "sources": {},
                                       "buffer": buffer})
         one._source_name = name
         return one
+
+    def tables_by_source(self, tables: Optional[list[str]] = None,
+                         names: Optional[list[str]] = None) -> dict[str, Optional[list[str]]]:
+        """Of several sources (``names``, default all): which of ``tables`` each one has, None
+        meaning all of its tables when no table is named. A source with none of the named
+        tables is left out; a table that none of them has is an error."""
+        chosen = {n: self.for_source(n).source.postgres.tables for n in names or self.sources}
+        if not tables:
+            return {n: None for n in chosen}
+        unknown = [t for t in tables if not any(t in mine for mine in chosen.values())]
+        if unknown:
+            listed = "; ".join(f"{n}: {', '.join(mine)}" for n, mine in chosen.items())
+            raise ConfigError(f"{', '.join(unknown)}: not a table of "
+                              f"{'any source' if len(chosen) > 1 else 'source ' + next(iter(chosen))}"
+                              f" ({listed}); see sources.<name>.postgres.tables")
+        return {n: [t for t in tables if t in mine] for n, mine in chosen.items()
+                if any(t in mine for t in tables)}
 
     def path(self, value: str) -> Path:
         """A path from the config, relative to the YAML file's directory."""

@@ -1976,10 +1976,13 @@ class Pipelines:
     name fan in to one Iceberg table (``sink.fan_in``), each source's rows tagged with
     ``_walberg_source`` and recorded exactly once by its own ``walberg.lsn.<source>``."""
 
-    def __init__(self, config: Config, session: Any = None) -> None:
+    def __init__(self, config: Config, session: Any = None,
+                 names: Optional[list[str]] = None) -> None:
+        """``names``: the sources to open (default: all of them)."""
         if not config.sources:
             raise ConfigError("this pipeline file has one source; use Pipeline")
-        names = list(config.sources)
+        self.config = config
+        names = names or list(config.sources)
         first = Pipeline(config.for_source(names[0]), session=session)
         shared = first.session()
         self.pipelines = {names[0]: first}
@@ -2013,15 +2016,40 @@ class Pipelines:
             raise failures[0]
         return reports
 
+    def _tables_by_source(self, tables: Optional[list[str]]
+                          ) -> dict[str, Optional[list[str]]]:
+        return self.config.tables_by_source(tables, list(self.pipelines))
+
     def verify(self, tables: Optional[list[str]] = None, limit: int = 20,
                wait_seconds: float = 60.0) -> list[TableVerdict]:
         verdicts = []
-        for name, pipeline in self.pipelines.items():
-            mine = [t for t in tables or pipeline.tables if t in pipeline.targets]
-            for v in pipeline.verify(mine or None, limit, wait_seconds):
+        for name, mine in self._tables_by_source(tables).items():
+            for v in self.pipelines[name].verify(mine, limit, wait_seconds):
                 v.source = f"{name}:{v.source}"
                 verdicts.append(v)
         return verdicts
+
+    def maintain(self, tables: Optional[list[str]] = None) -> list[dict[str, Any]]:
+        """Maintain the Iceberg tables of every source (or of these source tables), each once:
+        with fan-in several sources share a table, and compacting it twice would only cost.
+        The maintenance commits carry every source's ``walberg.lsn.<source>`` (see
+        ``IcebergSink.maintain``), whichever source's pipeline makes them."""
+        reports: list[dict[str, Any]] = []
+        done: set[str] = set()
+        for name, mine in self._tables_by_source(tables).items():
+            pipeline = self.pipelines[name]
+            todo = [t for t in mine or pipeline.tables if pipeline.targets[t] not in done]
+            done.update(pipeline.targets[t] for t in todo)
+            if todo:
+                reports += pipeline.maintain(todo)
+        return reports
+
+    def resync(self, tables: Optional[list[str]] = None) -> dict[str, RunReport]:
+        """``Pipeline.resync`` for each source, one after the other: the named tables where a
+        source has them, or (none named) every table of every source, each with a new slot.
+        In a shared table a source's copy replaces only its own rows."""
+        return {name: self.pipelines[name].resync(mine)
+                for name, mine in self._tables_by_source(tables).items()}
 
     def stop(self) -> None:
         for pipeline in self.pipelines.values():
