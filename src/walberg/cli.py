@@ -392,7 +392,7 @@ def _cmd_resync(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     tables = [t if "." in t else f"public.{t}" for t in args.tables] or None
     what = (", ".join(f"{t} -> {config.target_for(t)}" for t in tables) if tables else
-            f"every table, after dropping replication slot {config.source.postgres.slot}")
+            f"every table, after dropping replication slot {config.postgres.slot}")
     if not _confirm(args, f"This copies {what} from Postgres again, replacing the Iceberg "
                           "table's rows (its history stays for time travel)."):
         return 1
@@ -409,7 +409,7 @@ def _cmd_slot(args: argparse.Namespace) -> int:
     from walberg.source.stream import ReplicationStream
 
     config = load_config(args.config)
-    src = config.source.postgres
+    src = config.postgres
     if args.action == "drop":
         if not _confirm(args, f"Dropping replication slot {src.slot} frees the WAL it holds; "
                               "the next walberg run creates it anew and copies every table."):

@@ -156,7 +156,7 @@ class Pipeline:
         leaves it running on close); by default walberg builds and owns one."""
         self.config = config
         self._owns_session = session is None
-        self.pg = config.source.postgres
+        self.pg = config.postgres
         self.tables = list(self.pg.tables)
         self.targets = {t: config.target_for(t) for t in self.tables}
         # Changelog tables (sink mode append or both); in append mode it is the target itself.
