@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 from walberg.errors import WalbergError
 
 if TYPE_CHECKING:
+    from walberg.config import Config
     from walberg.pipeline import Pipeline
 
 EXAMPLES = {
@@ -202,6 +203,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from walberg.pipeline import Pipeline
 
     config = load_config(args.config)
+    if config.source.kafka is not None:
+        return _run_kafka(config, args.once)
     if config.sources:
         from walberg.pipeline import Pipelines
 
@@ -227,6 +230,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     logging.getLogger("walberg").info(
         "stopped: %d batch(es), %d change(s) applied, lake complete up to LSN %s",
         report.batches, report.changes, report.applied_lsn)
+    return 0
+
+
+def _run_kafka(config: "Config", once: bool) -> int:
+    from walberg.kafka_pipeline import KafkaPipeline
+
+    pipeline = KafkaPipeline(config)
+    previous = _on_signals(lambda: pipeline.stop())
+    try:
+        report = pipeline.run(once=once)
+    finally:
+        pipeline.close()
+        _restore_signals(previous)
+    logging.getLogger("walberg").info(
+        "stopped: %d batch(es), %d change(s) applied, %d dead letter(s); offsets %s",
+        report.batches, report.records, report.dead_letters,
+        ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(report.offsets.items())) or "-")
     return 0
 
 
@@ -294,8 +314,17 @@ def _each_source(args: argparse.Namespace) -> Iterator[tuple[Optional[str], "Pip
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+
     failed = total = 0
-    for name, pipeline in _each_source(args):
+    config = load_config(args.config)
+    if config.source.kafka is not None:
+        from walberg.kafka_pipeline import KafkaPipeline
+
+        sources: Iterator[tuple[Optional[str], Any]] = iter([(None, KafkaPipeline(config))])
+    else:
+        sources = _each_source(args)
+    for name, pipeline in sources:
         if name:
             print(f"source {name}:")
         results = pipeline.check()
@@ -351,6 +380,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from walberg.config import load_config
 
     config = load_config(args.config)
+    if config.source.kafka is not None:
+        return _run_kafka(config, args.once)
     if config.sources:
         from walberg.pipeline import Pipelines
 
