@@ -104,9 +104,10 @@ def _drop_finished_slots(request: pytest.FixtureRequest) -> Iterator[None]:
             other.close()
 
 
-def run_once(config: Config, spark: Any) -> Any:
-    """`walberg run --once` in this process, on the test session's Spark; returns its report."""
-    pipeline = Pipeline(config, session=spark)
+def run_once(config: Config, spark: Any, kind: Any = Pipeline) -> Any:
+    """`walberg run --once` in this process, on the test session's Spark; returns its report.
+    ``kind``: the pipeline class (the Kafka source's is KafkaPipeline)."""
+    pipeline = kind(config, session=spark)
     try:
         return pipeline.run(once=True)
     finally:

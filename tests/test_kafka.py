@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import yaml
 from prometheus_client import REGISTRY
 
-from conftest import CATALOG
+from conftest import CATALOG, run_once
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import iceberg_rows
 from walberg.config import Config, parse_config
@@ -39,14 +39,6 @@ def _raw(servers: str, warehouse: Path, tmp: Path, name: str, topics: list[str],
 
 def _config(raw: dict[str, Any], tmp: Path) -> Config:
     return parse_config(raw, tmp, "test config")
-
-
-def _run_once(config: Config, spark: Any) -> Any:
-    pipeline = KafkaPipeline(config, session=spark)
-    try:
-        return pipeline.run(once=True)
-    finally:
-        pipeline.close()
 
 
 def _dead(tmp: Path) -> list[dict[str, Any]]:
@@ -93,8 +85,8 @@ def test_debezium_events_with_schema_land_as_the_source_table(
     p.send(topic, b'{"id": 3}', None, partition=1)  # the tombstone after a delete
     # A key change, as an update whose before and after keys differ (same partition).
     send("u", row(4, "n4", 400), row(6, "n4", 400), 4)
-    report = _run_once(_config(_raw(kafka_broker, warehouse, tmp_path, unique, [topic]),
-                               tmp_path), spark)
+    report = run_once(_config(_raw(kafka_broker, warehouse, tmp_path, unique, [topic]),
+                              tmp_path), spark, KafkaPipeline)
     assert report.dead_letters == 0
 
     target = f"{CATALOG}.ns_{unique}.{unique}"
@@ -134,7 +126,7 @@ def test_events_without_schema_and_dead_letters(
                                        {"table": f"public.{unique}"}) or 0.0
     raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic],
                tables={topic: {"key": ["id"]}})
-    report = _run_once(_config(raw, tmp_path), spark)
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
 
     target = f"{CATALOG}.ns_{unique}.{unique}"
     assert iceberg_rows(warehouse, target) == [{"id": 1, "v": "A", "n": 10},
@@ -150,7 +142,7 @@ def test_events_without_schema_and_dead_letters(
     assert after == before + 5
     # Run again: the last record is read again (no table commit covers it), and it does not
     # become a dead letter twice.
-    again = _run_once(_config(raw, tmp_path), spark)
+    again = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
     assert (again.records, again.dead_letters, len(_dead(tmp_path))) == (0, 0, 5)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 from pydantic import (
@@ -84,6 +84,8 @@ class PostgresSource(_Model):
 class KafkaTopic(_Model):
     """How one Kafka topic lands in Iceberg (source.kafka.tables.<topic>)."""
 
+    doc_key: ClassVar[str] = "topic"
+
     table: Optional[str] = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$",
         description="namespace.table in the catalog; default: the topic's last two parts "
@@ -144,6 +146,8 @@ class KafkaSource(_Model):
 
 
 class Source(_Model):
+    doc_key: ClassVar[str] = "name"
+
     postgres: Optional[PostgresSource] = Field(None, description="a PostgreSQL database")
     kafka: Optional[KafkaSource] = Field(None, description="Debezium events from Kafka")
 

@@ -34,13 +34,13 @@ import pyarrow.parquet as pq
 from walberg import metrics
 from walberg.apply.batch import BatchBuilder, StagedTable
 from walberg.apply.iceberg import OFFSET_PROPERTY, IcebergSink
-from walberg.apply.spark import check_java, find_java, stop_session
+from walberg.apply.spark import check_java, find_java
 from walberg.apply.types import TypeMap, pg_type_for
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config, KafkaTopic
 from walberg.errors import ConfigError, WalbergError
 from walberg.faults import crash_point
-from walberg.lakeside import commit_with_retries, count_files, open_session
+from walberg.lakeside import commit_with_retries, count_files, open_session, release
 from walberg.model import Column, Lsn, Op
 from walberg.source import debezium as dbz
 from walberg.source import kafka
@@ -128,11 +128,9 @@ class KafkaPipeline:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        release(self._store, self._session if self._owns_session else None)
+        self._store = None
         if self._owns_session:
-            stop_session(self._session)
             self._session = self._sink = None
 
     def _new_consumer(self) -> kafka.Consumer:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from walberg import metrics
 from walberg.apply import catalogs, storage
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.spark import build_session
+from walberg.apply.spark import build_session, stop_session
+from walberg.buffer.store import SegmentStore
 from walberg.config import Config, Sink
 from walberg.errors import ApplyError, WalbergError
 
@@ -29,6 +30,14 @@ def open_session(config: Config) -> Any:
         *(None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure)))
     return build_session(config.spark.master, cat.name, config.warehouse, props,
                          {**storage_conf, **config.spark.conf}, jars=jars + storage_jars)
+
+
+def release(store: Optional[SegmentStore], session: Any) -> None:
+    """Close a pipeline's segment store and stop the Spark session it built (None: a session
+    the caller owns, left running)."""
+    if store is not None:
+        store.close()
+    stop_session(session)
 
 
 def commit_with_retries(sink_cfg: Sink, stop: threading.Event, sink: IcebergSink, source: str,

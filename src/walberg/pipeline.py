@@ -43,7 +43,7 @@ from walberg.apply.batch import (
 )
 from walberg.apply.iceberg import IcebergSink, pin_tables, quote_target
 from walberg.apply.metadata import read_hadoop_table
-from walberg.apply.spark import check_java, find_java, iceberg_jar, stop_session
+from walberg.apply.spark import check_java, find_java, iceberg_jar
 from walberg.apply.types import TextPrep, TypeMap, parse_array, quote, sql_string
 from walberg.buffer import spill
 from walberg.buffer.spill import TxnSpill
@@ -58,7 +58,7 @@ from walberg.errors import (
     WalbergError,
 )
 from walberg.faults import crash_point
-from walberg.lakeside import commit_with_retries, count_files, open_session
+from walberg.lakeside import commit_with_retries, count_files, open_session, release
 from walberg.model import (
     Begin,
     Column,
@@ -219,11 +219,9 @@ class Pipeline:
         self._wake.set()
 
     def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        release(self._store, self._session if self._owns_session else None)
+        self._store = None
         if self._owns_session:
-            stop_session(self._session)
             self._session = self._sink = None
 
     @property
