@@ -133,9 +133,10 @@ def walberg_ok(*args: str, timeout: float = 300) -> str:
     return done.stdout
 
 
-def run_once(config: Config, spark: Any) -> Any:
-    """`walberg run --once` in this process, on the test session's Spark; returns its report."""
-    pipeline = Pipeline(config, session=spark)
+def run_once(config: Config, spark: Any, kind: Any = Pipeline) -> Any:
+    """`walberg run --once` in this process, on the test session's Spark; returns its report.
+    ``kind``: the pipeline class (the Kafka source's is KafkaPipeline)."""
+    pipeline = kind(config, session=spark)
     try:
         return pipeline.run(once=True)
     finally:

@@ -208,6 +208,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from walberg.pipeline import Pipeline
 
     config = load_config(args.config)
+    if config.source.kafka is not None:
+        return _run_kafka(config, args.once)
     if config.sources:
         from walberg.pipeline import Pipelines
 
@@ -233,6 +235,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     logging.getLogger("walberg").info(
         "stopped: %d batch(es), %d change(s) applied, lake complete up to LSN %s",
         report.batches, report.changes, report.applied_lsn)
+    return 0
+
+
+def _run_kafka(config: "Config", once: bool) -> int:
+    from walberg.kafka_pipeline import KafkaPipeline
+
+    pipeline = KafkaPipeline(config)
+    previous = _on_signals(lambda: pipeline.stop())
+    try:
+        report = pipeline.run(once=once)
+    finally:
+        pipeline.close()
+        _restore_signals(previous)
+    logging.getLogger("walberg").info(
+        "stopped: %d batch(es), %d change(s) applied, %d dead letter(s); offsets %s",
+        report.batches, report.records, report.dead_letters,
+        ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(report.offsets.items())) or "-")
     return 0
 
 
@@ -300,8 +319,17 @@ def _each_source(args: argparse.Namespace) -> Iterator[tuple[Optional[str], "Pip
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from walberg.config import load_config
+
     failed = total = 0
-    for name, pipeline in _each_source(args):
+    config = load_config(args.config)
+    if config.source.kafka is not None:
+        from walberg.kafka_pipeline import KafkaPipeline
+
+        sources: Iterator[tuple[Optional[str], Any]] = iter([(None, KafkaPipeline(config))])
+    else:
+        sources = _each_source(args)
+    for name, pipeline in sources:
         if name:
             print(f"source {name}:")
         results = pipeline.check()
@@ -357,6 +385,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from walberg.config import load_config
 
     config = load_config(args.config)
+    if config.source.kafka is not None:
+        return _run_kafka(config, args.once)
     if config.sources:
         from walberg.pipeline import Pipelines
 
@@ -411,7 +441,7 @@ def _cmd_resync(args: argparse.Namespace) -> int:
     if names is not None:
         return _resync_sources(args, config, names, tables)
     what = (", ".join(f"{t} -> {config.target_for(t)}" for t in tables) if tables else
-            f"every table, after dropping replication slot {config.source.postgres.slot}")
+            f"every table, after dropping replication slot {config.postgres.slot}")
     if not _confirm(args, f"This copies {what} from Postgres again, replacing the Iceberg "
                           "table's rows (its history stays for time travel)."):
         return 1
@@ -432,7 +462,7 @@ def _resync_sources(args: argparse.Namespace, config: "Config", names: list[str]
         f"from source {name}: " + (
             ", ".join(f"{t} -> {config.for_source(name).target_for(t)}" for t in mine) if mine
             else "every table, after dropping replication slot "
-                 f"{config.sources[name].postgres.slot}")
+                 f"{config.for_source(name).postgres.slot}")
         for name, mine in plan.items())
     if not _confirm(args, f"This copies {what} from Postgres again, replacing those rows of the "
                           "Iceberg tables (their history stays for time travel)."):
@@ -462,7 +492,7 @@ def _cmd_slot(args: argparse.Namespace) -> int:
                      f"with its own replication slot: name one with --source NAME", 2)
     if args.source is not None:
         config = config.for_source(args.source)  # a name it does not have: ConfigError
-    src = config.source.postgres
+    src = config.postgres
     if args.action == "drop":
         if not _confirm(args, f"Dropping replication slot {src.slot} frees the WAL it holds; "
                               "the next walberg run creates it anew and copies every table."):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 from pydantic import (
@@ -101,8 +101,81 @@ class PostgresSource(_Model):
         return out
 
 
+class KafkaTopic(_Model):
+    """How one Kafka topic lands in Iceberg (source.kafka.tables.<topic>)."""
+
+    doc_key: ClassVar[str] = "topic"
+
+    table: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$",
+        description="namespace.table in the catalog; default: the topic's last two parts "
+                    "(server.schema.table -> sink.namespace or schema, and table)")
+    key: list[str] = Field(
+        default_factory=list,
+        description="key columns; default: the fields of the message key")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="column: Postgres type (e.g. id: bigint, price: numeric(10,2)), in table "
+                    "order; default: the envelope's schema, else the existing Iceberg table, "
+                    "else inferred from the first record")
+
+
+class KafkaSource(_Model):
+    """Debezium change events from Kafka topics."""
+
+    bootstrap_servers: str = Field(description="Kafka bootstrap servers, host:port[,host:port]")
+    topics: list[str] = Field(description="topics to read, each holding one table's events")
+    group_id: str = Field(
+        "walberg", description="consumer group; walberg commits offsets to it after each "
+                               "Iceberg commit for lag monitoring only, it resumes from the "
+                               "offsets in the lake")
+    format: Literal["debezium-json"] = Field(
+        "debezium-json", description="record format: debezium-json (with or without schema)")
+    tables: dict[str, KafkaTopic] = Field(
+        default_factory=dict, description="per topic: table, key, columns")
+    dead_letter_dir: Optional[str] = Field(
+        None, description="where records that cannot be applied go, as Parquet with "
+                          "_dlq_reason; default: <buffer.dir>/dead-letters")
+    properties: dict[str, str] = Field(
+        default_factory=dict, description="extra librdkafka consumer settings (e.g. "
+                                          "security.protocol, sasl.*)", repr=False)
+
+    @field_validator("topics")
+    @classmethod
+    def _some(cls, topics: list[str]) -> list[str]:
+        if not topics:
+            raise ValueError("name at least one topic")
+        if len(set(topics)) != len(topics):
+            raise ValueError("a topic is listed twice")
+        return topics
+
+    @model_validator(mode="after")
+    def _known(self) -> "KafkaSource":
+        unknown = sorted(set(self.tables) - set(self.topics))
+        if unknown:
+            raise ValueError(f"tables names {', '.join(unknown)}, which topics does not list")
+        return self
+
+    def table_for(self, topic: str) -> str:
+        """The schema.table name walberg uses for a topic's table (metrics, sink.tables)."""
+        chosen = self.tables.get(topic)
+        if chosen is not None and chosen.table:
+            return chosen.table
+        parts = topic.split(".")
+        return ".".join(parts[-2:]) if len(parts) >= 2 else f"public.{topic}"
+
+
 class Source(_Model):
-    postgres: PostgresSource
+    doc_key: ClassVar[str] = "name"
+
+    postgres: Optional[PostgresSource] = Field(None, description="a PostgreSQL database")
+    kafka: Optional[KafkaSource] = Field(None, description="Debezium events from Kafka")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "Source":
+        if (self.postgres is None) == (self.kafka is None):
+            raise ValueError("give exactly one of postgres and kafka")
+        return self
 
 
 class Catalog(_Model):
@@ -399,6 +472,22 @@ class Config(_Model):
         return data
 
     @property
+    def postgres(self) -> PostgresSource:
+        """The Postgres source; a clear error when this pipeline reads from Kafka."""
+        if self.source.postgres is None:
+            raise ConfigError("this command needs a Postgres source (source.postgres); this "
+                              "pipeline file reads Debezium events from Kafka (source.kafka)")
+        return self.source.postgres
+
+    @property
+    def dead_letter_dir(self) -> Path:
+        """Where a Kafka source's dead letters go."""
+        kafka = self.source.kafka
+        if kafka is not None and kafka.dead_letter_dir:
+            return self.path(kafka.dead_letter_dir)
+        return self.segment_dir / "dead-letters"
+
+    @property
     def source_name(self) -> Optional[str]:
         """The source this configuration is for, in a pipeline with several (else None)."""
         return self._source_name
@@ -423,7 +512,7 @@ class Config(_Model):
         """Of several sources (``names``, default all): which of ``tables`` each one has, None
         meaning all of its tables when no table is named. A source with none of the named
         tables is left out; a table that none of them has is an error."""
-        chosen = {n: self.for_source(n).source.postgres.tables for n in names or self.sources}
+        chosen = {n: self.for_source(n).postgres.tables for n in names or self.sources}
         if not tables:
             return {n: None for n in chosen}
         unknown = [t for t in tables if not any(t in mine for mine in chosen.values())]
@@ -479,24 +568,43 @@ class Config(_Model):
 
     @model_validator(mode="after")
     def _tables_known(self) -> "Config":
-        every = set(self.source.postgres.tables).union(
-            *[set(s.postgres.tables) for s in self.sources.values()])
+        kafka = self.source.kafka
+        if kafka is not None:
+            if self.sources:
+                raise ValueError("a Kafka source goes in source.kafka; sources takes Postgres "
+                                 "sources only")
+            every = {kafka.table_for(t) for t in kafka.topics}
+            unknown = sorted(set(self.sink.tables) - every)
+            if unknown:
+                raise ValueError(f"sink.tables names {', '.join(unknown)}, which no topic of "
+                                 "source.kafka.topics lands in")
+            if any(self.layout_for(t).mode != "upsert" for t in every):
+                raise ValueError("the Kafka source writes upsert tables only (sink.mode, "
+                                 "sink.tables.<table>.mode)")
+            if len(every) != len(kafka.topics):
+                raise ValueError("two topics land in the same table; give one of them a "
+                                 "source.kafka.tables.<topic>.table")
+            return self
+        postgres = [self.postgres] + [s.postgres for s in self.sources.values()
+                                      if s.postgres is not None]
+        if len(postgres) != len(self.sources) + 1:
+            raise ValueError("sources takes Postgres sources only")
+        every = set(self.postgres.tables).union(*[set(s.tables) for s in postgres[1:]])
         unknown = sorted(set(self.sink.tables) - every)
         if unknown:
             raise ValueError(f"sink.tables names {', '.join(unknown)}, which source.postgres."
                              "tables does not list")
         if self.sources:
-            slots = [s.postgres.slot for s in self.sources.values()]
-            for name, src in self.sources.items():
-                if slots.count(src.postgres.slot) > 1 and len({
-                        s.postgres.dsn for s in self.sources.values()}) == 1:
+            slots = [s.slot for s in postgres[1:]]
+            for name, src in zip(self.sources, postgres[1:], strict=True):
+                if slots.count(src.slot) > 1 and len({s.dsn for s in postgres[1:]}) == 1:
                     raise ValueError(f"sources.{name}: two sources on one database need "
                                      "their own slot names")
             if self.sink.fan_in and any(self.layout_for(t).mode != "upsert" for t in every):
                 raise ValueError("sink.fan_in with several sources works in upsert mode only")
             return self
-        targets = [self.target_for(t) for t in self.source.postgres.tables]
-        targets += [self.changelog_for(t) for t in self.source.postgres.tables
+        targets = [self.target_for(t) for t in self.postgres.tables]
+        targets += [self.changelog_for(t) for t in self.postgres.tables
                     if self.layout_for(t).mode == "both"]
         if len(set(targets)) != len(targets):
             raise ValueError("two source tables map to the same Iceberg table; give one of "

@@ -67,9 +67,9 @@ def _rows(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, str, str]]
             yield from _rows(nested, f"{key}.")
         elif per_key is not None:
             yield key, _default(field), _text(field.description)
-            # Only `sources` is keyed by a name of the user's; the other maps by source table.
-            placeholder = "<name>" if key == "sources" else "<schema.table>"
-            yield from _rows(per_key, f"{key}.{placeholder}.")
+            # What the mapping's keys are, as the model says (tables by default).
+            placeholder = getattr(per_key, "doc_key", "schema.table")
+            yield from _rows(per_key, f"{key}.<{placeholder}>.")
         else:
             yield key, _default(field), _text(field.description)
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from walberg import metrics, verify
-from walberg.apply import catalogs, evolution, jdbc, storage
+from walberg.apply import catalogs, evolution, jdbc
 from walberg.apply.batch import (
     BatchBuilder,
     DeadLetters,
@@ -43,14 +43,13 @@ from walberg.apply.batch import (
 )
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink, pin_tables, quote_target
 from walberg.apply.metadata import read_hadoop_table
-from walberg.apply.spark import build_session, check_java, find_java, iceberg_jar, stop_session
+from walberg.apply.spark import check_java, find_java, iceberg_jar
 from walberg.apply.types import TextPrep, TypeMap, parse_array, quote, sql_string
 from walberg.buffer import spill
 from walberg.buffer.spill import TxnSpill
 from walberg.buffer.store import SegmentStore, inspect_directory
 from walberg.config import Config, load_config
 from walberg.errors import (
-    ApplyError,
     ConfigError,
     DecodeError,
     SourceError,
@@ -59,6 +58,7 @@ from walberg.errors import (
     WalbergError,
 )
 from walberg.faults import crash_point
+from walberg.lakeside import commit_with_retries, count_files, open_session, release
 from walberg.model import (
     Begin,
     Column,
@@ -158,7 +158,7 @@ class Pipeline:
         leaves it running on close); by default walberg builds and owns one."""
         self.config = config
         self._owns_session = session is None
-        self.pg = config.source.postgres
+        self.pg = config.postgres
         self.tables = list(self.pg.tables)
         self.targets = {t: config.target_for(t) for t in self.tables}
         # Changelog tables (sink mode append or both); in append mode it is the target itself.
@@ -207,19 +207,7 @@ class Pipeline:
 
     def session(self) -> Any:
         if self._session is None:
-            cat = self.config.sink.catalog
-            props, jars = catalogs.spark_properties(
-                cat.type, self.config.warehouse, cat.uri, cat.options(), cat.properties,
-                self.config.spark.conf.get("spark.jars", ""))
-            st = self.config.storage
-            storage_conf, storage_jars = storage.spark_settings(
-                *(None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure)))
-            if self.pg.initial_copy.method == "jdbc" and jdbc.driver_jar() not in jars:
-                jars.append(jdbc.driver_jar())
-            self._session = build_session(self.config.spark.master, cat.name,
-                                          self.config.warehouse, props,
-                                          {**storage_conf, **self.config.spark.conf},
-                                          jars=jars + storage_jars)
+            self._session = open_session(self.config)
             self._sink = IcebergSink(self._session, self.types, self._tag)
         return self._session
 
@@ -235,11 +223,9 @@ class Pipeline:
         self._wake.set()
 
     def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        release(self._store, self._session if self._owns_session else None)
+        self._store = None
         if self._owns_session:
-            stop_session(self._session)
             self._session = self._sink = None
 
     @property
@@ -1652,41 +1638,16 @@ class Pipeline:
                 del self._catchup[source]
 
     def _with_retries(self, source: str, lsn: Lsn, commit: Callable[[], None]) -> None:
-        """Run ``commit``; when it fails for the storage or the catalog (I/O, a conflicting
-        writer), try again after 100 ms, 200 ms, 400 ms, ... (at most
-        ``sink.commit_max_backoff_seconds``), ``sink.commit_max_attempts`` times in all. A
-        commit whose outcome is unknown is looked up in the table first: if it landed, done."""
-        sink_cfg = self.config.sink
+        """``commit`` tried again on storage or catalog failures (see
+        ``lakeside.commit_with_retries``); it landed if the table holds ``lsn``."""
         target = self.targets[source]
-        delay = 0.1
-        for attempt in range(1, sink_cfg.commit_max_attempts + 1):
-            try:
-                commit()
-                return
-            except ApplyError as exc:
-                if not exc.retryable:
-                    raise
-                self.sink.forget(target)
-                try:
-                    held = self.sink.committed_lsn(target)
-                except ApplyError:
-                    held = None
-                if held is not None and held >= lsn:
-                    log.info("the failed commit to %s had landed after all (it holds LSN %s)",
-                             target, held)
-                    return
-                if attempt == sink_cfg.commit_max_attempts or self._stop.is_set():
-                    raise ApplyError(
-                        f"could not commit {source}'s changes up to LSN {lsn} to {target} after "
-                        f"{attempt} attempt(s): {exc} Nothing past LSN "
-                        f"{self.committed.get(source, '-')} is marked applied and the segments "
-                        "are kept: fix the warehouse or catalog and run walberg again, it "
-                        "resumes there.") from exc
-                metrics.COMMIT_RETRIES.labels(source).inc()
-                log.warning("commit to %s failed (%s); trying again in %.1f s (attempt %d of %d)",
-                            target, exc, delay, attempt + 1, sink_cfg.commit_max_attempts)
-                self._stop.wait(delay)
-                delay = min(delay * 2, sink_cfg.commit_max_backoff_seconds)
+
+        def landed() -> bool:
+            held = self.sink.committed_lsn(target)
+            return held is not None and held >= lsn
+
+        commit_with_retries(self.config.sink, self._stop, self.sink, source, target, commit,
+                            landed, f"LSN {lsn}", f"LSN {self.committed.get(source, '-')}")
 
     def _learn_relation(self, rel: Relation) -> None:
         """A relation description with types the type map has not seen (a column added with a
@@ -1770,14 +1731,7 @@ class Pipeline:
             self.sink.set_property(target, key, None)
 
     def _count_files(self, source: str) -> None:
-        try:
-            added = self.sink.last_commit(self.targets[source])
-        except WalbergError as exc:  # metrics must never fail a batch
-            log.debug("could not read the last commit of %s for metrics: %s", source, exc)
-            return
-        metrics.BYTES_WRITTEN.labels(source).inc(added["bytes"])
-        metrics.FILES_CREATED.labels(source, "data").inc(added["data_files"])
-        metrics.FILES_CREATED.labels(source, "delete").inc(added["delete_files"])
+        count_files(self.sink, source, self.targets[source])
 
     def _count_dead(self, source: str, target: str, rows: int) -> None:
         if rows:

@@ -28,6 +28,9 @@ from walberg.model import Column, Layout, Lsn
 LSN_PROPERTY = "walberg.lsn"
 # Marks of a chunked initial copy (see source.chunks): first, point, span, catchup.
 COPY_PREFIX = "walberg.copy."
+# walberg.offset.<topic>.<partition> = the next offset to read: what a Kafka source's commit
+# covers, in the same snapshot as its data.
+OFFSET_PROPERTY = "walberg.offset"
 LSN_COLUMN = "_walberg_lsn"
 SOURCE_COLUMN = "_walberg_source"  # with several sources fanning in to one table
 OP_COLUMN = "_walberg_op"
@@ -321,15 +324,16 @@ class IcebergSink:
             self._schemas[target] = self.schema(target)
         return self._schemas[target] == want
 
-    def _writer(self, df: Any, target: str, lsn: Optional[Lsn],
-                marks: Mapping[str, str] = {}) -> Any:
-        """A DataFrameWriterV2 to ``target`` whose commit carries this sink's LSN property (and
-        any other ``marks``)."""
-        props = dict(marks)
-        if lsn is not None:
-            props[self.lsn_property] = str(lsn)
+    def _marks(self, lsn: Lsn, marks: Optional[Mapping[str, str]]) -> Mapping[str, str]:
+        """What a commit records of its source position: ``marks`` when given (a Kafka
+        source's offsets), else this sink's LSN property."""
+        return marks if marks is not None else {self.lsn_property: str(lsn)}
+
+    def _writer(self, df: Any, target: str, lsn: Lsn,
+                marks: Optional[Mapping[str, str]] = None) -> Any:
+        """A DataFrameWriterV2 to ``target`` whose commit carries the position it covers."""
         writer = df.writeTo(quote_target(target))
-        for key, value in props.items():
+        for key, value in self._marks(lsn, marks).items():
             writer = writer.option(f"snapshot-property.{key}", value)
         return writer
 
@@ -406,8 +410,9 @@ class IcebergSink:
         return max((Lsn.parse(r["lsn"]) for r in rows), default=None)
 
     def _lsn_marks(self, target: str) -> dict[str, str]:
-        """Every source's LSN in the table's current history (the highest of each), so a
-        maintenance commit can carry them all: expiring old snapshots then loses none."""
+        """Every source's LSN and Kafka offset in the table's current history (the highest of
+        each), so a maintenance commit can carry them all: expiring old snapshots then loses
+        none."""
         t = quote_target(target)
         rows = self.sql(
             f"reading the snapshot history of {target}",
@@ -415,12 +420,28 @@ class IcebergSink:
             f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
             f"LATERAL VIEW explode(s.summary) e AS key, value "
             f"WHERE h.is_current_ancestor AND (e.key = '{LSN_PROPERTY}' "
-            f"OR e.key LIKE '{LSN_PROPERTY}.%')").collect()
-        best: dict[str, Lsn] = {}
+            f"OR e.key LIKE '{LSN_PROPERTY}.%' OR e.key LIKE '{OFFSET_PROPERTY}.%')").collect()
+        best: dict[str, int] = {}
         for r in rows:
-            lsn = Lsn.parse(r["value"])
-            best[r["key"]] = max(best.get(r["key"], lsn), lsn)
-        return {k: str(v) for k, v in best.items()}
+            key = r["key"]
+            value = (int(r["value"]) if key.startswith(OFFSET_PROPERTY + ".")
+                     else Lsn.parse(r["value"]))
+            best[key] = max(best.get(key, value), value)
+        return {k: (str(Lsn(v)) if k.startswith(LSN_PROPERTY) else str(v))
+                for k, v in best.items()}
+
+    def committed_offsets(self, target: str) -> dict[tuple[str, int], int]:
+        """The next Kafka offset of each (topic, partition) the table's current history
+        covers (empty for a table walberg has not committed Kafka records to)."""
+        if not self.table_exists(target):
+            return {}
+        out: dict[tuple[str, int], int] = {}
+        prefix = OFFSET_PROPERTY + "."
+        for key, value in self._lsn_marks(target).items():
+            if key.startswith(prefix):
+                topic, _, partition = key[len(prefix):].rpartition(".")
+                out[(topic, int(partition))] = int(value)
+        return out
 
     def _own_rows(self) -> Any:
         """The rows a copy or TRUNCATE replaces: all, or this source's in a shared table."""
@@ -578,7 +599,8 @@ class IcebergSink:
                     self._dead_lsn[dlq] = lsn
             df = df.where(f"{DLQ_REASON} IS NULL")
         typed = self._typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
-        writer = self._writer(typed, target, lsn if done else None, marks)
+        writer = self._writer(typed, target, lsn,
+                              {**marks, self.lsn_property: str(lsn)} if done else marks)
         try:
             if first:
                 spark_call(f"writing the initial copy of {target}",
@@ -644,11 +666,12 @@ class IcebergSink:
         return count
 
     def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
-              void: Sequence[tuple[int, int]] = (), upsert: bool = False) -> None:
-        """Apply one table's staged changes in one commit marked ``lsn``: the rows with
-        ``_wb_seq <= max_seq`` outside the ``void`` ranges, after the last TRUNCATE that counts.
-        ``upsert``: inserts are merged by key even when the batch only inserts (the table may
-        hold some of them already)."""
+              void: Sequence[tuple[int, int]] = (),
+              marks: Optional[Mapping[str, str]] = None, upsert: bool = False) -> None:
+        """Apply one table's staged changes in one commit marked ``lsn`` (or ``marks``, see
+        ``_marks``): the rows with ``_wb_seq <= max_seq`` outside the ``void`` ranges, after
+        the last TRUNCATE that counts. ``upsert``: inserts are merged by key even when the
+        batch only inserts (the table may hold some of them already)."""
         from pyspark.sql.functions import col, lit, max_by, struct
 
         columns = staged.columns
@@ -662,12 +685,13 @@ class IcebergSink:
         if staged.insert_only and df is not None and not upsert:
             typed = self._typed(df, target, columns, "_wb_lsn")
             spark_call(f"appending to {target}",
-                       lambda: self._writer(typed, target, lsn).append())
+                       lambda: self._writer(typed, target, lsn, marks).append())
             return
 
         if df is not None and all(c.is_key for c in columns):
             # No key but the whole row (REPLICA IDENTITY FULL): the table is a multiset.
-            self._apply_multiset(target, columns, df, lsn, truncated=truncate is not None)
+            self._apply_multiset(target, columns, df, lsn, truncated=truncate is not None,
+                                 marks=marks)
             return
 
         keys = [value_column(i) for i, c in enumerate(columns) if c.is_key]
@@ -687,12 +711,12 @@ class IcebergSink:
             if df is None:
                 empty = self.spark.table(quote_target(target)).where(lit(False))
                 spark_call(f"truncating {target}",
-                           lambda: self._writer(empty, target, lsn)
+                           lambda: self._writer(empty, target, lsn, marks)
                            .overwrite(self._own_rows()))
                 return
             typed = self._typed(df.where(col("_wb_op") != "D"), target, columns, "_wb_lsn")
             spark_call(f"truncating and reloading {target}",
-                       lambda: self._writer(typed, target, lsn)
+                       lambda: self._writer(typed, target, lsn, marks)
                        .overwrite(self._own_rows()))
             return
 
@@ -726,12 +750,12 @@ class IcebergSink:
             f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})"
         )
         spark_call(f"merging a batch into {target}",
-                   lambda: with_commit_properties(self.spark, {self.lsn_property: str(lsn)},
+                   lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
                                                   lambda: self.spark.sql(statement)))
         self.spark.catalog.dropTempView(view)
 
     def _apply_multiset(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
-                        truncated: bool) -> None:
+                        truncated: bool, marks: Optional[Mapping[str, str]] = None) -> None:
         """Apply a batch to a table identified by whole rows, where equal rows may repeat: per
         distinct row, the batch's inserts minus deletes change how many copies the lake holds.
         One MERGE deletes every copy of each changed row and inserts the new number of them
@@ -769,7 +793,7 @@ class IcebergSink:
                               *extra))
         if truncated:
             spark_call(f"truncating and reloading {target}",
-                       lambda: self._writer(copies, target, lsn)
+                       lambda: self._writer(copies, target, lsn, marks)
                        .overwrite(self._own_rows()))
             return
         deleters = counted.selectExpr(*[quote(n) for n in names],
@@ -790,7 +814,7 @@ class IcebergSink:
                      f"ON s._kind = 'D' AND {on_sql} WHEN MATCHED THEN DELETE "
                      f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})")
         spark_call(f"merging a batch into {target}",
-                   lambda: with_commit_properties(self.spark, {self.lsn_property: str(lsn)},
+                   lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
                                                   lambda: self.spark.sql(statement)))
         self.spark.catalog.dropTempView(view)
 

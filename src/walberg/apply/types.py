@@ -323,3 +323,23 @@ class TextPrep:
                 converted.append(json.dumps(value, ensure_ascii=False))
                 bad.append(False)
         return pa.array(converted, pa.string()), pa.array(bad, pa.bool_())
+
+
+_FROM_SPARK = {"smallint": (21, -1), "int": (23, -1), "bigint": (20, -1), "float": (700, -1),
+               "double": (701, -1), "boolean": (BOOL, -1), "string": (TEXT, -1),
+               "date": (DATE, -1), "timestamp": (TIMESTAMPTZ, -1),
+               "timestamp_ntz": (TIMESTAMP, -1), "binary": (BYTEA, -1)}
+
+
+def pg_type_for(spark_type: str, where: str) -> tuple[int, int]:
+    """The Postgres type (OID, modifier) that lands as this Spark type, for a table that exists
+    before its source has said what its columns are. ``where`` names the column in errors."""
+    m = re.fullmatch(r"decimal\((\d+),(\d+)\)", spark_type)
+    if m:
+        return NUMERIC, ((int(m.group(1)) << 16) | int(m.group(2))) + 4
+    found = _FROM_SPARK.get(spark_type)
+    if found is None:
+        raise ConfigError(f"column {where} is {spark_type} in Iceberg, which records without a "
+                          "schema cannot fill; give the table's columns in the pipeline file "
+                          "(source.kafka.tables.<topic>.columns)")
+    return found

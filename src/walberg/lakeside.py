@@ -1,0 +1,93 @@
+"""What every pipeline does on the lake side, whatever its source: the Spark session built from
+the pipeline file, an Iceberg commit tried again when the storage or the catalog fails, and the
+metrics of a commit."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+from walberg import metrics
+from walberg.apply import catalogs, jdbc, storage
+from walberg.apply.iceberg import IcebergSink
+from walberg.apply.spark import build_session, stop_session
+from walberg.buffer.store import SegmentStore
+from walberg.config import Config, Sink
+from walberg.errors import ApplyError, WalbergError
+
+log = logging.getLogger("walberg")
+
+
+def open_session(config: Config) -> Any:
+    """A SparkSession with the pipeline's catalog, storage and Spark settings."""
+    cat = config.sink.catalog
+    props, jars = catalogs.spark_properties(
+        cat.type, config.warehouse, cat.uri, cat.options(), cat.properties,
+        config.spark.conf.get("spark.jars", ""))
+    st = config.storage
+    storage_conf, storage_jars = storage.spark_settings(
+        *(None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure)))
+    if any(src.postgres is not None and src.postgres.initial_copy.method == "jdbc"
+           for src in [config.source, *config.sources.values()]):
+        jars.append(jdbc.driver_jar())  # the parallel initial copy's readers need it
+    return build_session(config.spark.master, cat.name, config.warehouse, props,
+                         {**storage_conf, **config.spark.conf}, jars=jars + storage_jars)
+
+
+def release(store: Optional[SegmentStore], session: Any) -> None:
+    """Close a pipeline's segment store and stop the Spark session it built (None: a session
+    the caller owns, left running)."""
+    if store is not None:
+        store.close()
+    stop_session(session)
+
+
+def commit_with_retries(sink_cfg: Sink, stop: threading.Event, sink: IcebergSink, source: str,
+                        target: str, commit: Callable[[], None], landed: Callable[[], bool],
+                        upto: str, held: str) -> None:
+    """Run ``commit``; when it fails for the storage or the catalog (I/O, a conflicting
+    writer), try again after 100 ms, 200 ms, 400 ms, ... (at most
+    ``sink.commit_max_backoff_seconds``), ``sink.commit_max_attempts`` times in all. A commit
+    whose outcome is unknown is looked up in the table first (``landed``): if it is there, done.
+    ``upto`` names what the commit covers (``LSN 0/1A``), ``held`` what the table held before."""
+    delay = 0.1
+    for attempt in range(1, sink_cfg.commit_max_attempts + 1):
+        try:
+            commit()
+            return
+        except ApplyError as exc:
+            if not exc.retryable:
+                raise
+            sink.forget(target)
+            try:
+                done = landed()
+            except ApplyError:
+                done = False
+            if done:
+                log.info("the failed commit to %s had landed after all (it holds %s)", target,
+                         upto)
+                return
+            if attempt == sink_cfg.commit_max_attempts or stop.is_set():
+                raise ApplyError(
+                    f"could not commit {source}'s changes up to {upto} to {target} after "
+                    f"{attempt} attempt(s): {exc} Nothing past {held} is marked applied and "
+                    "the segments are kept: fix the warehouse or catalog and run walberg "
+                    "again, it resumes there.") from exc
+            metrics.COMMIT_RETRIES.labels(source).inc()
+            log.warning("commit to %s failed (%s); trying again in %.1f s (attempt %d of %d)",
+                        target, exc, delay, attempt + 1, sink_cfg.commit_max_attempts)
+            stop.wait(delay)
+            delay = min(delay * 2, sink_cfg.commit_max_backoff_seconds)
+
+
+def count_files(sink: IcebergSink, source: str, target: str) -> None:
+    """Bytes and files the table's last commit added, into the metrics (never fails)."""
+    try:
+        added = sink.last_commit(target)
+    except WalbergError as exc:  # metrics must never fail a batch
+        log.debug("could not read the last commit of %s for metrics: %s", source, exc)
+        return
+    metrics.BYTES_WRITTEN.labels(source).inc(added["bytes"])
+    metrics.FILES_CREATED.labels(source, "data").inc(added["data_files"])
+    metrics.FILES_CREATED.labels(source, "delete").inc(added["delete_files"])

@@ -1,0 +1,399 @@
+"""Debezium change events (JSON, with or without the ``schema`` part): parsing, the column
+types they declare, and their values as the Postgres text the apply stage takes. Pure: no I/O.
+
+An event becomes staged changes the same way a pgoutput message does (see ``changes``):
+
+    op c -> insert      op r -> upsert (a snapshot read may be sent again)
+    op u -> update by key; a changed key -> delete of the old key + insert of the new row
+    op d -> delete by key            op t -> truncate
+    a tombstone (null value, Kafka log compaction) -> nothing
+
+Anything that cannot be applied raises ``BadRecord`` with the reason, for the dead letters.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal, InvalidOperation
+from typing import Any, Mapping, Optional, Sequence
+
+from walberg.model import UNCHANGED, Column, Row, Value
+
+# Postgres type OIDs (pg_type.oid) the events map to; the same numbers apply.types uses.
+BOOL, BYTEA, INT8, INT2, INT4, TEXT = 16, 17, 20, 21, 23, 25
+JSON, FLOAT4, FLOAT8, VARCHAR, DATE, TIME = 114, 700, 701, 1043, 1082, 1083
+TIMESTAMP, TIMESTAMPTZ, NUMERIC, UUID, JSONB = 1114, 1184, 1700, 2950, 3802
+
+# What Debezium sends for an unchanged TOASTed value it could not read: the lake keeps its own.
+UNAVAILABLE = "__debezium_unavailable_value"
+
+_EPOCH = datetime(1970, 1, 1)
+_EPOCH_DATE = date(1970, 1, 1)
+
+
+class BadRecord(ValueError):
+    """A record that cannot be applied; ``str()`` is the reason stored with the dead letter."""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldType:
+    """A column's type: the Postgres type it lands as, and how its JSON values are encoded
+    (``logical``: the Debezium/Kafka Connect semantic type name, when there is one)."""
+
+    oid: int
+    modifier: int = -1
+    logical: Optional[str] = None
+    scale: int = 0  # org.apache.kafka.connect.data.Decimal's scale parameter
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    op: str  # c, r, u, d or t
+    before: Optional[Mapping[str, Any]]
+    after: Optional[Mapping[str, Any]]
+    fields: Optional[tuple[tuple[str, FieldType], ...]]  # from the schema part, if any
+    ts_ms: Optional[int]
+    lsn: Optional[int]  # source.lsn (Debezium's Postgres connector)
+
+
+_OPS = frozenset("crudt")
+
+# Kafka Connect's primitive types.
+_PRIMITIVES = {"int8": INT2, "int16": INT2, "int32": INT4, "int64": INT8, "float32": FLOAT4,
+               "float64": FLOAT8, "float": FLOAT8, "double": FLOAT8, "boolean": BOOL,
+               "string": TEXT, "bytes": BYTEA}
+# Semantic types that change what a column is.
+_LOGICAL = {
+    "org.apache.kafka.connect.data.Decimal": NUMERIC,
+    "io.debezium.data.VariableScaleDecimal": NUMERIC,
+    "org.apache.kafka.connect.data.Date": DATE,
+    "io.debezium.time.Date": DATE,
+    "org.apache.kafka.connect.data.Timestamp": TIMESTAMP,
+    "io.debezium.time.Timestamp": TIMESTAMP,
+    "io.debezium.time.MicroTimestamp": TIMESTAMP,
+    "io.debezium.time.NanoTimestamp": TIMESTAMP,
+    "io.debezium.time.ZonedTimestamp": TIMESTAMPTZ,
+    "io.debezium.time.Time": TIME,
+    "io.debezium.time.MicroTime": TIME,
+    "io.debezium.time.NanoTime": TIME,
+    "io.debezium.data.Uuid": UUID,
+    "io.debezium.data.Json": JSONB,
+    "io.debezium.data.Enum": TEXT,
+}
+# Units of the integer temporal types, per second.
+_PER_SECOND = {"org.apache.kafka.connect.data.Timestamp": 1_000, "io.debezium.time.Timestamp": 1_000,
+               "io.debezium.time.MicroTimestamp": 1_000_000,
+               "io.debezium.time.NanoTimestamp": 1_000_000_000, "io.debezium.time.Time": 1_000,
+               "io.debezium.time.MicroTime": 1_000_000, "io.debezium.time.NanoTime": 1_000_000_000}
+
+# Postgres type names for source.kafka.tables.<topic>.columns.
+_NAMES = {"smallint": INT2, "int2": INT2, "integer": INT4, "int": INT4, "int4": INT4,
+          "bigint": INT8, "int8": INT8, "real": FLOAT4, "float4": FLOAT4,
+          "double precision": FLOAT8, "float8": FLOAT8, "boolean": BOOL, "bool": BOOL,
+          "text": TEXT, "varchar": VARCHAR, "character varying": VARCHAR, "numeric": NUMERIC,
+          "decimal": NUMERIC, "date": DATE, "time": TIME, "timestamp": TIMESTAMP,
+          "timestamp without time zone": TIMESTAMP, "timestamptz": TIMESTAMPTZ,
+          "timestamp with time zone": TIMESTAMPTZ, "uuid": UUID, "json": JSON, "jsonb": JSONB,
+          "bytea": BYTEA}
+_NUMERIC = re.compile(r"^(?:numeric|decimal)\s*\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)$")
+
+
+def numeric_modifier(precision: int, scale: int) -> int:
+    """Postgres's type modifier of numeric(precision, scale)."""
+    return ((precision << 16) | scale) + 4
+
+
+def type_from_name(name: str) -> FieldType:
+    """A Postgres type name as written in the pipeline file (``bigint``, ``numeric(10,2)``)."""
+    text = " ".join(name.lower().split())
+    m = _NUMERIC.match(text)
+    if m:
+        return FieldType(NUMERIC, numeric_modifier(int(m.group(1)), int(m.group(2) or 0)))
+    if text.startswith("varchar(") or text.startswith("character varying("):
+        return FieldType(VARCHAR)
+    if text not in _NAMES:
+        raise ValueError(f"unknown type {name!r}; use one of {', '.join(sorted(_NAMES))}, or "
+                         "numeric(p,s)")
+    return FieldType(_NAMES[text])
+
+
+def type_from_schema(field: Mapping[str, Any]) -> FieldType:
+    """A Kafka Connect field schema (``{"type": "int32", "name": ..., "parameters": ...}``)."""
+    logical = field.get("name")
+    params = field.get("parameters") or {}
+    if logical in _LOGICAL:
+        oid = _LOGICAL[logical]
+        if logical == "org.apache.kafka.connect.data.Decimal":
+            scale = int(params.get("scale", 0))
+            precision = params.get("connect.decimal.precision")
+            modifier = numeric_modifier(int(precision), scale) if precision else -1
+            return FieldType(oid, modifier, logical, scale)
+        return FieldType(oid, -1, logical)
+    kind = field.get("type")
+    if kind in ("struct", "map"):
+        return FieldType(JSONB, -1, kind)
+    if kind == "array":
+        return FieldType(JSONB, -1, "array")
+    if kind not in _PRIMITIVES:
+        raise BadRecord(f"the schema has a field of unknown type {kind!r}")
+    return FieldType(_PRIMITIVES[kind])
+
+
+def infer_type(value: Any) -> FieldType:
+    """A column's type guessed from one JSON value (no schema, no configured columns)."""
+    if isinstance(value, bool):
+        return FieldType(BOOL)
+    if isinstance(value, int):
+        return FieldType(INT8)
+    if isinstance(value, float):
+        return FieldType(FLOAT8)
+    if isinstance(value, (dict, list)):
+        return FieldType(JSONB)
+    return FieldType(TEXT)
+
+
+def _json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRecord(f"the {what} is not JSON: {exc}") from None
+
+
+def parse_event(value: bytes) -> Event:
+    """A Debezium envelope, with the ``schema``/``payload`` wrapper or without it."""
+    doc = _json(value, "value")
+    schema: Optional[Mapping[str, Any]] = None
+    if isinstance(doc, dict) and "payload" in doc and "schema" in doc:
+        schema, doc = doc["schema"], doc["payload"]
+    if not isinstance(doc, dict):
+        raise BadRecord("the value is not a Debezium envelope (a JSON object with op, before, "
+                        "after)")
+    op = doc.get("op")
+    if op is None:
+        raise BadRecord("the envelope has no op")
+    if op not in _OPS:
+        raise BadRecord(f"unknown op {op!r} (expected c, r, u, d or t)")
+    before, after = doc.get("before"), doc.get("after")
+    for name, row in (("before", before), ("after", after)):
+        if row is not None and not isinstance(row, dict):
+            raise BadRecord(f"{name} is not a JSON object")
+    if op in "cru" and after is None:
+        raise BadRecord(f"op {op} without after")
+    source = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+    lsn = source.get("lsn") if isinstance(source, dict) else None
+    ts = doc.get("ts_ms")
+    return Event(op, before, after, _fields(schema) if schema is not None else None,
+                 ts if isinstance(ts, int) else None, lsn if isinstance(lsn, int) else None)
+
+
+def _fields(schema: Mapping[str, Any]) -> Optional[tuple[tuple[str, FieldType], ...]]:
+    """The row's fields from the envelope schema (its ``after`` or ``before`` struct)."""
+    parts = {f.get("field"): f for f in schema.get("fields") or [] if isinstance(f, dict)}
+    row = parts.get("after") or parts.get("before")
+    if row is None or not isinstance(row.get("fields"), list):
+        return None
+    return tuple((f["field"], type_from_schema(f)) for f in row["fields"])
+
+
+def parse_key(key: Optional[bytes]) -> Optional[dict[str, Any]]:
+    """The message key as field -> value (unwrapped from schema/payload), None if absent."""
+    if key is None:
+        return None
+    doc = _json(key, "key")
+    if isinstance(doc, dict) and "payload" in doc and "schema" in doc:
+        doc = doc["payload"]
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise BadRecord("the key is not a JSON object of key columns")
+    return doc
+
+
+def _unscaled(text: str) -> int:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRecord(f"{text!r} is not a base64 decimal") from None
+    return int.from_bytes(raw, "big", signed=True)
+
+
+def _decimal_text(value: Any, t: FieldType) -> str:
+    if t.logical == "io.debezium.data.VariableScaleDecimal":
+        if not isinstance(value, dict) or "value" not in value:
+            raise BadRecord("a VariableScaleDecimal is not {scale, value}")
+        number = Decimal(_unscaled(value["value"])).scaleb(-int(value.get("scale", 0)))
+    elif isinstance(value, str) and t.logical == "org.apache.kafka.connect.data.Decimal":
+        number = Decimal(_unscaled(value)).scaleb(-t.scale)
+    elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:  # decimal.handling.mode string or double
+            number = Decimal(str(value))
+        except InvalidOperation:
+            raise BadRecord(f"{value!r} is not a number") from None
+    else:
+        raise BadRecord(f"{value!r} is not a number")
+    if not number.is_finite():
+        return "NaN" if number.is_nan() else ("Infinity" if number > 0 else "-Infinity")
+    return format(number, "f")
+
+
+def _instant(value: int, per_second: int) -> datetime:
+    seconds, rest = divmod(value, per_second)
+    return _EPOCH + timedelta(seconds=seconds, microseconds=rest * 1_000_000 // per_second)
+
+
+def _temporal(value: Any, t: FieldType) -> str:
+    try:
+        if t.oid == DATE:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return (_EPOCH_DATE + timedelta(days=value)).isoformat()
+            return date.fromisoformat(str(value)).isoformat()
+        if t.oid == TIMESTAMP:
+            if isinstance(value, int) and not isinstance(value, bool):
+                # No schema: microseconds, Debezium's default for timestamp(6).
+                moment = _instant(value, _PER_SECOND.get(t.logical or "", 1_000_000))
+            else:
+                moment = datetime.fromisoformat(str(value)).replace(tzinfo=None)
+            return moment.isoformat(" ", "microseconds")
+        if t.oid == TIMESTAMPTZ:
+            if isinstance(value, int) and not isinstance(value, bool):
+                moment = _instant(value, 1_000_000).replace(tzinfo=timezone.utc)
+            else:
+                moment = datetime.fromisoformat(str(value))
+                if moment.tzinfo is None:
+                    raise BadRecord(f"{value!r} has no time zone")
+            return moment.astimezone(timezone.utc).replace(tzinfo=None).isoformat(
+                " ", "microseconds") + "+00"
+        # TIME
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _instant(value, _PER_SECOND.get(t.logical or "", 1_000_000)).time().isoformat(
+                "microseconds")
+        return str(value)
+    except (ValueError, OverflowError) as exc:
+        if isinstance(exc, BadRecord):
+            raise
+        raise BadRecord(f"{value!r} is not a valid {_type_name(t.oid)}: {exc}") from None
+
+
+def _type_name(oid: int) -> str:
+    return {v: k for k, v in _NAMES.items()}.get(oid, str(oid))
+
+
+def to_text(value: Any, t: FieldType) -> Value:
+    """One JSON value as the Postgres text form of its column type (bytes), None for NULL,
+    UNCHANGED for Debezium's unavailable-value placeholder."""
+    if value is None:
+        return None
+    if value == UNAVAILABLE:
+        return UNCHANGED
+    oid = t.oid
+    if oid == BOOL:
+        if not isinstance(value, bool):
+            raise BadRecord(f"{value!r} is not a boolean")
+        return b"t" if value else b"f"
+    if oid in (INT2, INT4, INT8):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRecord(f"{value!r} is not an integer")
+        return str(value).encode()
+    if oid in (FLOAT4, FLOAT8):
+        if isinstance(value, str) and value in ("NaN", "Infinity", "-Infinity"):
+            return value.encode()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadRecord(f"{value!r} is not a number")
+        number = float(value)
+        if math.isnan(number):
+            return b"NaN"
+        if math.isinf(number):
+            return b"Infinity" if number > 0 else b"-Infinity"
+        return repr(number).encode()
+    if oid == NUMERIC:
+        return _decimal_text(value, t).encode()
+    if oid in (DATE, TIMESTAMP, TIMESTAMPTZ, TIME):
+        return _temporal(value, t).encode()
+    if oid == BYTEA:
+        if not isinstance(value, str):
+            raise BadRecord(f"{value!r} is not base64 bytes")
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRecord(f"{value[:40]!r} is not base64 bytes") from None
+        return b"\\x" + raw.hex().encode()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    if isinstance(value, bool):
+        return b"true" if value else b"false"
+    return str(value).encode()
+
+
+def check_fields(fields: Sequence[tuple[str, FieldType]], columns: Sequence[Column],
+                 same_type: Any) -> None:
+    """Refuse a record whose schema does not fit the table: a field the table lacks, or one
+    whose type lands as another Iceberg type (``same_type(field_type, column)``)."""
+    by_name = {c.name: c for c in columns}
+    for name, t in fields:
+        col = by_name.get(name)
+        if col is None:
+            raise BadRecord(f"schema mismatch: field {name} is not a column of the table "
+                            f"({', '.join(by_name)})")
+        if not same_type(t, col):
+            raise BadRecord(f"schema mismatch: field {name} is {_type_name(t.oid)} in the "
+                            f"record, the table's column is {_type_name(col.type_oid)}")
+
+
+def row(values: Optional[Mapping[str, Any]], columns: Sequence[Column],
+        types: Sequence[FieldType]) -> Row:
+    """A before/after object as a staged row in the table's column order. A field the table
+    lacks is a schema mismatch; a column the record lacks is NULL."""
+    values = values or {}
+    extra = set(values) - {c.name for c in columns}
+    if extra:
+        raise BadRecord(f"schema mismatch: field(s) {', '.join(sorted(extra))} not in the table "
+                        f"({', '.join(c.name for c in columns)})")
+    out: list[Value] = []
+    for c, t in zip(columns, types, strict=True):
+        try:
+            out.append(to_text(values.get(c.name), t))
+        except BadRecord as exc:
+            raise BadRecord(f"column {c.name}: {exc}") from None
+    return tuple(out)
+
+
+def changes(event: Event, key: Optional[Mapping[str, Any]], columns: Sequence[Column],
+            types: Sequence[FieldType]) -> list[tuple[str, Row]]:
+    """The staged changes of one event, in order: (op I/U/D, row). Key columns missing from
+    the before/after image come from the message key."""
+    keys = [c for c in columns if c.is_key]
+    if event.op == "t":
+        return []
+
+    def image(values: Optional[Mapping[str, Any]]) -> Row:
+        merged = dict(values or {})
+        for c in keys:
+            if merged.get(c.name) is None and key is not None and key.get(c.name) is not None:
+                merged[c.name] = key[c.name]
+        staged = row(merged, columns, types)
+        for i, c in enumerate(columns):
+            if c.is_key and staged[i] in (None, UNCHANGED):
+                raise BadRecord(f"missing key: key column {c.name} has no value in the record "
+                                "or its message key")
+        return staged
+
+    if event.op == "c":
+        return [("I", image(event.after))]
+    if event.op == "r":
+        return [("U", image(event.after))]
+    if event.op == "d":
+        return [("D", image(event.before))]
+    new = image(event.after)
+    if event.before is not None:
+        old = image(event.before)
+        at = [i for i, c in enumerate(columns) if c.is_key]
+        if [old[i] for i in at] != [new[i] for i in at]:
+            # A changed key: the old row goes, the new one comes (like pgoutput's key change).
+            return [("D", old), ("I", new)]
+    return [("U", new)]

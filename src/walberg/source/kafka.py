@@ -1,0 +1,141 @@
+"""Reading Kafka topics: the consumer (confluent-kafka, imported only when a Kafka source is
+used), and the framing of one consumed record for the segment files.
+
+The consumer is assigned its partitions and told where to start in each; it never joins a
+rebalancing group, because where to start comes from the lake (the offsets committed with the
+data), not from the broker. It commits offsets to the group only to show lag to the usual
+Kafka tools.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from walberg.errors import ConfigError, SourceError, Transient
+
+# topic length, partition, offset, timestamp (ms), key length, value length (-1: null)
+_HEAD = struct.Struct(">HiqqII")
+_NULL = 0xFFFFFFFF
+# The earliest offset, Kafka's special value for "from the start of the partition".
+BEGINNING = -2
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: Optional[bytes]
+    value: Optional[bytes]
+
+
+def encode(record: Record) -> bytes:
+    """One record as a segment frame's payload."""
+    topic = record.topic.encode()
+    key, value = record.key, record.value
+    return b"".join((
+        _HEAD.pack(len(topic), record.partition, record.offset, record.timestamp,
+                   _NULL if key is None else len(key), _NULL if value is None else len(value)),
+        topic, key or b"", value or b""))
+
+
+def decode(payload: bytes) -> Record:
+    """The inverse of ``encode``."""
+    tlen, partition, offset, ts, klen, vlen = _HEAD.unpack_from(payload, 0)
+    at = _HEAD.size
+    topic = payload[at:at + tlen].decode()
+    at += tlen
+    key = None if klen == _NULL else bytes(payload[at:at + klen])
+    at += 0 if key is None else klen
+    value = None if vlen == _NULL else bytes(payload[at:at + vlen])
+    return Record(topic, partition, offset, ts, key, value)
+
+
+def _module() -> Any:
+    try:
+        import confluent_kafka
+    except ImportError:
+        raise ConfigError("the Kafka source needs the confluent-kafka package: "
+                          "pip install 'walberg[kafka]' (or pip install confluent-kafka)") from None
+    return confluent_kafka
+
+
+class Consumer:
+    """A consumer of the configured topics, started at given offsets."""
+
+    def __init__(self, bootstrap_servers: str, group_id: str,
+                 properties: Mapping[str, str]) -> None:
+        ck = _module()
+        self._ck = ck
+        self.servers = bootstrap_servers
+        settings = {"bootstrap.servers": bootstrap_servers, "group.id": group_id,
+                    "enable.auto.commit": False, "enable.auto.offset.store": False,
+                    "auto.offset.reset": "earliest",
+                    # Joins and heartbeats of the group are short, so a committing consumer
+                    # never waits long on a broker that rebalances slowly.
+                    "session.timeout.ms": 6000, "heartbeat.interval.ms": 300,
+                    **properties}
+        self._consumer = ck.Consumer(settings)
+
+    def partitions(self, topics: Sequence[str], timeout: float = 10.0) -> list[tuple[str, int]]:
+        """Every (topic, partition) of the topics; a missing topic is an error that says so."""
+        try:
+            meta = self._consumer.list_topics(timeout=timeout)
+        except self._ck.KafkaException as exc:
+            raise Transient(f"cannot reach the Kafka broker at {self.servers} "
+                            f"(source.kafka.bootstrap_servers): {exc.args[0]}") from None
+        found: list[tuple[str, int]] = []
+        for topic in topics:
+            info = meta.topics.get(topic)
+            if info is None or info.error is not None or not info.partitions:
+                raise SourceError(f"topic {topic} (source.kafka.topics) does not exist on "
+                                  f"{self.servers}; create it, or let the Debezium connector "
+                                  "create it, then run walberg again")
+            found.extend((topic, p) for p in sorted(info.partitions))
+        return found
+
+    def high_watermark(self, topic: str, partition: int, timeout: float = 10.0) -> int:
+        """The offset after the last record of the partition now."""
+        try:
+            _, high = self._consumer.get_watermark_offsets(
+                self._ck.TopicPartition(topic, partition), timeout=timeout, cached=False)
+        except self._ck.KafkaException as exc:
+            raise Transient(f"cannot read the end of {topic} partition {partition} from "
+                            f"{self.servers}: {exc.args[0]}") from None
+        return int(high)
+
+    def assign(self, start: Mapping[tuple[str, int], int]) -> None:
+        """Read these partitions from these offsets (``BEGINNING``: the earliest there is)."""
+        self._consumer.assign([self._ck.TopicPartition(t, p, o) for (t, p), o in start.items()])
+
+    def poll(self, timeout: float, limit: int = 500) -> list[Record]:
+        """Up to ``limit`` records, waiting at most ``timeout`` seconds for the first."""
+        out: list[Record] = []
+        for m in self._consumer.consume(limit, timeout):
+            error = m.error()
+            if error is not None:
+                if error.code() == self._ck.KafkaError._PARTITION_EOF:
+                    continue
+                if error.fatal():
+                    raise SourceError(f"Kafka consumer failed on {m.topic()} partition "
+                                      f"{m.partition()}: {error.str()}")
+                continue  # librdkafka retries transient errors itself
+            _, ts = m.timestamp()
+            out.append(Record(m.topic(), m.partition(), m.offset(), ts, m.key(), m.value()))
+        return out
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Tell the group where walberg is (for lag monitoring; walberg never reads it back)."""
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets=[self._ck.TopicPartition(t, p, o)
+                                           for (t, p), o in offsets.items()], asynchronous=True)
+        except self._ck.KafkaException:
+            pass  # only monitoring: the lake holds the offsets that count
+
+    def close(self) -> None:
+        self._consumer.close()

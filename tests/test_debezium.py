@@ -1,0 +1,125 @@
+"""The Debezium envelope parser and its values as Postgres text (pure, no broker)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from walberg.model import UNCHANGED, Column
+from walberg.source import debezium as dbz
+from walberg.source import kafka
+
+
+def _b64(unscaled: int) -> str:
+    n = max(1, (unscaled.bit_length() + 8) // 8)
+    return base64.b64encode(unscaled.to_bytes(n, "big", signed=True)).decode()
+
+
+@given(st.integers(min_value=-(10**30), max_value=10**30), st.integers(min_value=0, max_value=12))
+def test_a_connect_decimal_reads_back_exactly(unscaled: int, scale: int) -> None:
+    t = dbz.FieldType(dbz.NUMERIC, -1, "org.apache.kafka.connect.data.Decimal", scale)
+    text = dbz.to_text(_b64(unscaled), t)
+    assert isinstance(text, bytes)
+    assert Decimal(text.decode()) == Decimal(unscaled).scaleb(-scale)
+
+
+@given(st.dates())
+def test_a_debezium_date_is_its_iso_day(day: date) -> None:
+    t = dbz.type_from_schema({"type": "int32", "name": "io.debezium.time.Date"})
+    assert dbz.to_text((day - date(1970, 1, 1)).days, t) == day.isoformat().encode()
+
+
+@given(st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30)))
+def test_micro_timestamps_and_zoned_timestamps_read_back(moment: datetime) -> None:
+    micros = (moment - datetime(1970, 1, 1)) // timedelta(microseconds=1)
+    t = dbz.type_from_schema({"type": "int64", "name": "io.debezium.time.MicroTimestamp"})
+    assert dbz.to_text(micros, t) == moment.isoformat(" ", "microseconds").encode()
+    z = dbz.type_from_schema({"type": "string", "name": "io.debezium.time.ZonedTimestamp"})
+    aware = moment.replace(tzinfo=timezone(timedelta(hours=2)))
+    text = dbz.to_text(aware.isoformat(), z)
+    assert isinstance(text, bytes) and text.endswith(b"+00")
+    back = datetime.fromisoformat(text.decode() + ":00")
+    assert back == aware
+
+
+@given(st.builds(kafka.Record, st.text(min_size=1, max_size=30), st.integers(0, 2**31 - 1),
+                 st.integers(0, 2**62), st.integers(-1, 2**62),
+                 st.one_of(st.none(), st.binary()), st.one_of(st.none(), st.binary())))
+def test_a_record_frame_reads_back(record: kafka.Record) -> None:
+    assert kafka.decode(kafka.encode(record)) == record
+
+
+def test_types_from_the_schema_part() -> None:
+    assert dbz.type_from_schema({"type": "int16"}).oid == dbz.INT2
+    assert dbz.type_from_schema({"type": "int64"}).oid == dbz.INT8
+    assert dbz.type_from_schema({"type": "float64"}).oid == dbz.FLOAT8
+    assert dbz.type_from_schema({"type": "boolean"}).oid == dbz.BOOL
+    assert dbz.type_from_schema({"type": "string", "name": "io.debezium.data.Uuid"}).oid == dbz.UUID
+    assert dbz.type_from_schema({"type": "string", "name": "io.debezium.data.Json"}).oid == dbz.JSONB
+    d = dbz.type_from_schema({"type": "bytes", "name": "org.apache.kafka.connect.data.Decimal",
+                              "parameters": {"scale": "2", "connect.decimal.precision": "10"}})
+    assert (d.oid, d.modifier, d.scale) == (dbz.NUMERIC, dbz.numeric_modifier(10, 2), 2)
+    v = dbz.type_from_schema({"type": "struct", "name": "io.debezium.data.VariableScaleDecimal"})
+    assert dbz.to_text({"scale": 3, "value": _b64(-12345)}, v) == b"-12.345"
+    assert dbz.type_from_name("numeric(12, 4)").modifier == dbz.numeric_modifier(12, 4)
+    with pytest.raises(ValueError, match="unknown type"):
+        dbz.type_from_name("geometry")
+
+
+def test_values_take_the_text_form_the_apply_stage_parses() -> None:
+    assert dbz.to_text(True, dbz.FieldType(dbz.BOOL)) == b"t"
+    assert dbz.to_text(float("inf"), dbz.FieldType(dbz.FLOAT8)) == b"Infinity"
+    assert dbz.to_text({"a": [1]}, dbz.FieldType(dbz.JSONB)) == b'{"a":[1]}'
+    assert dbz.to_text(base64.b64encode(b"\x01\xff").decode(), dbz.FieldType(dbz.BYTEA)) == b"\\x01ff"
+    assert dbz.to_text(dbz.UNAVAILABLE, dbz.FieldType(dbz.TEXT)) is UNCHANGED
+    for bad, t in (("x", dbz.INT4), (1, dbz.BOOL), ("2024-13-01", dbz.DATE)):
+        with pytest.raises(dbz.BadRecord):
+            dbz.to_text(bad, dbz.FieldType(t))
+
+
+def test_envelopes_with_and_without_schema() -> None:
+    bare = {"op": "u", "before": None, "after": {"id": 1}, "ts_ms": 5, "source": {"lsn": 42}}
+    e = dbz.parse_event(json.dumps(bare).encode())
+    assert (e.op, e.after, e.fields, e.lsn, e.ts_ms) == ("u", {"id": 1}, None, 42, 5)
+    schema = {"type": "struct", "fields": [
+        {"field": "after", "type": "struct", "fields": [{"field": "id", "type": "int32"}]}]}
+    wrapped = dbz.parse_event(json.dumps({"schema": schema, "payload": bare}).encode())
+    assert wrapped.fields == (("id", dbz.FieldType(dbz.INT4)),)
+    assert dbz.parse_key(b'{"schema": {}, "payload": {"id": 1}}') == {"id": 1}
+    for raw, why in ((b"{not json", "not JSON"), (b'{"after": {}}', "no op"),
+                     (b'{"op": "x"}', "unknown op"), (b'{"op": "c", "after": null}', "without after"),
+                     (b"[1]", "not a Debezium envelope")):
+        with pytest.raises(dbz.BadRecord, match=why):
+            dbz.parse_event(raw)
+
+
+COLUMNS = (Column("id", dbz.INT4, is_key=True), Column("v", dbz.TEXT))
+TYPES = (dbz.FieldType(dbz.INT4), dbz.FieldType(dbz.TEXT))
+
+
+def _event(op: str, before: object, after: object) -> dbz.Event:
+    return dbz.parse_event(json.dumps({"op": op, "before": before, "after": after}).encode())
+
+
+def test_ops_become_staged_changes() -> None:
+    assert dbz.changes(_event("c", None, {"id": 1, "v": "a"}), None, COLUMNS, TYPES) == \
+        [("I", (b"1", b"a"))]
+    assert dbz.changes(_event("r", None, {"id": 1, "v": "a"}), None, COLUMNS, TYPES) == \
+        [("U", (b"1", b"a"))]
+    assert dbz.changes(_event("u", {"id": 1, "v": "a"}, {"id": 1, "v": "b"}), None, COLUMNS,
+                       TYPES) == [("U", (b"1", b"b"))]
+    # A changed key: the old row goes, the new one comes.
+    assert dbz.changes(_event("u", {"id": 1, "v": "a"}, {"id": 2, "v": "a"}), None, COLUMNS,
+                       TYPES) == [("D", (b"1", b"a")), ("I", (b"2", b"a"))]
+    # A delete without a before image takes its key from the message key.
+    assert dbz.changes(_event("d", None, None), {"id": 7}, COLUMNS, TYPES) == [("D", (b"7", None))]
+    with pytest.raises(dbz.BadRecord, match="missing key"):
+        dbz.changes(_event("d", None, None), None, COLUMNS, TYPES)
+    with pytest.raises(dbz.BadRecord, match="schema mismatch"):
+        dbz.changes(_event("c", None, {"id": 1, "extra": 2}), None, COLUMNS, TYPES)

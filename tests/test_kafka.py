@@ -1,0 +1,196 @@
+"""The Kafka source end to end against a real broker (Tansu), real Spark and real Iceberg:
+Debezium events with and without schema, dead letters, and kill -9 mid-topic."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import yaml
+from prometheus_client import REGISTRY
+
+from conftest import CATALOG, run_once
+from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
+from lake import iceberg_rows
+from walberg.config import Config, parse_config
+from walberg.kafka_pipeline import KafkaPipeline
+
+__all__ = ["kafka_broker"]  # the session fixture, used by name
+
+
+def _raw(servers: str, warehouse: Path, tmp: Path, name: str, topics: list[str],
+         **kafka: Any) -> dict[str, Any]:
+    return {
+        "source": {"kafka": {"bootstrap_servers": servers, "topics": topics,
+                             "group_id": f"g_{name}", **kafka}},
+        "sink": {"catalog": {"name": CATALOG, "type": "hadoop", "warehouse": str(warehouse)},
+                 "namespace": f"ns_{name}"},
+        "buffer": {"dir": str(tmp / "segments"), "max_interval_seconds": 0.5},
+        "spark": {"master": "local[2]"},
+    }
+
+
+def _config(raw: dict[str, Any], tmp: Path) -> Config:
+    return parse_config(raw, tmp, "test config")
+
+
+def _dead(tmp: Path) -> list[dict[str, Any]]:
+    files = sorted((tmp / "segments" / "dead-letters").rglob("*.parquet"))
+    return sorted((r for f in files for r in pq.read_table(f).to_pylist()),
+                  key=lambda r: (r["partition"], r["offset"]))
+
+
+def _dec(unscaled: int) -> str:
+    return base64.b64encode(unscaled.to_bytes(8, "big", signed=True)).decode()
+
+
+SCHEMA = row_schema([
+    {"field": "id", "type": "int32"},
+    {"field": "name", "type": "string", "optional": True},
+    {"field": "price", "type": "bytes", "name": "org.apache.kafka.connect.data.Decimal",
+     "parameters": {"scale": "2", "connect.decimal.precision": "10"}, "optional": True},
+    {"field": "born", "type": "int32", "name": "io.debezium.time.Date", "optional": True},
+    {"field": "seen", "type": "string", "name": "io.debezium.time.ZonedTimestamp",
+     "optional": True},
+    {"field": "active", "type": "boolean", "optional": True},
+])
+
+
+def test_debezium_events_with_schema_land_as_the_source_table(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic, partitions=2)
+    p = Producer(kafka_broker)
+
+    def row(i: int, name: str, cents: int) -> dict[str, Any]:
+        return {"id": i, "name": name, "price": _dec(cents), "born": 19000 + i,
+                "seen": f"2024-01-0{i}T10:00:00.5+02:00", "active": i % 2 == 0}
+
+    def send(op: str, before: Any, after: Any, key: int) -> None:
+        p.send(topic, {"schema": {"type": "struct"}, "payload": {"id": key}},
+               envelope(op, before, after, schema=SCHEMA), partition=key % 2)
+
+    for i in (1, 2, 3, 4):
+        send("r", None, row(i, f"n{i}", 100 * i), i)
+    send("c", None, row(5, "n5", 550), 5)
+    send("u", row(2, "n2", 200), row(2, "two", 222), 2)
+    send("d", row(3, "n3", 300), None, 3)
+    p.send(topic, b'{"id": 3}', None, partition=1)  # the tombstone after a delete
+    # A key change, as an update whose before and after keys differ (same partition).
+    send("u", row(4, "n4", 400), row(6, "n4", 400), 4)
+    report = run_once(_config(_raw(kafka_broker, warehouse, tmp_path, unique, [topic]),
+                              tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0
+
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    rows = iceberg_rows(warehouse, target)
+    assert [(r["id"], r["name"], r["price"]) for r in rows] == [
+        (1, "n1", Decimal("1.00")), (2, "two", Decimal("2.22")), (5, "n5", Decimal("5.50")),
+        (6, "n4", Decimal("4.00"))]
+    assert rows[0]["born"].isoformat() == "2022-01-09"  # day 19001 since 1970
+    assert rows[0]["active"] is False and rows[1]["active"] is True
+    assert rows[0]["seen"].isoformat() == "2024-01-01T08:00:00.500000+00:00"
+    # Spark reads the same table.
+    assert spark.sql(f"SELECT count(*) AS n FROM {target}").collect()[0]["n"] == 4
+    # The offsets ride in the snapshot summary: 4 records on partition 0, 6 on partition 1.
+    summary = spark.sql(f"SELECT summary FROM {target}.snapshots ORDER BY committed_at DESC"
+                        ).collect()[0]["summary"]
+    counts = {0: 0, 1: 0}
+    for key in (1, 2, 3, 4, 5, 2, 3, 3, 4):
+        counts[key % 2] += 1
+    assert summary[f"walberg.offset.{topic}.0"] == str(counts[0])
+    assert summary[f"walberg.offset.{topic}.1"] == str(counts[1])
+
+
+def test_events_without_schema_and_dead_letters(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    p.send(topic, {"id": 1}, envelope("c", None, {"id": 1, "v": "a", "n": 1}))
+    p.send(topic, {"id": 2}, b"{this is not json")
+    p.send(topic, {"id": 2}, {"before": None, "after": {"id": 2, "v": "b", "n": 2}})  # no op
+    p.send(topic, {"id": 3}, envelope("c", None, {"id": 3, "v": "c", "n": 3, "surprise": 1}))
+    p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "v": "d", "n": "four"}))
+    p.send(topic, None, envelope("c", None, {"id": 5, "v": "e", "n": 5}))  # key from config
+    p.send(topic, {"id": 1}, envelope("u", None, {"id": 1, "v": "A", "n": 10}))
+    p.send(topic, {"id": 9}, b"[]")  # last: the lake's offsets never cover it
+    before = REGISTRY.get_sample_value("walberg_dead_letters_total",
+                                       {"table": f"public.{unique}"}) or 0.0
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic],
+               tables={topic: {"key": ["id"]}})
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert iceberg_rows(warehouse, target) == [{"id": 1, "v": "A", "n": 10},
+                                               {"id": 5, "v": "e", "n": 5}]
+    dead = _dead(tmp_path)
+    assert [(d["offset"], d["_dlq_reason"].split(":")[0]) for d in dead] == [
+        (1, "the value is not JSON"), (2, "the envelope has no op"),
+        (3, "schema mismatch"), (4, "column n"),
+        (7, "the value is not a Debezium envelope (a JSON object with op, before, after)")]
+    assert dead[0]["value"] == b"{this is not json" and dead[0]["key"] == b'{"id": 2}'
+    assert report.dead_letters == 5
+    after = REGISTRY.get_sample_value("walberg_dead_letters_total", {"table": f"public.{unique}"})
+    assert after == before + 5
+    # Run again: the last record is read again (no table commit covers it), and it does not
+    # become a dead letter twice.
+    again = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert (again.records, again.dead_letters, len(_dead(tmp_path))) == (0, 0, 5)
+
+
+def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic, partitions=2)
+    p = Producer(kafka_broker)
+    expected: dict[int, int] = {}
+    for i in range(1, 121):
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": i}), partition=i % 2)
+        expected[i] = i
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    # Small segments: several batches, so the crash comes with some of the topic committed.
+    raw["buffer"]["max_segment_bytes"] = 65536
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+
+    # First: a first batch commits, then updates arrive and a later commit is killed inside.
+    first = subprocess.run([sys.executable, "-m", "walberg.cli", "run", "-c", str(path), "--once"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    for i in range(1, 121):
+        if i % 3 == 0:
+            p.send(topic, {"id": i}, envelope("d", {"id": i, "v": expected.pop(i)}, None),
+                   partition=i % 2)
+        else:
+            p.send(topic, {"id": i}, envelope("u", None, {"id": i, "v": -i}), partition=i % 2)
+            expected[i] = -i
+    for i in range(121, 141):
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": i}), partition=i % 2)
+        expected[i] = i
+    crashed = subprocess.run([sys.executable, "-m", "walberg.cli", "run", "-c", str(path),
+                              "--once"], env=dict(env, WALBERG_CRASH_AT="commit:1"),
+                             capture_output=True, text=True, timeout=600)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
+    half = {r["id"]: r["v"] for r in iceberg_rows(warehouse, target)}
+    assert half != expected  # the crash left the lake behind
+
+    # A new consumer group: the broker knows no offsets for it, so only the lake's count.
+    raw["source"]["kafka"]["group_id"] = f"other_{unique}"
+    path.write_text(yaml.safe_dump(raw))
+    done = subprocess.run([sys.executable, "-m", "walberg.cli", "run", "-c", str(path), "--once"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "reading " in done.stderr and "@earliest" not in done.stderr, done.stderr
+    rows = iceberg_rows(warehouse, target)
+    assert len(rows) == len({r["id"] for r in rows})  # no duplicates
+    assert {r["id"]: r["v"] for r in rows} == expected  # nothing lost
