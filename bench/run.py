@@ -72,16 +72,34 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def config_for(server: EmbeddedPostgres, work: Path, name: str, table: str,
-               namespace: str = "bench") -> Any:
+               namespace: str = "bench", **postgres: Any) -> Any:
     raw = {
         "source": {"postgres": {"dsn": server.dsn, "slot": f"slot_{name}",
-                                "publication": f"pub_{name}", "tables": [table]}},
+                                "publication": f"pub_{name}", "tables": [table], **postgres}},
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
                              "warehouse": str(work / "warehouse")}, "namespace": namespace},
         "buffer": {"dir": str(work / f"segments_{name}")},
         "spark": {"master": "local[2]"},
     }
     return parse_config(raw, work, "bench config")
+
+
+class _Null:
+    def write(self, b: bytes) -> int:
+        return len(b)
+
+
+def copy_table_baseline(cur: Any, table: str, rows: int) -> float:
+    """Make the copy benchmark's table (bigint key, text, numeric, timestamptz, boolean) of
+    ``rows`` rows; return the seconds `COPY ... TO STDOUT` takes to hand it out."""
+    cur.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, name text, amount numeric(12,2), "
+                "created timestamptz, flag boolean)")
+    cur.execute(f"INSERT INTO {table} SELECT g, 'customer ' || g, (g %% 100000) / 100.0, "
+                "timestamptz '2020-01-01 00:00:00+00' + g * interval '1 second', g %% 3 = 0 "
+                "FROM generate_series(1, %s) g", (rows,))
+    cur.execute(f"VACUUM ANALYZE {table}")
+    seconds, _ = timed(lambda: cur.copy_expert(f"COPY (SELECT * FROM {table}) TO STDOUT", _Null()))
+    return seconds
 
 
 def run_once(config: Any, session: Any) -> Any:
@@ -110,18 +128,7 @@ def main() -> int:
         cur = conn.cursor()
 
         # ---- 1. initial copy ------------------------------------------------------------------
-        cur.execute("CREATE TABLE copy_src (id bigint PRIMARY KEY, name text, amount numeric(12,2), "
-                    "created timestamptz, flag boolean)")
-        cur.execute("INSERT INTO copy_src SELECT g, 'customer ' || g, (g %% 100000) / 100.0, "
-                    "timestamptz '2020-01-01 00:00:00+00' + g * interval '1 second', g %% 3 = 0 "
-                    "FROM generate_series(1, %s) g", (args.rows,))
-        cur.execute("VACUUM ANALYZE copy_src")
-
-        class Null:
-            def write(self, b: bytes) -> int:
-                return len(b)
-
-        copy_s, _ = timed(lambda: cur.copy_expert("COPY (SELECT * FROM copy_src) TO STDOUT", Null()))
+        copy_s = copy_table_baseline(cur, "copy_src", args.rows)
         # The first copy in a fresh JVM pays for class loading and JIT compilation; a pipeline
         # that copies many tables pays it once. Both are reported; the ratio uses the second.
         cold_s, report = timed(lambda: run_once(config_for(server, work, "copy1", "public.copy_src",

@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import psycopg2
 import pytest
@@ -163,6 +164,39 @@ def running(pipeline: Pipeline) -> Iterator[list[BaseException]]:
         pipeline.stop()
         runner.join(timeout=60)
         pipeline.close()
+
+
+@contextmanager
+def writing(postgres: EmbeddedPostgres, step: Callable[[Any, int], None],
+            pause: float = 0.01) -> Iterator[None]:
+    """For the ``with`` block, a writer thread on a connection of its own (autocommit) runs
+    ``step(cursor, i)`` for i = 1, 2, ... with ``pause`` seconds between; leaving the block stops
+    it, and a failure of the writer fails the test there."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            conn = psycopg2.connect(postgres.dsn)
+            conn.autocommit = True
+            i = 0
+            with conn.cursor() as cur:
+                while not stop.is_set():
+                    i += 1
+                    step(cur, i)
+                    time.sleep(pause)
+            conn.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=write, name="test-writer", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not errors, errors
 
 
 def _chattr(flag: str, path: Path) -> None:

@@ -8,14 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from conftest import make_config, walberg_cli
+from conftest import make_config, walberg_cli, writing
 from lake import iceberg_rows, postgres_rows
 
 POINTS = ("segment-write", "seal", "decode", "commit", "committed")
@@ -33,33 +31,15 @@ def test_kill_9_at_20_points_loses_and_duplicates_nothing(
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
 
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    def step(cur: Any, i: int) -> None:
+        cur.execute("BEGIN")
+        cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id % 53 = {i % 53}")
+        cur.execute(f"INSERT INTO {table} VALUES ({10000 + i}, 0, 'new')")
+        cur.execute(f"DELETE FROM {table} WHERE id = {(i * 7) % 5000 + 1}")
+        cur.execute("COMMIT")
 
-    def writer() -> None:
-        import psycopg2
-
-        try:
-            conn = psycopg2.connect(postgres.dsn)
-            conn.autocommit = True
-            i = 0
-            with conn.cursor() as cur:
-                while not stop.is_set():
-                    i += 1
-                    cur.execute("BEGIN")
-                    cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id % 53 = {i % 53}")
-                    cur.execute(f"INSERT INTO {table} VALUES ({10000 + i}, 0, 'new')")
-                    cur.execute(f"DELETE FROM {table} WHERE id = {(i * 7) % 5000 + 1}")
-                    cur.execute("COMMIT")
-                    time.sleep(0.01)
-            conn.close()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
     killed: dict[str, int] = {}
-    try:
+    with writing(postgres, step):
         for point in POINTS:
             for hit in HITS:
                 env = dict(os.environ, WALBERG_CRASH_AT=f"{point}:{hit}", PYTHONUNBUFFERED="1")
@@ -68,10 +48,6 @@ def test_kill_9_at_20_points_loses_and_duplicates_nothing(
                                       timeout=240)
                 assert proc.returncode == -9, (point, hit, proc.returncode, proc.stdout[-2000:])
                 killed[point] = killed.get(point, 0) + 1
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-    assert not errors, errors
     done = walberg_cli("-q", "run", "-c", str(path), "--once")
     assert done.returncode == 0, done.stdout[-3000:]
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import make_config, run_once
+from conftest import make_config, run_once, writing
 from lake import iceberg_rows, postgres_rows
 from walberg.config import Config, parse_config
 from walberg.source.chunks import Span, jdbc_target, plan_chunks, remaining, session_init
@@ -85,35 +83,13 @@ def test_parallel_copy_stays_consistent_with_the_stream_under_writes(
     config = _jdbc_config(postgres, warehouse, tmp_path, unique, table)
     target = config.target_for(table)
 
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    def step(cur: Any, i: int) -> None:
+        cur.execute(f"INSERT INTO {table} VALUES ({10000 + i}, 1, 1.5, now(), 'new')")
+        cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id = {(i * 7) % 6000 + 1}")
+        cur.execute(f"DELETE FROM {table} WHERE id = {(i * 13) % 6000 + 1}")
 
-    def writer() -> None:
-        import psycopg2
-
-        try:
-            conn = psycopg2.connect(postgres.dsn)
-            conn.autocommit = True
-            i = 0
-            with conn.cursor() as cur:
-                while not stop.is_set():
-                    i += 1
-                    cur.execute(f"INSERT INTO {table} VALUES ({10000 + i}, 1, 1.5, now(), 'new')")
-                    cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id = {(i * 7) % 6000 + 1}")
-                    cur.execute(f"DELETE FROM {table} WHERE id = {(i * 13) % 6000 + 1}")
-                    time.sleep(0.005)
-            conn.close()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
-    try:
+    with writing(postgres, step, pause=0.005):
         report = run_once(config, spark)  # copies while the writer writes, and streams
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-    assert not errors, errors
     run_once(config, spark)  # the rest of what the writer did
     assert report.copied[table] > 0
 
