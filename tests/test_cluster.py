@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import make_config, walberg_ok
-from lake import iceberg_rows, postgres_rows
+from lake import hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.spark import find_java
 
 
@@ -101,3 +101,24 @@ def test_copy_and_stream_through_a_standalone_cluster(
     # The work ran on the cluster's executor, not in the driver.
     apps = list((tmp_path / "spark-work").glob("app-*"))
     assert apps, "no application ran on the worker"
+
+    # The parallel copy: the cluster's executors read the table over JDBC (the driver jar
+    # shipped to them through spark.jars), inside the slot's snapshot, chunk by chunk.
+    other = f"{table}_jdbc"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {other} AS SELECT * FROM {table}")
+        cur.execute(f"ALTER TABLE {other} ADD PRIMARY KEY (id)")
+        cur.execute(f"ANALYZE {other}")
+    raw_jdbc = make_config(postgres, warehouse, tmp_path / "segments_jdbc", f"{unique}_jdbc",
+                           [other]).model_dump(mode="json", exclude={"base_dir"})
+    raw_jdbc["spark"] = raw["spark"]
+    raw_jdbc["source"]["postgres"]["initial_copy"] = {"method": "jdbc", "chunk_rows": 5000}
+    jdbc_path = tmp_path / "pipeline_jdbc.yaml"
+    jdbc_path.write_text(yaml.safe_dump(raw_jdbc))
+    out = walberg_ok("run", "--once", "-c", str(jdbc_path))
+    jdbc_target = make_config(postgres, warehouse, tmp_path / "segments_jdbc", f"{unique}_jdbc",
+                              [other]).target_for(other)
+    assert iceberg_rows(warehouse, jdbc_target) == postgres_rows(pg_conn, other), out
+    chunks = [s for s in hadoop_table(warehouse, jdbc_target).snapshots()
+              if "walberg.copy.span" in s.summary.additional_properties]
+    assert len(chunks) >= 3
