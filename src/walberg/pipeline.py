@@ -949,41 +949,47 @@ class Pipeline:
         try:
             for info in infos:
                 started = time.monotonic()
-                if self._chunked(info):
-                    rows = self._copy_chunked(info, created,
-                                              slot_flushed if temp is not None else None)
-                    self.report.copied[info.qualified_name] = rows
-                    metrics.COPIED_ROWS.labels(info.qualified_name).inc(rows)
-                    continue
-                parquet = workdir / f"{info.qualified_name}.parquet"
-                dead = DeadLetters(workdir / f"dlq-{info.qualified_name}.parquet", len(info.columns))
-                rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet,
-                                             (dead, int(created.consistent_point)))
                 target = self.targets[info.qualified_name]
-                dead.close()
-                # Dead letters first: if the copy itself then fails, the next copy replaces them.
-                dropped = self.sink.write_dead_letters(
-                    target, info.columns, dead.path, created.consistent_point,
-                    snapshot=True) if dead.rows else 0
-                self._count_dead(info.qualified_name, target, dropped)
-                changelog = self.changelogs.get(info.qualified_name)
-                if changelog is not None:
-                    self.sink.append_copy(changelog, info.columns, [parquet],
-                                          created.consistent_point)
-                    self._changelog_held[info.qualified_name] = created.consistent_point
-                if changelog != target:
-                    self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
-                self.committed[info.qualified_name] = created.consistent_point
+                if self._chunked(info):
+                    rows, point = self._copy_chunked(info, created,
+                                                     slot_flushed if temp is not None else None)
+                else:
+                    rows = self._copy_whole(info, created, workdir)
+                    point = created.consistent_point
+                self.committed[info.qualified_name] = point
                 self.report.copied[info.qualified_name] = rows
                 metrics.COPIED_ROWS.labels(info.qualified_name).inc(rows)
-                metrics.COMMITTED_LSN.labels(info.qualified_name).set(int(created.consistent_point))
+                metrics.COMMITTED_LSN.labels(info.qualified_name).set(int(point))
                 log.info("initial copy of %s -> %s: %d rows in %.1f s (at LSN %s)",
-                         info.qualified_name, target, rows, time.monotonic() - started,
-                         created.consistent_point)
+                         info.qualified_name, target, rows, time.monotonic() - started, point)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             if temp is not None:
                 temp.close()
+
+    def _copy_whole(self, info: pg.TableInfo, created: CreatedSlot, workdir: Path) -> int:
+        """The default copy: one COPY stream staged as local Parquet, loaded in one commit
+        marked with the slot's consistent point (and appended to the changelog, if any).
+        Returns the rows copied."""
+        parquet = workdir / f"{info.qualified_name}.parquet"
+        dead = DeadLetters(workdir / f"dlq-{info.qualified_name}.parquet", len(info.columns))
+        rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet,
+                                     (dead, int(created.consistent_point)))
+        target = self.targets[info.qualified_name]
+        dead.close()
+        # Dead letters first: if the copy itself then fails, the next copy replaces them.
+        dropped = self.sink.write_dead_letters(
+            target, info.columns, dead.path, created.consistent_point,
+            snapshot=True) if dead.rows else 0
+        self._count_dead(info.qualified_name, target, dropped)
+        changelog = self.changelogs.get(info.qualified_name)
+        if changelog is not None:
+            self.sink.append_copy(changelog, info.columns, [parquet],
+                                  created.consistent_point)
+            self._changelog_held[info.qualified_name] = created.consistent_point
+        if changelog != target:
+            self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
+        return rows
 
     def _chunked(self, info: pg.TableInfo) -> bool:
         """Whether this table's copy is read by Spark over JDBC in chunks."""
@@ -1001,7 +1007,7 @@ class Pipeline:
         return True
 
     def _copy_chunked(self, info: pg.TableInfo, created: CreatedSlot,
-                      slot_flushed: Optional[Lsn]) -> int:
+                      slot_flushed: Optional[Lsn]) -> tuple[int, Lsn]:
         """The parallel initial copy: Spark reads the table over JDBC in chunks, each a commit
         recording the span it covers (``walberg.copy.*``); the last also carries the LSN mark.
 
@@ -1011,7 +1017,8 @@ class Pipeline:
         the copy's original start, so the stream replays everything after it; rows read in the
         newer snapshot already hold part of that replay, which is harmless as long as the
         replayed inserts are merged by key rather than appended: they are, until the stream
-        passes the newer snapshot (``walberg.copy.catchup``)."""
+        passes the newer snapshot (``walberg.copy.catchup``). Returns the rows copied and the
+        LSN the table is marked with."""
         source, target = info.qualified_name, self.targets[info.qualified_name]
         settings = self.pg.initial_copy
         key = chunks.range_key(info)
@@ -1073,11 +1080,9 @@ class Pipeline:
         progress.done(rows)
         gauge.set(1)
         self._count_dead(source, target, dead)
-        self.committed[source] = point
         if catchup is not None:
             self._catchup[source] = catchup
-        metrics.COMMITTED_LSN.labels(source).set(int(point))
-        return rows
+        return rows, point
 
     def _catchup_after_resume(self, source: str) -> None:
         """A table whose copy was resumed merges the stream's inserts by key until the stream

@@ -175,9 +175,8 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     database = params.get("dbname", params.get("user", "postgres"))
     url = f"jdbc:postgresql://{host}:{port}/{url_quote(database, safe='')}"
     props = {"driver": "org.postgresql.Driver", "ApplicationName": "walberg-copy"}
-    for libpq, jdbc in (("user", "user"), ("password", "password"), ("sslmode", "sslmode"),
-                        ("sslrootcert", "sslrootcert"), ("sslcert", "sslcert"),
-                        ("sslkey", "sslkey")):
-        if params.get(libpq):
-            props[jdbc] = params[libpq]
+    # The driver takes these under libpq's names.
+    for name in ("user", "password", "sslmode", "sslrootcert", "sslcert", "sslkey"):
+        if params.get(name):
+            props[name] = params[name]
     return url, props
