@@ -6,6 +6,7 @@ a dict replaying the same changes one by one."""
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +20,8 @@ from walberg.apply.batch import (
     seq_filter,
 )
 from walberg.apply.iceberg import IcebergSink
+from walberg.config import Catalog, Sink
+from walberg.lakeside import commit_with_retries
 from walberg.model import UNCHANGED, Column, Lsn, Op
 
 COLUMNS = (Column("id", 23, -1, True), Column("v", 25), Column("n", 1700, (10 << 16 | 2) + 4))
@@ -154,3 +157,59 @@ def test_staging_tells_whether_any_key_repeats(tmp_path: Path) -> None:
     b.add("public.t", (Col("n", 1700, -1, True), Col("v", 25)), Op.UPDATE, 1, 10,
           (b"1.0", b"x"))
     assert b.finish()["public.t"].unique_keys is False
+
+
+def test_two_sources_merging_into_one_table_at_once_keep_their_batches_apart(
+        spark: Any, tmp_path: Path) -> None:
+    """Two sources fan in to one table, each applying its batches from its own thread in the
+    one Spark session, as a multi-source pipeline does. Each batch updates a row and inserts one
+    (a MERGE); every source's rows must come from its own batches only, each exactly once."""
+    target = "lake.netting.fan_in"
+    spark.sql(f"DROP TABLE IF EXISTS {target}")
+    sinks = {name: IcebergSink(spark, source=name) for name in ("a", "b")}
+    for sink in sinks.values():
+        sink.ensure_table(target, COLUMNS)
+    rounds = 6
+    failures: list[BaseException] = []
+    together = threading.Barrier(len(sinks), timeout=300)  # each round's commits race
+
+    def source(name: str) -> None:
+        sink = sinks[name]
+        try:
+            for r in range(1, rounds + 1):
+                # The first batch only inserts (an append); the others update row 1 and insert
+                # one row (a MERGE).
+                b = BatchBuilder(tmp_path / f"{name}{r}")
+                op = Op.INSERT if r == 1 else Op.UPDATE
+                b.add("public.t", COLUMNS, op, 1, r, (b"1", f"{name}{r}".encode(), None))
+                b.add("public.t", COLUMNS, Op.INSERT, 2, r,
+                      (f"{100 + r}".encode(), name.encode(), f"{r}.00".encode()))
+                staged = b.finish()["public.t"]
+                lsn = Lsn(r)
+
+                def landed(lsn: Lsn = lsn) -> bool:
+                    held = sink.committed_lsn(target)
+                    return held is not None and held >= lsn
+
+                together.wait()
+                commit_with_retries(
+                    Sink(catalog=Catalog(warehouse=str(tmp_path))),
+                    threading.Event(), sink, "public.t", target,
+                    lambda staged=staged, lsn=lsn: sink.apply(target, staged, lsn, max_seq=2),
+                    landed, f"LSN {lsn}", "-")
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=source, args=(name,)) for name in sinks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    got = sorted((r["_walberg_source"], r["id"], r["v"], r["_walberg_lsn"])
+                 for r in spark.sql(f"SELECT * FROM {target}").collect())
+    want = sorted([(name, 1, f"{name}{rounds}", rounds) for name in sinks]
+                  + [(name, 100 + r, name, r) for name in sinks for r in range(1, rounds + 1)])
+    assert got == want
+    for name, sink in sinks.items():
+        assert sink.committed_lsn(target) == Lsn(rounds), name

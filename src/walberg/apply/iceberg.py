@@ -9,6 +9,7 @@ commit as the data. What a table holds is therefore always known from the table 
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -443,6 +444,13 @@ class IcebergSink:
                 out[(topic, int(partition))] = int(value)
         return out
 
+    @staticmethod
+    def _view_name(prefix: str) -> str:
+        """A temporary view name of one apply's own. Views live in the Spark session, which the
+        sources of a fan-in table share, each applying from its own thread: a name derived
+        from the target would let one source MERGE the other's batch."""
+        return f"{prefix}_{uuid.uuid4().hex}"
+
     def _own_rows(self) -> Any:
         """The rows a copy or TRUNCATE replaces: all, or this source's in a shared table."""
         from pyspark.sql.functions import col, lit
@@ -721,7 +729,7 @@ class IcebergSink:
             return
 
         assert df is not None
-        view = f"walberg_batch_{abs(hash(target))}"
+        view = self._view_name("walberg_batch")
         typed = self._typed(df, target, columns, "_wb_lsn",
                             keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
         if staged.moved_unchanged and before_netting is not None:
@@ -749,10 +757,12 @@ class IcebergSink:
             f"WHEN MATCHED THEN UPDATE SET {sets} "
             f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})"
         )
-        spark_call(f"merging a batch into {target}",
-                   lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
-                                                  lambda: self.spark.sql(statement)))
-        self.spark.catalog.dropTempView(view)
+        try:
+            spark_call(f"merging a batch into {target}",
+                       lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
+                                                      lambda: self.spark.sql(statement)))
+        finally:
+            self.spark.catalog.dropTempView(view)
 
     def _apply_multiset(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
                         truncated: bool, marks: Optional[Mapping[str, str]] = None) -> None:
@@ -802,7 +812,7 @@ class IcebergSink:
                                         if self.source is not None else []),
                                       "'D' AS _kind")
         source = deleters.unionByName(copies.withColumn("_kind", lit("I")))
-        view = f"walberg_multiset_{abs(hash(target))}"
+        view = self._view_name("walberg_multiset")
         source.createOrReplaceTempView(view)
         on_sql = " AND ".join(f"t.{quote(n)} <=> s.{quote(n)}" for n in names)
         if self.source is not None:
@@ -813,10 +823,12 @@ class IcebergSink:
         statement = (f"MERGE INTO {quote_target(target)} t USING {view} s "
                      f"ON s._kind = 'D' AND {on_sql} WHEN MATCHED THEN DELETE "
                      f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})")
-        spark_call(f"merging a batch into {target}",
-                   lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
-                                                  lambda: self.spark.sql(statement)))
-        self.spark.catalog.dropTempView(view)
+        try:
+            spark_call(f"merging a batch into {target}",
+                       lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
+                                                      lambda: self.spark.sql(statement)))
+        finally:
+            self.spark.catalog.dropTempView(view)
 
     # Key changes of one row within one batch that are followed through (a -> b -> c ...).
     MOVE_CHAIN = 4
