@@ -192,7 +192,8 @@ class Pipeline:
         self._apply_error: Optional[BaseException] = None
         self._run_error: Optional[BaseException] = None
         self._reached_source = False  # the source answered once: later failures are retried
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # reader -> applier: a segment was sealed
+        self._progress = threading.Event()  # applier -> reader: a batch was applied
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
@@ -221,6 +222,7 @@ class Pipeline:
         """Ask a running ``run`` to stop after the current step (safe from signal handlers)."""
         self._stop.set()
         self._wake.set()
+        self._progress.set()
 
     def close(self) -> None:
         release(self._store, self._session if self._owns_session else None)
@@ -1161,14 +1163,14 @@ class Pipeline:
                 # Spark is behind: stop reading for a moment (status updates keep flowing).
                 stream.confirm(self._confirmable())
                 stream.keepalive()
-                self._wake.wait(0.2)
+                self._await_progress()
                 continue
             # --once: what committed after the target is left for the next run, so a source
             # that never stops writing cannot keep this run from ending.
             reached = target is not None and not in_txn and received >= target
             if reached:
                 stream.keepalive()
-                self._wake.wait(0.2)
+                self._await_progress()
             for wal_start, payload in () if reached else stream.messages(timeout=0.2):
                 tag = payload[0]
                 if tag in _STREAM_TAGS or chunk_xid is not None:
@@ -1231,6 +1233,13 @@ class Pipeline:
                 # Ask for a keepalive: its WAL end tells how far the server has looked.
                 stream.keepalive(force=True, reply=True)
                 last_ask = time.monotonic()
+
+    def _await_progress(self) -> None:
+        """Wait (at most 0.2 s) for the applier to finish a batch. Waiting on an event of its
+        own, not on ``_wake`` (which stays set while the applier is busy): the reader must not
+        spin, taking a core and the GIL from the staging and Spark."""
+        self._progress.wait(0.2)
+        self._progress.clear()
 
     def _update_slot_gauges(self) -> None:
         """Lag and retained WAL as the server sees them; a failed look is tried next time."""
@@ -1570,6 +1579,7 @@ class Pipeline:
         crash_point("committed")
         with self._lock:
             self._applied = max(self._applied, batch.end)
+        self._progress.set()
         self.report.batches += 1
         self.report.changes += batch.changes
         segments = batch.segments
