@@ -130,6 +130,8 @@ class PreparedBatch:
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
     txns: list[tuple[int, int, int, int]] = field(default_factory=list)  # for changelogs
     start: Lsn = Lsn(0)  # the lake held everything before this when the batch was staged
+    # Set once its commit is over (or failed): the next batch stops growing then.
+    committed: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -1379,8 +1381,10 @@ class Pipeline:
                 try:
                     self._commit_batch(prepared)
                 except BaseException:
+                    prepared.committed.set()
                     self._discard(upcoming)
                     raise
+                prepared.committed.set()
                 if self._stop.is_set() and not drain:
                     self._discard(upcoming)
                     return
@@ -1399,7 +1403,10 @@ class Pipeline:
         """Choose the sealed segments of the next batch (those holding commits after ``floor``)
         and decode them into staged Parquet. ``after`` is the batch before it, not yet
         committed: its segments are left out, except a last one that a transaction runs on
-        from."""
+        from. The batch grows by the segments sealed while it is decoded, and while ``after``
+        commits it waits for more (up to ``buffer.max_batch_bytes`` in all): when the source
+        outpaces Spark, batches grow and the lake gets fewer, larger commits instead of falling
+        further behind."""
         assert self._store is not None
         first_seq = 0
         if after is not None and after.cut:
@@ -1407,28 +1414,51 @@ class Pipeline:
         elif after is not None:
             last = after.segments[-1]
             first_seq = last.seq if not self._meta[last.seq].clean_end else last.seq + 1
+        batch, end = self._segments_after(first_seq - 1, 0)
+        if end is None or end <= floor:
+            return None
+        committed = after.committed if after is not None else None
+
+        def grow(staged: list[Any]) -> Optional[tuple[list[Any], Lsn]]:
+            size = sum(info.size_bytes for info in staged)
+            while not self._stop.is_set() and size < self.config.buffer.max_batch_bytes:
+                more, more_end = self._segments_after(staged[-1].seq, size)
+                if more and more_end is not None:
+                    return more, more_end
+                if committed is None or committed.is_set():
+                    return None
+                committed.wait(0.05)
+            return None
+
+        return self._stage_batch(batch, end, floor, grow)
+
+    def _segments_after(self, seq: int, size: int) -> tuple[list[Any], Optional[Lsn]]:
+        """The sealed segments after ``seq`` up to the last one that ends a transaction, and that
+        transaction's end; no more than reach ``buffer.max_batch_bytes`` with ``size``."""
+        assert self._store is not None
         batch: list[Any] = []
-        size = 0
         end: Optional[Lsn] = None
         for info in self._store.sealed():
-            if info.seq < first_seq:
+            if info.seq <= seq:
                 continue
             batch.append(info)
             size += info.size_bytes
-            meta = self._meta.get(info.seq) or SegmentMeta(None, False)
-            if meta.last_commit_end is not None:
+            meta = self._meta.get(info.seq)  # (none yet: sealed this instant, no commit known)
+            if meta is not None and meta.last_commit_end is not None:
                 end = meta.last_commit_end
                 if size >= self.config.buffer.max_batch_bytes:
                     break
-        if end is None or end <= floor:
-            return None
-        # Segments after the one holding the batch's last commit wait for their commits.
-        while batch and (self._meta[batch[-1].seq].last_commit_end != end):
+        # Segments after the one holding the last commit wait for their commits.
+        while batch and (self._meta.get(batch[-1].seq) or SegmentMeta(None, False)
+                         ).last_commit_end != end:
             batch.pop()
-        return self._stage_batch(batch, end, floor)
+        return batch, end
 
-    def _stage_batch(self, segments: list[Any], end: Lsn, floor: Lsn) -> "PreparedBatch":
+    def _stage_batch(self, segments: list[Any], end: Lsn, floor: Lsn,
+                     grow: "Optional[Callable[[list[Any]], Optional[tuple[list[Any], Lsn]]]]"
+                     = None) -> "PreparedBatch":
         """Decode the segments' transactions up to ``end`` into staged Parquet, per table.
+        Having reached ``end``, ``grow`` may hand more segments and a later end to go on to.
 
         Control messages go through the scalar decoder; Insert/Update/Delete messages are only
         routed here (a byte and a relation id per message) and decoded in columnar chunks."""
@@ -1504,8 +1534,12 @@ class Pipeline:
                         last_commit_ts = msg.commit_ts
                         last_end, last_seq = msg.end_lsn, seq
                         if msg.end_lsn >= end:
-                            done = True
-                            break
+                            more = grow(segments) if grow is not None else None
+                            if more is None:
+                                done = True
+                                break
+                            segments.extend(more[0])  # read on by this loop, in order
+                            end = more[1]
                     elif isinstance(msg, Truncate):
                         for oid in msg.relation_oids:
                             if oid in wanted:
