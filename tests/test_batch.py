@@ -55,6 +55,41 @@ def test_builder_writes_text_nulls_and_unchanged_marks_in_chunks(tmp_path: Path)
     assert table.column("_wb_seq").to_pylist() == [1, 2, 3, 4, 5]
 
 
+def test_staging_keeps_each_keys_last_applied_change(tmp_path: Path) -> None:
+    """Netting while staging keeps, per key, the change with the highest seq among the rows the
+    batch applies: not one beyond its last seq (a transaction left to the next batch), not one
+    in a void range (a transaction cut off and sent again), and leaves a batch alone whose
+    keys do not repeat."""
+    b = BatchBuilder(tmp_path / "net", chunk_rows=2)
+    changes = [  # seq, op, key, value
+        (1, Op.INSERT, 1, "a"), (2, Op.INSERT, 2, "b"), (3, Op.UPDATE, 1, "a2"),
+        (4, Op.UPDATE, 2, "void"), (5, Op.UPDATE, 2, "void too"),  # cut off, sent again
+        (6, Op.UPDATE, 2, "b2"), (7, Op.DELETE, 3, None), (8, Op.INSERT, 3, "c"),
+        (9, Op.UPDATE, 1, "next batch"),
+    ]
+    for seq, op, key, value in changes:
+        b.add("public.t", COLUMNS, op, seq, 100 + seq,
+              (str(key).encode(), None if value is None else value.encode(), None))
+    staged = b.finish((8, [(4, 5)]), frozenset({"public.t"}))["public.t"]
+    assert staged.unique_keys and staged.rows == len(changes)
+    rows = pq.read_table(staged.files).to_pylist()
+    assert sorted((r["c0"], r["c1"], r["_wb_op"], r["_wb_seq"]) for r in rows) == [
+        ("1", "a2", "U", 3), ("2", "b2", "U", 6), ("3", "c", "I", 8)]
+
+    # Not for a table left out of `net` (its changelog needs every change) ...
+    b = BatchBuilder(tmp_path / "all", chunk_rows=2)
+    for seq, op, key, value in changes:
+        b.add("public.t", COLUMNS, op, seq, 1, (str(key).encode(), (value or "").encode(), None))
+    staged = b.finish((8, [(4, 5)]))["public.t"]
+    assert not staged.unique_keys and pq.read_table(staged.files).num_rows == len(changes)
+    # ... and a batch whose applied keys are all distinct is left as it is.
+    b = BatchBuilder(tmp_path / "distinct")
+    for seq, key in ((1, 1), (2, 2), (3, 1)):
+        b.add("public.t", COLUMNS, Op.INSERT, seq, 1, (str(key).encode(), b"x", None))
+    staged = b.finish((2, []), frozenset({"public.t"}))["public.t"]
+    assert staged.unique_keys and pq.read_table(staged.files).num_rows == 3
+
+
 def test_csv_copy_keeps_null_and_empty_string_apart(tmp_path: Path) -> None:
     csv = tmp_path / "t.csv"
     csv.write_bytes(b'1,,""\n2,"multi\nline","a,""b"""\n')
@@ -76,10 +111,14 @@ def _model_apply(state: dict[int, tuple[str, Optional[str]]], op: str, key: int,
         state[key] = row
 
 
+@pytest.mark.parametrize("where", ["spark", "staging"])
 @pytest.mark.parametrize("seed", range(4))
-def test_netting_matches_replaying_changes_one_by_one(spark: Any, tmp_path: Path, seed: int) -> None:
+def test_netting_matches_replaying_changes_one_by_one(spark: Any, tmp_path: Path, seed: int,
+                                                      where: str) -> None:
     """Random inserts, updates, deletes and truncates on a small key space, many per key, in one
-    batch: the Iceberg table after one commit equals the dict after replaying them in order."""
+    batch: the Iceberg table after one commit equals the dict after replaying them in order,
+    whether the batch is netted by Spark or while staging (batches with a TRUNCATE always go
+    to Spark)."""
     rnd = random.Random(seed)
     sink = IcebergSink(spark)
     target = f"lake.netting.t{seed}"
@@ -109,7 +148,12 @@ def test_netting_matches_replaying_changes_one_by_one(spark: Any, tmp_path: Path
             b.add("public.t", COLUMNS, op, seq, 2,
                   (str(k).encode(), row[0].encode(), None if row[1] is None else row[1].encode()))
             _model_apply(state, op.value, k, row)
-    sink.apply(target, b.finish()["public.t"], Lsn(2), max_seq=seq)
+    if where == "staging":
+        staged = b.finish((seq, []), frozenset({"public.t"}))["public.t"]
+        assert staged.unique_keys or staged.truncates
+    else:
+        staged = b.finish()["public.t"]
+    sink.apply(target, staged, Lsn(2), max_seq=seq)
 
     got = {r["id"]: (r["v"], None if r["n"] is None else f"{r['n']:.2f}")
            for r in spark.sql(f"SELECT * FROM {target}").collect()}

@@ -1551,7 +1551,7 @@ class Pipeline:
                 if done:
                     break
             chunks.flush_all()
-            staged = builder.finish()
+            staged = builder.finish((last_seq if cut else seq, void), self._nettable)
         except SchemaChanged as exc:
             builder.discard()
             rel = next(r for r in decoder.relations.values() if r.qualified_name == exc.source)
@@ -1562,6 +1562,12 @@ class Pipeline:
         return PreparedBatch(segments, end, builder, staged, live, last_seq if cut else seq, void,
                              changes, time.monotonic() - started, last_commit_ts, cut,
                              [(lsn, *t) for lsn, t in txns.items()], floor)
+
+    @property
+    def _nettable(self) -> frozenset[str]:
+        """Tables whose batches may be netted while staging: not those with a changelog, which
+        records every change."""
+        return frozenset(t for t in self.tables if t not in self.changelogs)
 
     def _wanted_chunks(self, decoder: Decoder, chunks: "_Chunks", txn: Begin) -> dict[int, "_Chunk"]:
         return {oid: chunks.for_relation(rel) for oid, rel in decoder.relations.items()

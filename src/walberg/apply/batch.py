@@ -5,8 +5,9 @@ of a transaction or a table.
 Staged columns: ``c0..cN`` hold each source column's text (NULL as null), ``_wb_seq`` orders the
 changes of the batch (commit order, then position in the transaction), ``_wb_op`` is I/U/D,
 ``_wb_lsn`` is the end LSN of the change's transaction, ``_wb_unchanged`` lists (as ",i,j,")
-columns an UPDATE left untouched (unchanged TOAST values). The netting itself (last change per
-key wins) happens in Spark, see ``apply.iceberg``.
+columns an UPDATE left untouched (unchanged TOAST values). The netting (last change per key
+wins) happens here at the end of staging when the keys' text is their identity and the batch's
+extent is known (``BatchBuilder.finish``), else in Spark, see ``apply.iceberg``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class _TableStage:
             columns[i].type_oid in _EXACT_TEXT_KEYS for i in self.key_index)
         self.keys: Optional[list[list[pa.Array]]] = [[] for _ in self.key_index] if exact \
             else None
+        self.seqs: list[npt.NDArray[np.int64]] = []  # with the keys: each row's _wb_seq
         self.key_rows = 0
 
     def add(self, op: str, seq: int, lsn: int, row: Row) -> None:
@@ -176,6 +178,7 @@ class _TableStage:
             else:
                 for slot, i in zip(self.keys, self.key_index, strict=True):
                     slot.append(table.column(i).combine_chunks())
+                self.seqs.append(table.column("_wb_seq").to_numpy())
         for op in ("I", "U", "D"):
             self.staged.ops[op] += int(np.count_nonzero(op_array == op))
         self.staged.rows += n
@@ -212,19 +215,48 @@ class _TableStage:
             self.writer = pq.ParquetWriter(path, self.schema, compression="snappy")
         self.writer.write_table(table)
 
-    def close(self) -> None:
+    def close(self, extent: Optional[tuple[int, Sequence[tuple[int, int]]]] = None,
+              net: bool = False) -> None:
+        """Finish the table's files and tell whether any key repeats among the rows the batch
+        applies (``extent``: its last seq and void ranges, see ``seq_filter``; None: all rows).
+        With ``net``, a batch whose keys repeat is netted here: only each key's last change
+        stays in the files, so Spark needs no aggregation before its MERGE."""
         self.flush()
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         if self.keys is not None and self.key_rows and not self.staged.truncates:
             columns = {f"k{j}": pa.concat_arrays(parts) for j, parts in enumerate(self.keys)}
-            distinct = pa.table(columns).group_by(list(columns)).aggregate([]).num_rows
-            self.staged.unique_keys = distinct == self.key_rows
+            seq = np.concatenate(self.seqs)
+            rows = pa.table({**columns, "_wb_seq": seq})
+            if extent is not None:
+                rows = rows.filter(applied_rows(seq, *extent))
+            last = rows.group_by(list(columns)).aggregate([("_wb_seq", "max")])
+            if last.num_rows == rows.num_rows:
+                self.staged.unique_keys = True
+            elif net and extent is not None and not self.staged.unchanged_columns:
+                self._keep(pc.is_in(pa.array(seq), value_set=last.column("_wb_seq_max")))
+                self.staged.unique_keys = True
         self.keys = None
+        self.seqs = []
         self.dead.close()
         if self.dead.rows:
             self.staged.dead_letters, self.staged.dead_rows = self.dead.path, self.dead.rows
+
+    def _keep(self, mask: pa.BooleanArray) -> None:
+        """Rewrite the staged files with only the rows ``mask`` keeps (it runs over the files'
+        rows in order), a row group at a time."""
+        offset = 0
+        for n, path in enumerate(self.staged.files):
+            netted = path.with_name(path.stem + "-net.parquet")
+            source = pq.ParquetFile(path)
+            with pq.ParquetWriter(netted, self.schema, compression="snappy") as writer:
+                for group in range(source.num_row_groups):
+                    table = source.read_row_group(group)
+                    writer.write_table(table.filter(mask.slice(offset, table.num_rows)))
+                    offset += table.num_rows
+            path.unlink()
+            self.staged.files[n] = netted
 
 
 class BatchBuilder:
@@ -267,9 +299,13 @@ class BatchBuilder:
     def truncate(self, source: str, columns: tuple[Column, ...], seq: int, lsn: int = 0) -> None:
         self._stage(source, columns).truncate(seq, lsn)
 
-    def finish(self) -> dict[str, StagedTable]:
-        for stage in self._tables.values():
-            stage.close()
+    def finish(self, extent: Optional[tuple[int, Sequence[tuple[int, int]]]] = None,
+               net: frozenset[str] = frozenset()) -> dict[str, StagedTable]:
+        """Close every table's files. ``extent``: the batch's last seq and void ranges (which
+        rows it applies); ``net``: the tables that may be netted here (not those whose every
+        change goes to a changelog)."""
+        for name, stage in self._tables.items():
+            stage.close(extent, name in net)
         return {name: stage.staged for name, stage in self._tables.items()}
 
     def discard(self) -> None:
@@ -346,6 +382,16 @@ def effective_truncate(max_seq: int, void: Sequence[tuple[int, int]],
     live = [t for t in truncates
             if t <= max_seq and not any(lo <= t <= hi for lo, hi in void)]
     return max(live) if live else None
+
+
+def applied_rows(seq: npt.NDArray[np.int64], max_seq: int,
+                 void: Sequence[tuple[int, int]]) -> npt.NDArray[np.bool_]:
+    """Which of the rows (by ``_wb_seq``) a batch applies, TRUNCATE aside: ``seq_filter`` in
+    numpy."""
+    keep = seq <= max_seq
+    for lo, hi in void:
+        keep &= (seq < lo) | (seq > hi)
+    return keep
 
 
 def seq_filter(max_seq: int, void: Sequence[tuple[int, int]], truncates: Sequence[int]) -> str:
