@@ -32,6 +32,9 @@ META = ("_wb_seq", "_wb_op", "_wb_lsn", "_wb_unchanged")
 # bpchar, uuid): equal keys have equal text, so repeats can be found on the text.
 _EXACT_TEXT_KEYS = frozenset({21, 23, 20, 25, 1043, 1042, 2950})
 _KEY_TRACK_LIMIT = 5_000_000
+# A batch's staged files live for one commit on local disk and are read once: written plain
+# (no compression, no dictionaries), which costs a third of the CPU of snappy with dictionaries.
+_BATCH_FILES = {"compression": "none", "use_dictionary": False}
 DLQ_REASON = "_dlq_reason"
 
 
@@ -212,7 +215,7 @@ class _TableStage:
         if self.writer is None:
             path = self.directory / f"{len(self.staged.files):05d}-{self.staged.source}.parquet"
             self.staged.files.append(path)
-            self.writer = pq.ParquetWriter(path, self.schema, compression="snappy")
+            self.writer = pq.ParquetWriter(path, self.schema, **_BATCH_FILES)
         self.writer.write_table(table)
 
     def close(self, extent: Optional[tuple[int, Sequence[tuple[int, int]]]] = None,
@@ -250,7 +253,7 @@ class _TableStage:
         for n, path in enumerate(self.staged.files):
             netted = path.with_name(path.stem + "-net.parquet")
             source = pq.ParquetFile(path)
-            with pq.ParquetWriter(netted, self.schema, compression="snappy") as writer:
+            with pq.ParquetWriter(netted, self.schema, **_BATCH_FILES) as writer:
                 for group in range(source.num_row_groups):
                     table = source.read_row_group(group)
                     writer.write_table(table.filter(mask.slice(offset, table.num_rows)))
