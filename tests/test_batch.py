@@ -55,11 +55,13 @@ def test_builder_writes_text_nulls_and_unchanged_marks_in_chunks(tmp_path: Path)
     assert table.column("_wb_seq").to_pylist() == [1, 2, 3, 4, 5]
 
 
-def test_staging_keeps_each_keys_last_applied_change(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key_type", [23, 25])  # an integer key (numpy), a text key (Arrow)
+def test_staging_keeps_each_keys_last_applied_change(tmp_path: Path, key_type: int) -> None:
     """Netting while staging keeps, per key, the change with the highest seq among the rows the
     batch applies: not one beyond its last seq (a transaction left to the next batch), not one
     in a void range (a transaction cut off and sent again), and leaves a batch alone whose
     keys do not repeat."""
+    columns = (Column("id", key_type, -1, True), *COLUMNS[1:])
     b = BatchBuilder(tmp_path / "net", chunk_rows=2)
     changes = [  # seq, op, key, value
         (1, Op.INSERT, 1, "a"), (2, Op.INSERT, 2, "b"), (3, Op.UPDATE, 1, "a2"),
@@ -68,7 +70,7 @@ def test_staging_keeps_each_keys_last_applied_change(tmp_path: Path) -> None:
         (9, Op.UPDATE, 1, "next batch"),
     ]
     for seq, op, key, value in changes:
-        b.add("public.t", COLUMNS, op, seq, 100 + seq,
+        b.add("public.t", columns, op, seq, 100 + seq,
               (str(key).encode(), None if value is None else value.encode(), None))
     staged = b.finish((8, [(4, 5)]), frozenset({"public.t"}))["public.t"]
     assert staged.unique_keys and staged.rows == len(changes)
@@ -79,13 +81,13 @@ def test_staging_keeps_each_keys_last_applied_change(tmp_path: Path) -> None:
     # Not for a table left out of `net` (its changelog needs every change) ...
     b = BatchBuilder(tmp_path / "all", chunk_rows=2)
     for seq, op, key, value in changes:
-        b.add("public.t", COLUMNS, op, seq, 1, (str(key).encode(), (value or "").encode(), None))
+        b.add("public.t", columns, op, seq, 1, (str(key).encode(), (value or "").encode(), None))
     staged = b.finish((8, [(4, 5)]))["public.t"]
     assert not staged.unique_keys and pq.read_table(staged.files).num_rows == len(changes)
     # ... and a batch whose applied keys are all distinct is left as it is.
     b = BatchBuilder(tmp_path / "distinct")
     for seq, key in ((1, 1), (2, 2), (3, 1)):
-        b.add("public.t", COLUMNS, Op.INSERT, seq, 1, (str(key).encode(), b"x", None))
+        b.add("public.t", columns, Op.INSERT, seq, 1, (str(key).encode(), b"x", None))
     staged = b.finish((2, []), frozenset({"public.t"}))["public.t"]
     assert staged.unique_keys and pq.read_table(staged.files).num_rows == 3
 

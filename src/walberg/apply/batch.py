@@ -31,6 +31,7 @@ META = ("_wb_seq", "_wb_op", "_wb_lsn", "_wb_unchanged")
 # Key types whose Postgres text is one-to-one with the value (int2, int4, int8, text, varchar,
 # bpchar, uuid): equal keys have equal text, so repeats can be found on the text.
 _EXACT_TEXT_KEYS = frozenset({21, 23, 20, 25, 1043, 1042, 2950})
+_INT_KEYS = frozenset({21, 23, 20})
 _KEY_TRACK_LIMIT = 5_000_000
 # A batch's staged files live for one commit on local disk and are read once: written plain
 # (no compression, no dictionaries), which costs a third of the CPU of snappy with dictionaries.
@@ -127,6 +128,7 @@ class _TableStage:
         self.keys: Optional[list[list[pa.Array]]] = [[] for _ in self.key_index] if exact \
             else None
         self.seqs: list[npt.NDArray[np.int64]] = []  # with the keys: each row's _wb_seq
+        self.key_types = [c.type_oid for c in columns]
         self.key_rows = 0
 
     def add(self, op: str, seq: int, lsn: int, row: Row) -> None:
@@ -180,7 +182,9 @@ class _TableStage:
                 self.keys = None  # too many to keep: net in Spark
             else:
                 for slot, i in zip(self.keys, self.key_index, strict=True):
-                    slot.append(table.column(i).combine_chunks())
+                    key = table.column(i).combine_chunks()
+                    # Integers as int64: 8 bytes a row, and quicker to hash than their text.
+                    slot.append(key.cast(pa.int64()) if self.key_types[i] in _INT_KEYS else key)
                 self.seqs.append(table.column("_wb_seq").to_numpy())
         for op in ("I", "U", "D"):
             self.staged.ops[op] += int(np.count_nonzero(op_array == op))
@@ -228,20 +232,23 @@ class _TableStage:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        if self.keys is not None and self.key_rows and not self.staged.truncates:
-            columns = {f"k{j}": pa.concat_arrays(parts) for j, parts in enumerate(self.keys)}
-            seq = np.concatenate(self.seqs)
-            rows = pa.table({**columns, "_wb_seq": seq})
-            if extent is not None:
-                rows = rows.filter(applied_rows(seq, *extent))
-            last = rows.group_by(list(columns)).aggregate([("_wb_seq", "max")])
-            if last.num_rows == rows.num_rows:
+        parts, self.keys = self.keys, None
+        seqs, self.seqs = self.seqs, []
+        if parts is not None and self.key_rows and not self.staged.truncates:
+            seq = np.concatenate(seqs)
+            seqs.clear()
+            live = applied_rows(seq, *extent) if extent is not None else None
+            if live is not None and live.all():
+                live = None
+            winners = _last_per_key(parts, seq, live)
+            unique = winners is None
+            if unique:
                 self.staged.unique_keys = True
             elif net and extent is not None and not self.staged.unchanged_columns:
-                self._keep(pc.is_in(pa.array(seq), value_set=last.column("_wb_seq_max")))
+                keep = np.zeros(len(seq), dtype=np.bool_)
+                keep[winners] = True
+                self._keep(pa.array(keep))
                 self.staged.unique_keys = True
-        self.keys = None
-        self.seqs = []
         self.dead.close()
         if self.dead.rows:
             self.staged.dead_letters, self.staged.dead_rows = self.dead.path, self.dead.rows
@@ -260,6 +267,46 @@ class _TableStage:
                     offset += table.num_rows
             path.unlink()
             self.staged.files[n] = netted
+
+
+def _last_per_key(parts: list[list[pa.Array]], seq: npt.NDArray[np.int64],
+                  live: Optional[npt.NDArray[np.bool_]]) -> Optional[npt.NDArray[np.int64]]:
+    """Positions of each key's last change (highest seq) among the ``live`` rows (None: all),
+    or None when no key repeats among them. ``parts``: per key column, its arrays in row
+    order (a single integer key as int64). The parts are let go of as they are joined.
+
+    A single integer key is sorted with numpy (a few int64 arrays, freed at once); other keys
+    are grouped by Arrow, whose hash tables take more memory."""
+    columns = []
+    for part in parts:
+        columns.append(pa.concat_arrays(part))
+        part.clear()
+    index = np.flatnonzero(live) if live is not None else None
+    if len(columns) == 1 and pa.types.is_int64(columns[0].type):
+        key = columns[0].to_numpy()
+        del columns
+        if index is not None:
+            key, seq = key[index], seq[index]
+        order = np.lexsort((seq, key))  # by key, then seq
+        ordered = key[order]
+        last = np.ones(len(ordered), dtype=np.bool_)
+        np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+        if last.all():
+            return None
+        winners = order[last]
+    else:
+        rows = pa.table({**{f"k{j}": c for j, c in enumerate(columns)},
+                         "_wb_seq": seq, "_wb_row": np.arange(len(seq))})
+        del columns
+        if index is not None:
+            rows = rows.take(pa.array(index))
+        last_seq = rows.group_by([f"k{j}" for j in range(len(parts))]).aggregate(
+            [("_wb_seq", "max")]).column("_wb_seq_max")
+        if len(last_seq) == rows.num_rows:
+            return None
+        mask = pc.is_in(rows.column("_wb_seq"), value_set=last_seq)
+        return np.asarray(rows.column("_wb_row").filter(mask).to_numpy(), dtype=np.int64)
+    return winners if index is None else index[winners]
 
 
 class BatchBuilder:
