@@ -353,7 +353,9 @@ class Buffer(_Model):
     )
     max_batch_bytes: int = Field(
         256 * 1024 * 1024, ge=64 * 1024,
-        description="apply at most this many bytes of sealed segments in one Iceberg commit",
+        description="apply at most this many bytes of sealed segments in one Iceberg commit "
+                    "(a batch takes the segments sealed while it is staged and while the one "
+                    "before it commits, up to this)",
     )
 
 
