@@ -444,13 +444,6 @@ class IcebergSink:
                 out[(topic, int(partition))] = int(value)
         return out
 
-    @staticmethod
-    def _view_name(prefix: str) -> str:
-        """A temporary view name of one apply's own. Views live in the Spark session, which the
-        sources of a fan-in table share, each applying from its own thread: a name derived
-        from the target would let one source MERGE the other's batch."""
-        return f"{prefix}_{uuid.uuid4().hex}"
-
     def _own_rows(self) -> Any:
         """The rows a copy or TRUNCATE replaces: all, or this source's in a shared table."""
         from pyspark.sql.functions import col, lit
@@ -729,12 +722,10 @@ class IcebergSink:
             return
 
         assert df is not None
-        view = self._view_name("walberg_batch")
         typed = self._typed(df, target, columns, "_wb_lsn",
                             keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
         if staged.moved_unchanged and before_netting is not None:
             typed = self._carry_moved(target, columns, staged, before_netting, typed)
-        typed.createOrReplaceTempView(view)
         names = [c.name for c in columns] + [LSN_COLUMN]
         on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
         if self.source is not None:
@@ -751,12 +742,23 @@ class IcebergSink:
         sets = ", ".join(assignment(i, n) for i, n in enumerate(names) if n != SOURCE_COLUMN)
         cols = ", ".join(quote(n) for n in names)
         vals = ", ".join(f"s.{quote(n)}" for n in names)
-        statement = (
-            f"MERGE INTO {quote_target(target)} t USING {view} s ON {on} "
-            f"WHEN MATCHED AND s._wb_op = 'D' THEN DELETE "
-            f"WHEN MATCHED THEN UPDATE SET {sets} "
-            f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})"
-        )
+        self._merge(target, typed,
+                    f"ON {on} "
+                    f"WHEN MATCHED AND s._wb_op = 'D' THEN DELETE "
+                    f"WHEN MATCHED THEN UPDATE SET {sets} "
+                    f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})",
+                    lsn, marks)
+
+    def _merge(self, target: str, source: Any, clauses: str, lsn: Lsn,
+               marks: Optional[Mapping[str, str]]) -> None:
+        """``MERGE INTO target t USING <source> s <clauses>`` in one commit marked ``lsn`` (or
+        ``marks``). The source is a temporary view of this MERGE's own: views live in the
+        Spark session, which the sources of a fan-in table share, each applying from its own
+        thread, so a name derived from the target would let one source MERGE the other's
+        batch."""
+        view = f"walberg_batch_{uuid.uuid4().hex}"
+        source.createOrReplaceTempView(view)
+        statement = f"MERGE INTO {quote_target(target)} t USING {view} s {clauses}"
         try:
             spark_call(f"merging a batch into {target}",
                        lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
@@ -812,23 +814,16 @@ class IcebergSink:
                                         if self.source is not None else []),
                                       "'D' AS _kind")
         source = deleters.unionByName(copies.withColumn("_kind", lit("I")))
-        view = self._view_name("walberg_multiset")
-        source.createOrReplaceTempView(view)
         on_sql = " AND ".join(f"t.{quote(n)} <=> s.{quote(n)}" for n in names)
         if self.source is not None:
             on_sql = f"t.{quote(SOURCE_COLUMN)} = '{self.source}' AND {on_sql}"
         all_names = names + [LSN_COLUMN] + ([SOURCE_COLUMN] if self.source is not None else [])
         cols = ", ".join(quote(n) for n in all_names)
         vals = ", ".join(f"s.{quote(n)}" for n in all_names)
-        statement = (f"MERGE INTO {quote_target(target)} t USING {view} s "
-                     f"ON s._kind = 'D' AND {on_sql} WHEN MATCHED THEN DELETE "
-                     f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})")
-        try:
-            spark_call(f"merging a batch into {target}",
-                       lambda: with_commit_properties(self.spark, dict(self._marks(lsn, marks)),
-                                                      lambda: self.spark.sql(statement)))
-        finally:
-            self.spark.catalog.dropTempView(view)
+        self._merge(target, source,
+                    f"ON s._kind = 'D' AND {on_sql} WHEN MATCHED THEN DELETE "
+                    f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})",
+                    lsn, marks)
 
     # Key changes of one row within one batch that are followed through (a -> b -> c ...).
     MOVE_CHAIN = 4
