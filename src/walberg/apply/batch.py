@@ -128,7 +128,6 @@ class _TableStage:
         self.keys: Optional[list[list[pa.Array]]] = [[] for _ in self.key_index] if exact \
             else None
         self.seqs: list[npt.NDArray[np.int64]] = []  # with the keys: each row's _wb_seq
-        self.key_types = [c.type_oid for c in columns]
         self.key_rows = 0
 
     def add(self, op: str, seq: int, lsn: int, row: Row) -> None:
@@ -184,7 +183,8 @@ class _TableStage:
                 for slot, i in zip(self.keys, self.key_index, strict=True):
                     key = table.column(i).combine_chunks()
                     # Integers as int64: 8 bytes a row, and quicker to hash than their text.
-                    slot.append(key.cast(pa.int64()) if self.key_types[i] in _INT_KEYS else key)
+                    is_int = self.staged.columns[i].type_oid in _INT_KEYS
+                    slot.append(key.cast(pa.int64()) if is_int else key)
                 self.seqs.append(table.column("_wb_seq").to_numpy())
         for op in ("I", "U", "D"):
             self.staged.ops[op] += int(np.count_nonzero(op_array == op))
