@@ -12,7 +12,6 @@ baseline; the machines are shared and noisy, so the ratios are what to compare.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import psycopg2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import ROOT, config_for, copy_table_baseline, run_once, timed  # noqa: E402
+from run import ROOT, config_for, copy_table_baseline, run_once, save_results, timed  # noqa: E402
 
 from walberg.apply.jdbc import driver_jar  # noqa: E402
 from walberg.apply.spark import build_session, stop_session  # noqa: E402
@@ -77,9 +76,7 @@ def main() -> int:
         stop_session(session)
         server.stop()
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = save_results(results, args.out)
     r = results
     print(f"\nparallel initial copy, {args.rows:,} rows, Spark {args.master}, {os.cpu_count()} cores")
     print(f"  COPY TO STDOUT       {r['pg_copy_to_stdout_rows_per_s']:>12,.0f} rows/s  (baseline)")

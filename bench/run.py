@@ -102,6 +102,14 @@ def copy_table_baseline(cur: Any, table: str, rows: int) -> float:
     return seconds
 
 
+def save_results(results: dict[str, Any], out: str) -> Path:
+    """Write a benchmark's figures as JSON to ``out`` (its folder made if missing)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    return path
+
+
 def run_once(config: Any, session: Any) -> Any:
     pipeline = Pipeline(config, session=session)
     try:
@@ -216,9 +224,7 @@ def main() -> int:
         stop_session(session)
         server.stop()
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out = save_results(results, args.out)
     c, d, m = results["copy"], results["cdc"], results["memory"]
     print(f"\nwalberg benchmark on {os.cpu_count()} cores ({args.rows:,} rows, {args.changes:,} changes)")
     print(f"  initial copy : walberg {c['walberg_rows_per_s']:>10,.0f} rows/s    "
