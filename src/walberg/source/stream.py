@@ -150,7 +150,9 @@ class ReplicationStream:
         try:
             self._cur.send_feedback(write_lsn=int(self._written), flush_lsn=int(self._flushed),
                                     reply=reply, force=True)
-        except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+        except (psycopg2.DatabaseError, psycopg2.InterfaceError) as exc:
+            # (as in messages(): a server restarted under us surfaces as a bare DatabaseError,
+            # "no COPY in progress")
             raise Transient(f"the replication connection to {redact(self.dsn)} was lost: "
                             f"{str(exc).strip()}") from None
         self._last_feedback = now
