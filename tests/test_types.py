@@ -5,6 +5,8 @@ dead-letter table, never rounded or nulled."""
 from __future__ import annotations
 
 import math
+from datetime import date, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,17 @@ import pytest
 from conftest import make_config
 from lake import hadoop_table
 from walberg.apply.types import (
+    BOOL,
+    DATE,
+    FLOAT4,
+    FLOAT8,
+    INT2,
     INT4,
+    INT8,
     NUMERIC,
     TEXT,
+    TIMESTAMP,
+    TIMESTAMPTZ,
     BadArray,
     TypeMap,
     UnsupportedType,
@@ -66,7 +76,55 @@ def test_decimal_validation_never_rounds() -> None:
     assert "column n: 'NaN' does not fit decimal(5,2)" in got[2]
     assert "column u: 'Infinity'" in got[2]
     assert "column u: '" + "1" * 21 + "' does not fit decimal(38,18)" in got[4]
-    assert arrays[0].to_pylist() == n  # scalar text passes through unchanged
+    # Rows that can be written are staged as decimals, exactly; the others are left out.
+    assert arrays[0].type == pa.decimal128(5, 2)
+    assert arrays[0].to_pylist() == [Decimal("123.45")] + [None] * 6
+    assert arrays[1].to_pylist()[0] == Decimal("1.5")
+
+
+def test_scalars_are_staged_typed_exactly() -> None:
+    cols = [Column("b", BOOL), Column("i", INT2), Column("l", INT8), Column("r", FLOAT4),
+            Column("f", FLOAT8), Column("d", DATE), Column("ts", TIMESTAMP),
+            Column("tz", TIMESTAMPTZ), Column("t", TEXT)]
+    text = [
+        ["t", "f", None],
+        ["-32768", "32767", None],
+        ["-9223372036854775808", "9223372036854775807", "0"],
+        ["1.1", "-0", "NaN"],
+        ["1e+300", "-Infinity", "2.2250738585072014e-308"],
+        ["0001-01-01", "9999-12-31", None],
+        ["2020-02-29 23:59:59.999999", "0001-01-01 00:00:00", None],
+        ["2020-01-01 00:00:00.5+00", "9999-12-31 23:59:59.999999+00", None],
+        ["t", "1", None],
+    ]
+    arrays, reasons = TypeMap().prep(cols).apply([pa.array(v, pa.string()) for v in text])
+    assert reasons is None
+    assert [a.type for a in arrays] == [
+        pa.bool_(), pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.date32(),
+        pa.timestamp("us"), pa.timestamp("us", "UTC"), pa.string()]
+    assert arrays[0].to_pylist() == [True, False, None]
+    assert arrays[2].to_pylist() == [-2**63, 2**63 - 1, 0]
+    r = arrays[3].to_numpy(zero_copy_only=False)
+    assert r[0] == np.float32(1.1) and math.copysign(1, r[1]) == -1 and math.isnan(r[2])
+    assert arrays[4].to_pylist()[:2] == [1e300, -math.inf]
+    assert arrays[5].to_pylist()[:2] == [date(1, 1, 1), date(9999, 12, 31)]
+    assert arrays[6].to_pylist()[0] == datetime(2020, 2, 29, 23, 59, 59, 999999)
+    assert arrays[7].cast(pa.int64()).to_pylist()[:2] == [1577836800500000, 253402300799999999]
+    assert arrays[8].to_pylist() == ["t", "1", None]
+
+
+def test_text_that_does_not_parse_goes_to_dead_letters() -> None:
+    """Postgres never renders these, but a Debezium producer might: the row is set aside with
+    the reason, and the rest of the chunk is staged."""
+    arrays, reasons = TypeMap().prep([Column("b", BOOL), Column("i", INT4)]).apply(
+        [pa.array(["t", "yes", "f"]), pa.array(["1", "2", "2147483648"])])
+    assert reasons is not None
+    got = reasons.to_pylist()
+    assert got[0] is None
+    assert got[1] == "column b: 'yes' cannot be read as boolean"
+    assert got[2] == "column i: '2147483648' cannot be read as int"
+    assert arrays[0].to_pylist() == [True, None, False]
+    assert arrays[1].to_pylist() == [1, None, None]  # (row 1 is set aside already)
 
 
 def test_unconstrained_numeric_is_configurable() -> None:

@@ -1,8 +1,10 @@
-"""Staging a batch for Spark: decoded changes and initial-copy CSV become Parquet files of
-Postgres text, one set per table, written in bounded chunks so memory stays flat whatever the size
-of a transaction or a table.
+"""Staging a batch for Spark: decoded changes and initial-copy CSV become Parquet files, one
+set per table, written in bounded chunks so memory stays flat whatever the size of a transaction
+or a table.
 
-Staged columns: ``c0..cN`` hold each source column's text (NULL as null), ``_wb_seq`` orders the
+Staged columns: ``c0..cN`` hold each source column's value (NULL as null): parsed into its type
+for numbers, booleans, dates and timestamps, else Postgres's text (``apply.types.TextPrep``),
+``_wb_seq`` orders the
 changes of the batch (commit order, then position in the transaction), ``_wb_op`` is I/U/D,
 ``_wb_lsn`` is the end LSN of the change's transaction, ``_wb_unchanged`` lists (as ",i,j,")
 columns an UPDATE left untouched (unchanged TOAST values). The netting (last change per key
@@ -43,9 +45,10 @@ def value_column(i: int) -> str:
     return f"c{i}"
 
 
-def _schema(ncols: int, last: str = "_wb_unchanged") -> pa.Schema:
+def _schema(values: Sequence[pa.DataType], last: str = "_wb_unchanged") -> pa.Schema:
+    """Staged columns: ``c0..cN`` of the given types, then the change's metadata."""
     return pa.schema(
-        [pa.field(value_column(i), pa.string()) for i in range(ncols)]
+        [pa.field(value_column(i), t) for i, t in enumerate(values)]
         + [pa.field("_wb_seq", pa.int64()), pa.field("_wb_op", pa.string()),
            pa.field("_wb_lsn", pa.int64()), pa.field(last, pa.string())]
     )
@@ -57,7 +60,7 @@ class DeadLetters:
 
     def __init__(self, path: Path, ncols: int) -> None:
         self.path = path
-        self.schema = _schema(ncols, DLQ_REASON)
+        self.schema = _schema([pa.string()] * ncols, DLQ_REASON)
         self.writer: Optional[pq.ParquetWriter] = None
         self.rows = 0
 
@@ -118,7 +121,7 @@ class _TableStage:
         self.ncols = len(columns)
         self.rows: list[Row] = []
         self.meta: list[tuple[int, str, int]] = []  # seq, op, lsn
-        self.schema = _schema(self.ncols)
+        self.schema = _schema(prep.staged_types(self.ncols))
         self.writer: Optional[pq.ParquetWriter] = None
         # Key columns seen, to tell at close whether any key repeats; only for keys whose
         # Postgres text is their identity (integers, text, uuid), and up to a bound.
@@ -377,14 +380,16 @@ class SchemaChanged(Exception):
 def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
                    prep: Optional[TextPrep] = None, dead: Optional[tuple[DeadLetters, int]] = None,
                    progress: Optional[Callable[[int], None]] = None) -> int:
-    """Convert a COPY ... (FORMAT csv) file into staged Parquet (``c0..cN`` as text), streaming.
-    With ``prep`` the text is prepared like the stream's; rows that cannot be written go to
-    ``dead`` (dead letters, marked with the copy's LSN). Returns the rows staged for the table.
+    """Convert a COPY ... (FORMAT csv) file into staged Parquet (``c0..cN``), streaming. With
+    ``prep`` the text is prepared (and typed) like the stream's; rows that cannot be written go
+    to ``dead`` (dead letters, marked with the copy's LSN). Without, the columns stay text.
+    Returns the rows staged for the table.
 
     Postgres writes NULL as an unquoted empty field and an empty string as ``""``; the reader
     is told exactly that, so the two never mix."""
     names = [value_column(i) for i in range(ncols)]
-    schema = pa.schema([pa.field(n, pa.string()) for n in names])
+    types = prep.staged_types(ncols) if prep is not None else [pa.string()] * ncols
+    schema = pa.schema([pa.field(n, t) for n, t in zip(names, types, strict=True)])
     # The path may be a named pipe that COPY is writing into. Buffered, so that each read of a
     # block returns the whole block: a pipe hands out 64 KiB at a time, and a row longer than
     # the piece read would otherwise straddle two of pyarrow's blocks.

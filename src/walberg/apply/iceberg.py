@@ -238,8 +238,8 @@ class IcebergSink:
         if cuts:
             df = self.spark.createDataFrame(cuts, "_wb_seq BIGINT, _wb_lsn BIGINT")
             df = df.selectExpr("*", "'T' AS _wb_op", "CAST(NULL AS STRING) AS _wb_unchanged",
-                               *[f"CAST(NULL AS STRING) AS {value_column(i)}"
-                                 for i in range(len(columns))])
+                               *[f"CAST(NULL AS {self.types.spark_type(c, target).staged_sql})"
+                                 f" AS {value_column(i)}" for i, c in enumerate(columns)])
             df = df.join(broadcast(info), df["_wb_lsn"] == info["t_lsn"], "left")
             parts.append(self._typed(df, target, columns, "_wb_lsn", keep=meta))
         if not parts:
@@ -516,6 +516,8 @@ class IcebergSink:
 
     def _typed(self, df: Any, target: str, columns: Sequence[Column], lsn_expr: str,
                keep: Sequence[str] = ()) -> Any:
+        """The staged (or JDBC-read) ``c0..cN`` as the table's columns. Each goes through its
+        type's ``convert``: a cast of text, and a no-op for a column staged typed already."""
         exprs = [f"{self.types.spark_type(c, target).convert.format(value_column(i))} "
                  f"AS {quote(c.name)}" for i, c in enumerate(columns)]
         exprs.append(f"{lsn_expr} AS {quote(LSN_COLUMN)}")

@@ -6,8 +6,12 @@ with the same session settings, see ``source.postgres.SESSION_OPTIONS``), and bo
 
 1. in Python, while staging (``TextPrep``): array literals become JSON, and values that cannot be
    written exactly (NaN in a decimal column, a number too wide for its decimal, 'infinity' in a
-   timestamp) are picked out for the dead-letter table instead of being rounded or nulled;
-2. in Spark (``SparkType.convert``): the text is cast to the column's type.
+   timestamp) are picked out for the dead-letter table instead of being rounded or nulled.
+   Numbers, booleans, dates and timestamps are then parsed into their Arrow type
+   (``SparkType.staged``) by Arrow's vectorised casts, a tenth of what Spark's per-row CAST of
+   text costs; a value Arrow cannot parse goes to the dead-letter table too;
+2. in Spark (``SparkType.convert``): what is still text is cast to the column's type (the same
+   CAST over a column staged typed is a no-op).
 
 The mapping (also in the README):
 
@@ -57,14 +61,22 @@ _DATETIME_OK = r"^\d{4}-\d\d-\d\d[^B]*$"
 @dataclass(frozen=True)
 class SparkType:
     sql: str  # the Spark SQL type for CREATE TABLE
-    convert: str  # expression template over the staged text, `{}` stands for the column
+    convert: str  # expression template over the staged column, `{}` stands for the column
     valid: Optional[str] = None  # a regex every non-NULL text value must match to be written
     why_invalid: str = ""  # what an unmatched value is, for the dead-letter reason
     array_dims: int = 0  # >0: an array literal, turned into JSON while staging
     element: Optional["SparkType"] = None
+    # The Arrow type staging parses the text into; it reads back in Spark as exactly ``sql``.
+    # None: staged as text, cast by ``convert`` in Spark.
+    staged: Optional[pa.DataType] = None
 
     def describe(self) -> str:
         return self.sql.lower()
+
+    @property
+    def staged_sql(self) -> str:
+        """The Spark SQL type of the staged column."""
+        return self.sql if self.staged is not None else "STRING"
 
 
 def quote(name: str) -> str:
@@ -91,24 +103,29 @@ def _decimal(p: int, s: int) -> SparkType:
     fraction = rf"(\.\d{{1,{s}}})?" if s else ""
     return SparkType(t, f"CAST({{}} AS {t})", rf"^-?{integer}{fraction}$",
                      f"does not fit {t.lower()} without rounding (NaN, Infinity, or too many "
-                     "digits)")
+                     "digits)", staged=pa.decimal128(p, s))
 
 
 _STRING = SparkType("STRING", "{}")
 _SCALARS: dict[int, SparkType] = {
-    BOOL: SparkType("BOOLEAN", "CAST({} AS BOOLEAN)"),
-    INT2: SparkType("INT", "CAST({} AS INT)"),
-    INT4: SparkType("INT", "CAST({} AS INT)"),
-    INT8: SparkType("BIGINT", "CAST({} AS BIGINT)"),
-    OID: SparkType("BIGINT", "CAST({} AS BIGINT)"),
-    FLOAT4: SparkType("FLOAT", "CAST({} AS FLOAT)"),
-    FLOAT8: SparkType("DOUBLE", "CAST({} AS DOUBLE)"),
+    BOOL: SparkType("BOOLEAN", "CAST({} AS BOOLEAN)", staged=pa.bool_()),
+    INT2: SparkType("INT", "CAST({} AS INT)", staged=pa.int32()),
+    INT4: SparkType("INT", "CAST({} AS INT)", staged=pa.int32()),
+    INT8: SparkType("BIGINT", "CAST({} AS BIGINT)", staged=pa.int64()),
+    OID: SparkType("BIGINT", "CAST({} AS BIGINT)", staged=pa.int64()),
+    FLOAT4: SparkType("FLOAT", "CAST({} AS FLOAT)", staged=pa.float32()),
+    FLOAT8: SparkType("DOUBLE", "CAST({} AS DOUBLE)", staged=pa.float64()),
     DATE: SparkType("DATE", "CAST({} AS DATE)", _DATETIME_OK,
-                    "is outside the dates 0001-01-01..9999-12-31 that Iceberg engines share"),
+                    "is outside the dates 0001-01-01..9999-12-31 that Iceberg engines share",
+                    staged=pa.date32()),
+    # Parquet timestamps without isAdjustedToUTC read back in Spark as TIMESTAMP_NTZ.
     TIMESTAMP: SparkType("TIMESTAMP_NTZ", "CAST({} AS TIMESTAMP_NTZ)", _DATETIME_OK,
-                         "is outside the years 0001..9999 that Iceberg engines share"),
+                         "is outside the years 0001..9999 that Iceberg engines share",
+                         staged=pa.timestamp("us")),
+    # Rendered in UTC (the source session's TimeZone), e.g. '2020-01-01 00:00:00.5+00'.
     TIMESTAMPTZ: SparkType("TIMESTAMP", "CAST({} AS TIMESTAMP)", _DATETIME_OK,
-                           "is outside the years 0001..9999 that Iceberg engines share"),
+                           "is outside the years 0001..9999 that Iceberg engines share",
+                           staged=pa.timestamp("us", "UTC")),
     # bytea_output=hex renders '\x0a0b...'
     BYTEA: SparkType("BINARY", "unhex(substring({}, 3))"),
 }
@@ -263,7 +280,8 @@ def _depth_ok(value: list[Any], dims: int, check: Optional[re.Pattern[str]]) -> 
 
 
 class TextPrep:
-    """Per table: staged text -> text Spark can cast, and which rows cannot be written exactly.
+    """Per table: staged text -> the columns to stage (typed where ``SparkType.staged`` says so,
+    else text Spark can cast), and which rows cannot be written exactly.
 
     ``apply`` takes one chunk of string columns and gives back the columns to stage, plus a
     reason (or null) per row: rows with a reason go to the dead-letter table."""
@@ -271,7 +289,13 @@ class TextPrep:
     def __init__(self, columns: Sequence[Column], types: Sequence[SparkType]) -> None:
         self.names = [c.name for c in columns]
         self.types = list(types)
-        self.active = any(t.valid or t.array_dims for t in self.types)
+        self.active = any(t.valid or t.array_dims or t.staged is not None for t in self.types)
+
+    def staged_types(self, ncols: int) -> list[pa.DataType]:
+        """The Arrow type of each staged column (text where no type was given)."""
+        if not self.types:
+            return [pa.string()] * ncols
+        return [t.staged or pa.string() for t in self.types]
 
     def apply(self, arrays: Sequence[pa.Array]) -> tuple[list[pa.Array], Optional[pa.Array]]:
         if not self.active:
@@ -289,18 +313,34 @@ class TextPrep:
                 why = t.why_invalid
             else:
                 continue
-            if not pc.any(bad).as_py():
+            reasons = self._blame(reasons, bad, arr, self.names[i], why)
+        for i, (arr, t) in enumerate(zip(arrays, self.types, strict=True)):
+            if t.staged is None:
                 continue
-            text = pc.binary_join_element_wise(
-                f"column {self.names[i]}: '", pc.utf8_slice_codeunits(arr, 0, 60),
-                f"' {why}", "")
-            mine = pc.if_else(bad, text, pa.nulls(len(arr), pa.string()))
-            if reasons is None:
-                reasons = mine
-            else:
-                both = pc.binary_join_element_wise(reasons, mine, "; ")
-                reasons = pc.coalesce(both, reasons, mine)
+            if reasons is not None and reasons.null_count < len(reasons):
+                # Rows already bound for the dead-letter table are not parsed (nor staged).
+                arr = pc.if_else(pc.is_valid(reasons), pa.nulls(len(arr), pa.string()), arr)
+            try:
+                out[i] = _parse(arr, t.staged)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                out[i], bad = _parse_each(arr, t.staged)
+                reasons = self._blame(reasons, bad, arr, self.names[i],
+                                      f"cannot be read as {t.describe()}")
         return out, reasons
+
+    @staticmethod
+    def _blame(reasons: Optional[pa.Array], bad: pa.Array, arr: pa.Array, name: str,
+               why: str) -> Optional[pa.Array]:
+        """``reasons`` with ``why`` (and the value) added to the rows ``bad`` flags."""
+        if not pc.any(bad).as_py():
+            return reasons
+        text = pc.binary_join_element_wise(
+            f"column {name}: '", pc.utf8_slice_codeunits(arr, 0, 60), f"' {why}", "")
+        mine = pc.if_else(bad, text, pa.nulls(len(arr), pa.string()))
+        if reasons is None:
+            return mine
+        both = pc.binary_join_element_wise(reasons, mine, "; ")
+        return pc.coalesce(both, reasons, mine)
 
     @staticmethod
     def _arrays(arr: pa.Array, t: SparkType) -> tuple[pa.Array, pa.Array]:
@@ -324,6 +364,35 @@ class TextPrep:
                 bad.append(False)
         return pa.array(converted, pa.string()), pa.array(bad, pa.bool_())
 
+
+
+def _parse(arr: pa.Array, to: pa.DataType) -> pa.Array:
+    """Postgres text -> ``to``; ArrowInvalid if any value does not parse."""
+    if pa.types.is_boolean(to):
+        true, false = pc.equal(arr, "t"), pc.equal(arr, "f")
+        if pc.any(pc.invert(pc.or_(true, false))).as_py():
+            raise pa.ArrowInvalid("a boolean that is neither 't' nor 'f'")
+        return true
+    return pc.cast(arr, to)
+
+
+def _parse_each(arr: pa.Array, to: pa.DataType) -> tuple[pa.Array, pa.Array]:
+    """``_parse`` value by value: the parsed column (null where a value did not parse) and
+    which values did not."""
+    values: list[Any] = []
+    bad: list[bool] = []
+    for text in arr.to_pylist():
+        value = None
+        if text is not None:
+            try:
+                value = _parse(pa.array([text], pa.string()), to)[0].as_py()
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                bad.append(True)
+                values.append(None)
+                continue
+        bad.append(False)
+        values.append(value)
+    return pa.array(values, to), pa.array(bad, pa.bool_())
 
 _FROM_SPARK = {"smallint": (21, -1), "int": (23, -1), "bigint": (20, -1), "float": (700, -1),
                "double": (701, -1), "boolean": (BOOL, -1), "string": (TEXT, -1),
