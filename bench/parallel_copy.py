@@ -52,12 +52,12 @@ def main() -> int:
         cur.execute("CREATE TABLE warm AS SELECT * FROM big WHERE id <= 200000")
         cur.execute("ALTER TABLE warm ADD PRIMARY KEY (id)")
         for method in ("copy", "jdbc"):
-            run_once(config_for(server, work, f"warm_{method}", "public.warm", f"warm_{method}",
+            run_once(config_for(server.dsn, work, f"warm_{method}", "public.warm", f"warm_{method}",
                                 initial_copy={"method": method, "chunk_rows": 100_000}),
                      session)
         figures = {}
         for method in ("copy", "jdbc"):
-            cfg = config_for(server, work, method, "public.big", method,
+            cfg = config_for(server.dsn, work, method, "public.big", method,
                              initial_copy={"method": method})
             seconds, report = timed(lambda c=cfg: run_once(c, session))  # type: ignore[misc]
             assert report.copied["public.big"] == args.rows, report.copied
