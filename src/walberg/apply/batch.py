@@ -409,7 +409,10 @@ def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
             pq.write_table(schema.empty_table(), out_path)
             return 0
         rows = 0
-        with pq.ParquetWriter(out_path, schema, compression="snappy") as writer:
+        # Snappy (a copy's staging may hold a whole large table), without dictionaries: a
+        # table's values are mostly distinct, and trying dictionaries costs a third of the write.
+        with pq.ParquetWriter(out_path, schema, compression="snappy",
+                              use_dictionary=False) as writer:
             for chunk in reader:
                 if prep is not None and prep.active:
                     raw = chunk.columns

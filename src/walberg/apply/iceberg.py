@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from walberg.apply.batch import (
     DLQ_REASON,
@@ -398,17 +398,39 @@ class IcebergSink:
     def committed_lsn(self, target: str) -> Optional[Lsn]:
         """The LSN covered by walberg's commits in the table's current history (the highest:
         a maintenance commit may carry an older one), or None when walberg has never committed
-        to it (the initial copy is still owed)."""
+        to it (the initial copy is still owed). Read from the snapshots' summaries through
+        Iceberg's API: table metadata only, no Spark job (this is asked at every start)."""
         if not self.table_exists(target):
             return None
-        t = quote_target(target)
-        rows = self.sql(
-            f"reading the snapshot history of {target}",
-            f"SELECT s.summary['{self.lsn_property}'] AS lsn FROM {t}.snapshots s "
-            f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
-            f"WHERE h.is_current_ancestor AND s.summary['{self.lsn_property}'] IS NOT NULL",
-        ).collect()
-        return max((Lsn.parse(r["lsn"]) for r in rows), default=None)
+
+        def read() -> Optional[Lsn]:
+            best: Optional[Lsn] = None
+            for summary in self._current_ancestry(target):
+                value = summary.get(self.lsn_property)
+                if value is not None:
+                    lsn = Lsn.parse(value)
+                    best = lsn if best is None else max(best, lsn)
+            return best
+
+        return spark_call(f"reading the snapshot history of {target}", read)
+
+    def _iceberg_table(self, target: str) -> Any:
+        """``target`` as an Iceberg Java table, refreshed (metadata on the driver only)."""
+        table = self.spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
+            self.spark._jsparkSession, quote_target(target))
+        table.refresh()
+        return table
+
+    def _current_ancestry(self, target: str) -> Iterator[Any]:
+        """The summary (a Java map) of the table's current snapshot and of each of its
+        ancestors still held, newest first: what the ``history`` metadata table calls the
+        current ancestors."""
+        table = self._iceberg_table(target)
+        snapshot = table.currentSnapshot()
+        while snapshot is not None:
+            yield snapshot.summary()
+            parent = snapshot.parentId()
+            snapshot = table.snapshot(parent) if parent is not None else None
 
     def _lsn_marks(self, target: str) -> dict[str, str]:
         """Every source's LSN and Kafka offset in the table's current history (the highest of
@@ -895,10 +917,7 @@ class IcebergSink:
         """What the table's current snapshot added: bytes, data files and delete files (from
         its summary; Iceberg metadata only)."""
         def read() -> dict[str, int]:
-            jspark = self.spark._jsparkSession
-            table = self.spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
-                jspark, quote_target(target))
-            snapshot = table.currentSnapshot()
+            snapshot = self._iceberg_table(target).currentSnapshot()
             summary = dict(snapshot.summary()) if snapshot is not None else {}
             return {"bytes": int(summary.get("added-files-size", 0)),
                     "data_files": int(summary.get("added-data-files", 0)),
