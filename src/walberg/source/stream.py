@@ -15,6 +15,12 @@ from walberg.errors import SourceError, Transient
 from walberg.model import Lsn
 from walberg.source.postgres import connect, redact
 
+# What a read or a status update raises when the replication connection is gone. A server
+# that crashed or restarted under the stream surfaces as a bare DatabaseError from libpq
+# ("no COPY in progress", "server closed the connection unexpectedly"), not only as an
+# OperationalError.
+_CONNECTION_LOST = (psycopg2.DatabaseError, psycopg2.InterfaceError)
+
 
 @dataclass(frozen=True)
 class CreatedSlot:
@@ -126,10 +132,8 @@ class ReplicationStream:
             while msg is not None:
                 yield msg.data_start, msg.payload
                 msg = cur.read_message()
-        except (psycopg2.DatabaseError, psycopg2.InterfaceError) as exc:
-            # (a server that crashed mid-stream surfaces as a bare DatabaseError from libpq)
-            raise Transient(f"the replication connection to {redact(self.dsn)} was lost: "
-                            f"{' '.join(str(exc).split())}") from None
+        except _CONNECTION_LOST as exc:
+            raise self._lost(exc) from None
         self.keepalive()
 
     @property
@@ -150,12 +154,15 @@ class ReplicationStream:
         try:
             self._cur.send_feedback(write_lsn=int(self._written), flush_lsn=int(self._flushed),
                                     reply=reply, force=True)
-        except (psycopg2.DatabaseError, psycopg2.InterfaceError) as exc:
-            # (as in messages(): a server restarted under us surfaces as a bare DatabaseError,
-            # "no COPY in progress")
-            raise Transient(f"the replication connection to {redact(self.dsn)} was lost: "
-                            f"{str(exc).strip()}") from None
+        except _CONNECTION_LOST as exc:
+            raise self._lost(exc) from None
         self._last_feedback = now
+
+    def _lost(self, exc: BaseException) -> Transient:
+        """A read or a status update that found the replication connection gone: walberg
+        reconnects."""
+        return Transient(f"the replication connection to {redact(self.dsn)} was lost: "
+                         f"{' '.join(str(exc).split())}")
 
     def close(self) -> None:
         if self._conn is not None:
