@@ -113,6 +113,18 @@ def save_results(results: dict[str, Any], out: str) -> Path:
     return path
 
 
+def copied_table(cur: Any, dsn: str, work: Path, session: Any, table: str, rows: int) -> Any:
+    """Make ``table`` (id bigint key, v int, note text) of ``rows`` rows and copy it into
+    Iceberg with a pipeline of its own (which creates its slot); returns that pipeline's
+    configuration."""
+    cur.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, v int, note text)")
+    cur.execute(f"INSERT INTO {table} SELECT g, 0, 'row ' || g FROM generate_series(1, %s) g",
+                (rows,))
+    cfg = config_for(dsn, work, table, f"public.{table}")
+    run_once(cfg, session)
+    return cfg
+
+
 def cdc_round(cur: Any, server: EmbeddedPostgres, work: Path, session: Any, table: str,
               changes: int) -> dict[str, Any]:
     """Make ``table`` (changes/5 rows) and copy it into Iceberg, then commit ``changes``
@@ -120,11 +132,7 @@ def cdc_round(cur: Any, server: EmbeddedPostgres, work: Path, session: Any, tabl
     tenths deletes; in 100 transactions) and time `pg_recvlogical` draining them from a slot
     of its own, then walberg applying them."""
     base_rows = max(changes // 5, 1000)
-    cur.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, v int, note text)")
-    cur.execute(f"INSERT INTO {table} SELECT g, 0, 'row ' || g FROM generate_series(1, %s) g",
-                (base_rows,))
-    cfg = config_for(server.dsn, work, table, f"public.{table}")
-    run_once(cfg, session)  # initial copy, creates walberg's slot
+    cfg = copied_table(cur, server.dsn, work, session, table, base_rows)
     # A small round first: a pipeline that has merged before does not pay for loading the
     # MERGE path's classes again.
     cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id <= 20000")
@@ -191,11 +199,7 @@ def memory_phase(dsn: str, work: Path, changes: int) -> dict[str, Any]:
     conn.autocommit = True
     try:
         with conn.cursor() as cur:
-            cur.execute("CREATE TABLE mem (id bigint PRIMARY KEY, v int, note text)")
-            cur.execute("INSERT INTO mem SELECT g, 0, 'row ' || g FROM generate_series(1, %s) g",
-                        (changes,))
-            cfg = config_for(dsn, work, "mem", "public.mem")
-            run_once(cfg, session)  # the initial copy
+            cfg = copied_table(cur, dsn, work, session, "mem", changes)
             out: dict[str, Any] = {}
             for label, size in (("small", max(changes // 10, 1000)), ("large", changes)):
                 cur.execute("UPDATE mem SET v = v + 1 WHERE id <= %s", (size,))
