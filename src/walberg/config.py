@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -58,7 +59,10 @@ class PostgresSource(_Model):
     dsn: str = Field(description="libpq connection string or URI; use ${VAR} for the password",
                      repr=False)  # it may hold a password
     slot: str = Field("walberg", description="logical replication slot, created if missing")
-    publication: str = Field("walberg", description="publication, created for `tables` if missing")
+    publication: str = Field(
+        "walberg", description="publication, created for `tables` if missing; or a list of "
+                               "existing publications, combined as a PostgreSQL subscriber "
+                               "combines them (row filters ORed, one column list)")
     tables: list[str] = Field(description="tables to mirror, as schema.table (schema defaults to public)")
     status_interval_seconds: float = Field(
         10.0, gt=0, description="how often walberg confirms its position to the server, also when idle"
@@ -76,12 +80,31 @@ class PostgresSource(_Model):
     initial_copy: CopySettings = Field(default_factory=lambda: CopySettings(),  # type: ignore[call-arg]
                                        description="how the initial copy reads tables")
 
+    @field_validator("publication", mode="before")
+    @classmethod
+    def _publications(cls, value: Any) -> Any:
+        # Several publications travel as one comma-separated string: the form pgoutput's
+        # publication_names option takes.
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("name at least one publication")
+            if len(set(value)) != len(value):
+                raise ValueError("a publication is listed twice")
+            return ",".join(str(v) for v in value)
+        return value
+
     @field_validator("slot", "publication")
     @classmethod
-    def _identifier(cls, value: str) -> str:
-        if not re.fullmatch(r"[a-z0-9_]{1,63}", value):
-            raise ValueError("use 1-63 lower-case letters, digits or underscores")
+    def _identifier(cls, value: str, info: ValidationInfo) -> str:
+        for name in value.split(",") if info.field_name == "publication" else [value]:
+            if not re.fullmatch(r"[a-z0-9_]{1,63}", name):
+                raise ValueError("use 1-63 lower-case letters, digits or underscores")
         return value
+
+    @property
+    def publications(self) -> list[str]:
+        """The publications the stream subscribes to (``publication`` names one or a list)."""
+        return self.publication.split(",")
 
     @field_validator("tables")
     @classmethod

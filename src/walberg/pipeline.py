@@ -406,7 +406,7 @@ class Pipeline:
         conn = pg.connect(self.pg.dsn, autocommit=False)
         verdicts = []
         try:
-            infos = {t: pg.describe_table(conn, t) for t in chosen}
+            infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in chosen}
             conn.rollback()
             self._learn_types(conn, infos)
             conn.rollback()
@@ -426,7 +426,7 @@ class Pipeline:
                       wait_seconds: float) -> TableVerdict:
         source, target = info.qualified_name, self.targets[info.qualified_name]
         types = [self.types.spark_type(c, target) for c in info.columns]
-        table = pg.quote_table(source)
+        table = info.rows_sql()  # what the publication publishes, not the whole table
         conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
         try:
             with conn.cursor() as cur:
@@ -506,12 +506,14 @@ class Pipeline:
                 return f"role {name} has REPLICATION and SELECT on the tables"
 
             def tables() -> str:
-                infos = {t: pg.describe_table(conn, t) for t in self.tables}
+                infos = {t: pg.describe_table(conn, t, self.pg.publications)
+                         for t in self.tables}
                 for info in infos.values():
                     pg.require_key(info)
                 self._learn_types(conn, infos)
                 return (f"{len(self.tables)} table(s) exist with a usable replica identity and "
-                        "column types walberg maps")
+                        "column types walberg maps; what lands: " +
+                        "; ".join(i.describe_publishing() for i in infos.values()))
 
             def publication() -> str:
                 missing = pg.publication_missing(conn, self.pg.publication, self.tables)
@@ -785,10 +787,12 @@ class Pipeline:
             for info in infos.values():
                 pg.require_key(info)
             pg.ensure_publication(conn, self.pg.publication, self.tables)
+            # The tables as the publication publishes them: its column lists and row filters.
+            infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in infos}
             if self.pg.follow_publication:
                 for t in pg.published_tables(conn, self.pg.publication):
                     if self._add_table(t):
-                        infos[t] = pg.describe_table(conn, t)
+                        infos[t] = pg.describe_table(conn, t, self.pg.publications)
                         pg.require_key(infos[t])
             self._learn_types(conn, infos)
             slot = pg.slot_state(conn, self.pg.slot)
@@ -1838,7 +1842,7 @@ class Pipeline:
         try:
             if table not in pg.published_tables(conn, self.pg.publication):
                 return
-            info = pg.describe_table(conn, table)
+            info = pg.describe_table(conn, table, self.pg.publications)
             pg.require_key(info)
             self._add_table(table)
             self._learn_types(conn, {table: info})

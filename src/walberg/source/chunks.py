@@ -146,7 +146,9 @@ def text_query(info: TableInfo, span: Span, key: Optional[str]) -> str:
     """Every column as its Postgres text (``c0..cN``), for one span: the same text COPY and the
     stream give, so the apply stage types it the same way."""
     cols = ", ".join(f"{sql_identifier(c.name)}::text AS c{i}" for i, c in enumerate(info.columns))
-    return f"SELECT {cols} FROM {quote_table(info.qualified_name)} WHERE {span.predicate(key)}"
+    published = "" if info.row_filter is None else f" AND ({info.row_filter})"
+    return (f"SELECT {cols} FROM {quote_table(info.qualified_name)} "
+            f"WHERE {span.predicate(key)}{published}")
 
 
 def session_init(snapshot: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import psycopg2
 import psycopg2.extensions
@@ -66,10 +66,29 @@ class TableInfo:
     estimated_rows: int
     dims: dict[str, int] = field(default_factory=dict)  # declared dimensions of array columns
     has_primary_key: bool = False
+    # What the publication publishes of the table (see ``describe_table``): the row filter
+    # (None: every row) and whether a column list leaves columns out.
+    row_filter: Optional[str] = None
+    column_list: bool = False
 
     @property
     def qualified_name(self) -> str:
         return f"{self.schema}.{self.name}"
+
+    def rows_sql(self) -> str:
+        """A FROM item with exactly the rows the publication publishes of the table, for the
+        initial copy and verify: the table itself, or it filtered by the row filter."""
+        table = quote_table(self.qualified_name)
+        if self.row_filter is None:
+            return table
+        return f"(SELECT * FROM {table} WHERE {self.row_filter}) AS published"
+
+    def describe_publishing(self) -> str:
+        """What lands of the table, in words, for ``walberg check``."""
+        columns = (f"columns ({', '.join(c.name for c in self.columns)})" if self.column_list
+                   else "all columns")
+        rows = f"rows WHERE {self.row_filter}" if self.row_filter else "all rows"
+        return f"{self.qualified_name}: {rows}, {columns}"
 
 
 def split_name(table: str) -> tuple[str, str]:
@@ -77,8 +96,13 @@ def split_name(table: str) -> tuple[str, str]:
     return schema, name
 
 
-def describe_table(conn: Any, table: str) -> TableInfo:
-    """Columns (with the replica-identity key flag) exactly as pgoutput's Relation message has them."""
+def describe_table(conn: Any, table: str, publications: Sequence[str] = ()) -> TableInfo:
+    """Columns (with the replica-identity key flag) exactly as pgoutput's Relation message has them.
+
+    With ``publications`` (those the stream subscribes to), the table as they publish it: only
+    the columns of their column list (and PostgreSQL 18's generated columns where published),
+    and their row filter, combined as PostgreSQL's own subscriber combines them for its initial
+    copy (see ``publishing``). Without, every ordinary column and every row."""
     schema, name = split_name(table)
     with conn.cursor() as cur:
         cur.execute(
@@ -98,7 +122,7 @@ def describe_table(conn: Any, table: str) -> TableInfo:
         oid, identity, estimate, has_pk = row
         cur.execute(
             """SELECT a.attname, a.atttypid, a.atttypmod,
-                      coalesce(a.attnum = ANY(i.indkey), false), a.attndims
+                      coalesce(a.attnum = ANY(i.indkey), false), a.attndims, a.attgenerated <> ''
                FROM pg_attribute a
                LEFT JOIN LATERAL (
                    SELECT ix.indkey FROM pg_index ix
@@ -106,18 +130,80 @@ def describe_table(conn: Any, table: str) -> TableInfo:
                      AND ((%s = 'i' AND ix.indisreplident) OR (%s = 'd' AND ix.indisprimary))
                    LIMIT 1) i ON true
                WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
-                 AND a.attgenerated = ''
                ORDER BY a.attnum""",
             (identity, identity, oid),
         )
         rows = cur.fetchall()
-        cols = tuple(
-            Column(name=r[0], type_oid=r[1], type_modifier=r[2],
-                   is_key=bool(r[3]) or identity == "f")
-            for r in rows
-        )
+    published = publishing(conn, publications, table) if publications else Publishing(None, None)
+    if published.columns is None:
+        rows = [r for r in rows if not r[5]]  # generated columns are published only by name
+    else:
+        rows = [r for r in rows if r[0] in published.columns]
+    cols = tuple(
+        Column(name=r[0], type_oid=r[1], type_modifier=r[2],
+               is_key=bool(r[3]) or identity == "f")
+        for r in rows
+    )
     return TableInfo(schema, name, oid, identity, cols, max(int(estimate), 0),
-                     {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk))
+                     {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk),
+                     published.row_filter, published.column_list)
+
+
+@dataclass(frozen=True)
+class Publishing:
+    """What a set of publications publishes of one table."""
+
+    columns: Optional[frozenset[str]]  # None: every column that is not generated
+    row_filter: Optional[str]  # a boolean SQL expression; None: every row
+    column_list: bool = False  # whether a column list leaves some columns out
+
+
+def server_version(conn: Any) -> int:
+    """The server's version as PostgreSQL numbers it (150004 for 15.4)."""
+    return int(conn.server_version)
+
+
+def publishing(conn: Any, publications: Sequence[str], table: str) -> Publishing:
+    """The columns and rows ``publications`` publish of ``table``, combined the way
+    PostgreSQL's subscriber combines them for its initial copy: a row is published if any
+    publication's row filter passes (a publication without a filter, or FOR ALL TABLES,
+    publishes every row); the column lists must agree (PostgreSQL refuses to subscribe to
+    publications that publish one table with different column lists).
+
+    Row filters and column lists exist from PostgreSQL 15 on; generated columns are published
+    from 18 on, when a column list names them or with ``publish_generated_columns = stored``."""
+    if server_version(conn) < 150000:
+        return Publishing(None, None)
+    schema, name = split_name(table)
+    with conn.cursor() as cur:
+        cur.execute(
+            """SELECT pubname, attnames::text[], rowfilter FROM pg_publication_tables
+               WHERE pubname = ANY(%s) AND schemaname = %s AND tablename = %s
+               ORDER BY pubname""",
+            (list(publications), schema, name))
+        found = cur.fetchall()
+        cur.execute("SELECT attname, attgenerated <> '' FROM pg_attribute WHERE attrelid = "
+                    "%s::regclass AND attnum > 0 AND NOT attisdropped", (quote_table(table),))
+        every = cur.fetchall()
+    if not found:
+        return Publishing(None, None)
+    lists = {frozenset(attnames or ()) for _, attnames, _ in found}
+    if len(lists) > 1:
+        raise SourceError(
+            f"publications {', '.join(p for p, _, _ in found)} publish {table} with "
+            "different column lists, which PostgreSQL's subscribers refuse too. Give the table "
+            "the same column list in each (ALTER PUBLICATION ... SET TABLE ... (columns)), or "
+            "subscribe to one of them (source.postgres.publication).")
+    generated = frozenset(n for n, gen in every if gen)
+    ordinary = frozenset(n for n, gen in every if not gen)
+    columns = lists.pop()
+    if server_version(conn) < 180000:
+        # Before PostgreSQL 18, attnames may name generated columns the stream never carries.
+        columns = columns - generated
+    filters = [f for _, _, f in found]
+    row_filter = None if any(f is None for f in filters) else \
+        " OR ".join(f"({f})" for f in sorted(set(filters)))
+    return Publishing(columns, row_filter, column_list=not ordinary <= columns)
 
 
 _CONSTANT = re.compile(r"^\(?(NULL|true|false|-?\d+(\.\d+)?|'(?:[^']|'')*')\)?"
@@ -205,20 +291,31 @@ def quote_table(table: str) -> str:
 
 def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
     """Create the publication for `tables` if missing; True if created. A publication that
-    exists but lacks tables is an error naming the statement that fixes it."""
+    exists but lacks tables is an error naming the statement that fixes it. ``publication``
+    may name several (comma-separated): then each must exist, and together they must
+    publish the tables."""
+    names = publication.split(",")
     with conn.cursor() as cur:
-        cur.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,))
-        row = cur.fetchone()
+        cur.execute("SELECT pubname, pubviaroot FROM pg_publication WHERE pubname = ANY(%s)",
+                    (names,))
+        found = dict(cur.fetchall())
         cur.execute("SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n "
                     "ON n.oid = c.relnamespace WHERE c.relkind = 'p' AND "
                     "n.nspname || '.' || c.relname = ANY(%s)", (tables,))
         partitioned = [r[0] for r in cur.fetchall()]
-    if row is not None and partitioned and not row[0]:
+    if len(names) > 1 and len(found) < len(names):
+        absent = [n for n in names if n not in found]
         raise SourceError(
-            f"publication {publication} sends the changes of the partitioned table(s) "
-            f"{', '.join(partitioned)} under each partition's name, so walberg would not see "
-            f"them as {partitioned[0]}. Run: ALTER PUBLICATION "
-            f"{sql_identifier(publication)} SET (publish_via_partition_root = true);")
+            f"publication(s) {', '.join(absent)} (source.postgres.publication) do not exist. "
+            "walberg creates a publication only when the pipeline names one; with several, "
+            f"create each first (CREATE PUBLICATION {sql_identifier(absent[0])} FOR TABLE ...).")
+    for name, via_root in found.items():
+        if partitioned and not via_root:
+            raise SourceError(
+                f"publication {name} sends the changes of the partitioned table(s) "
+                f"{', '.join(partitioned)} under each partition's name, so walberg would not "
+                f"see them as {partitioned[0]}. Run: ALTER PUBLICATION "
+                f"{sql_identifier(name)} SET (publish_via_partition_root = true);")
     missing = publication_missing(conn, publication, tables)
     if missing is None:
         with conn.cursor() as cur:
@@ -235,8 +332,9 @@ def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
 
 def missing_tables_message(publication: str, missing: list[str]) -> str:
     names = ", ".join(quote_table(t) for t in missing)
+    first = publication.split(",")[0]
     return (f"publication {publication} (source.postgres.publication) does not include "
-            f"{', '.join(missing)}. Add them with: ALTER PUBLICATION \"{publication}\" ADD TABLE "
+            f"{', '.join(missing)}. Add them with: ALTER PUBLICATION \"{first}\" ADD TABLE "
             f"{names};")
 
 
@@ -331,26 +429,26 @@ def can_select(conn: Any, table: str) -> bool:
 
 
 def published_tables(conn: Any, publication: str) -> list[str]:
-    """The tables a publication publishes (as schema.table; partition roots with
-    publish_via_partition_root)."""
+    """The tables a publication (or several, comma-separated) publishes, as schema.table
+    (partition roots with publish_via_partition_root)."""
     with conn.cursor() as cur:
-        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables "
-                    "WHERE pubname = %s ORDER BY 1", (publication,))
+        cur.execute("SELECT DISTINCT schemaname || '.' || tablename FROM pg_publication_tables "
+                    "WHERE pubname = ANY(%s) ORDER BY 1", (publication.split(","),))
         return [r[0] for r in cur.fetchall()]
 
 
 def publication_missing(conn: Any, publication: str, tables: list[str]) -> Optional[list[str]]:
-    """The tables the publication lacks; None if the publication does not exist."""
+    """The tables the publication (or, comma-separated, the publications together) lacks;
+    None if it does not exist (or none of several does)."""
     with conn.cursor() as cur:
-        cur.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (publication,))
+        cur.execute("SELECT bool_or(puballtables) FROM pg_publication WHERE pubname = ANY(%s)",
+                    (publication.split(","),))
         row = cur.fetchone()
-        if row is None:
+        if row is None or row[0] is None:
             return None
         if row[0]:
             return []
-        cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables "
-                    "WHERE pubname = %s", (publication,))
-        published = {r[0] for r in cur.fetchall()}
+    published = set(published_tables(conn, publication))
     return [t for t in tables if t not in published]
 
 

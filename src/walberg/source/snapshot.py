@@ -14,7 +14,7 @@ import psycopg2
 from psycopg2 import sql
 
 from walberg.errors import SourceError
-from walberg.source.postgres import TableInfo, connect, split_name
+from walberg.source.postgres import TableInfo, connect
 
 
 def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Optional[str]) -> int:
@@ -27,10 +27,10 @@ def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Option
         with conn.cursor() as cur:
             if snapshot_name:
                 cur.execute("SET TRANSACTION SNAPSHOT %s", (snapshot_name,))
-            schema, name = split_name(table.qualified_name)
+            # Exactly what the publication publishes: its columns, its rows (row filter).
             query = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT WITH (FORMAT csv)").format(
                 sql.SQL(", ").join(sql.Identifier(c.name) for c in table.columns),
-                sql.Identifier(schema, name),
+                sql.SQL(table.rows_sql()),
             )
             with open(out_path, "wb", buffering=1 << 20) as out:
                 cur.copy_expert(query, out, size=1 << 20)

@@ -1,0 +1,216 @@
+"""The lake holds exactly what the publication publishes, from the initial copy on: row filters
+and column lists (combined across publications as PostgreSQL's subscriber combines them) and
+PostgreSQL 18's generated columns. The reference is a real PostgreSQL subscriber of the same
+publications, in a database of its own on the test server."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import psycopg2
+import pytest
+
+from conftest import insert_lsn, make_config, run_once
+from lake import iceberg_rows, postgres_rows
+from walberg.config import parse_config
+from walberg.model import Lsn
+from walberg.pipeline import Pipeline
+
+
+def _with_publications(postgres: Any, warehouse: Path, tmp_path: Path, name: str, table: str,
+                       publications: list[str], method: str = "copy") -> Any:
+    raw = {
+        "source": {"postgres": {"dsn": postgres.dsn, "slot": f"slot_{name}",
+                                "publication": publications, "tables": [table],
+                                "status_interval_seconds": 1,
+                                "initial_copy": {"method": method}}},
+        "sink": {"catalog": {"name": "lake", "type": "hadoop", "warehouse": str(warehouse)},
+                 "namespace": f"ns_{name}"},
+        "buffer": {"dir": str(tmp_path / "segments"), "max_interval_seconds": 0.5},
+        "spark": {"master": "local[2]"},
+    }
+    return parse_config(raw, tmp_path, "test config")
+
+
+class Subscriber:
+    """A PostgreSQL logical-replication subscriber of ``publications``, in a database of its own
+    on the same server (its slot made beforehand: a subscription cannot create a slot on its
+    own server)."""
+
+    def __init__(self, postgres: Any, name: str, publications: list[str], ddl: str) -> None:
+        self.postgres, self.name = postgres, name
+        self.dsn = postgres.dsn.rsplit("/", 1)[0] + f"/{name}"
+        admin = psycopg2.connect(postgres.dsn)
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute(f"CREATE DATABASE {name}")
+            cur.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (name,))
+        admin.close()
+        self.conn = psycopg2.connect(self.dsn)
+        self.conn.autocommit = True
+        with self.conn.cursor() as cur:
+            cur.execute(ddl)
+            cur.execute(f"CREATE SUBSCRIPTION {name} CONNECTION %s PUBLICATION "
+                        f"{', '.join(publications)} WITH (create_slot = false, slot_name = %s)",
+                        (postgres.dsn, name))
+
+    def caught_up(self, lsn: Lsn, timeout: float = 60.0) -> None:
+        """Wait until every table is synchronised and the subscriber has applied up to ``lsn``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.conn.cursor() as cur:
+                cur.execute("SELECT count(*) FROM pg_subscription_rel WHERE srsubstate <> 'r'")
+                syncing = cur.fetchone()[0]
+                cur.execute("SELECT coalesce(max(latest_end_lsn)::text, '0/0') "
+                            "FROM pg_stat_subscription")
+                applied = Lsn.parse(cur.fetchone()[0])
+            if not syncing and applied >= lsn:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"subscriber {self.name} did not catch up to {lsn}")
+
+    def rows(self, table: str) -> list[dict[str, Any]]:
+        return postgres_rows(self.conn, table)
+
+    def close(self) -> None:
+        with self.conn.cursor() as cur:
+            cur.execute(f"DROP SUBSCRIPTION {self.name}")  # drops its slot on the publisher too
+        self.conn.close()
+        admin = psycopg2.connect(self.postgres.dsn)
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute(f"DROP DATABASE {self.name} WITH (FORCE)")
+        admin.close()
+
+
+@pytest.fixture
+def subscriber(postgres: Any) -> Iterator[Any]:
+    made: list[Subscriber] = []
+
+    def make(name: str, publications: list[str], ddl: str) -> Subscriber:
+        made.append(Subscriber(postgres, name, publications, ddl))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+@pytest.mark.parametrize("method", ["copy", "jdbc"])
+def test_row_filters_and_column_list_land_as_a_subscriber_holds_them(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        subscriber: Any, method: str) -> None:
+    name = f"{unique}_{method}"
+    table = f"public.{name}"
+    pub_even, pub_range = f"pub_even_{name}", f"pub_range_{name}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, region text, v numeric(8,2), "
+                    "secret text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, CASE WHEN g % 3 = 0 THEN 'eu' ELSE 'us' "
+                    "END, g * 1.5, 'secret ' || g FROM generate_series(1, 100) g")
+        # Two publications of one table: different row filters, the same column list.
+        cur.execute(f"CREATE PUBLICATION {pub_even} FOR TABLE {table} (id, region, v) "
+                    "WHERE (id % 2 = 0)")
+        cur.execute(f"CREATE PUBLICATION {pub_range} FOR TABLE {table} (id, region, v) "
+                    "WHERE (id BETWEEN 91 AND 95)")
+    published = f"SELECT id, region, v FROM {table} WHERE id % 2 = 0 OR id BETWEEN 91 AND 95"
+    sub = subscriber(f"sub_{name}", [pub_even, pub_range],
+                     f"CREATE TABLE {table} (id int PRIMARY KEY, region text, v numeric(8,2))")
+    config = _with_publications(postgres, warehouse, tmp_path, name, table,
+                                [pub_even, pub_range], method)
+    target = config.target_for(table)
+
+    # check shows what will land.
+    pipeline = Pipeline(config, session=spark)
+    try:
+        tables = next(r for r in pipeline.check() if r.name == "tables")
+    finally:
+        pipeline.close()
+    assert tables.ok, tables.detail
+    assert "(id % 2) = 0" in tables.detail and "id >= 91" in tables.detail, tables.detail
+    assert "columns (id, region, v)" in tables.detail, tables.detail
+
+    report = run_once(config, spark)
+    assert report.copied == {table: 53}  # 50 even ids, and 91, 93, 95
+    sub.caught_up(insert_lsn(pg_conn))
+    lake = iceberg_rows(warehouse, target)
+    assert lake == sub.rows(table) == postgres_rows(pg_conn, f"({published}) AS p")
+    assert "secret" not in lake[0]
+
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (1000, 'eu', 1, 's'), (1001, 'us', 2, 's')")
+        cur.execute(f"UPDATE {table} SET id = 2000 WHERE id = 3")  # into the filter: an insert
+        cur.execute(f"UPDATE {table} SET id = 2001 WHERE id = 10")  # out of it: a delete
+        cur.execute(f"UPDATE {table} SET v = v + 100 WHERE id IN (20, 93, 33)")  # 33: not published
+        cur.execute(f"DELETE FROM {table} WHERE id IN (30, 31, 92)")
+        cur.execute(f"UPDATE {table} SET secret = 'changed' WHERE id = 40")
+    run_once(config, spark)
+    sub.caught_up(insert_lsn(pg_conn))
+    lake = iceberg_rows(warehouse, target)
+    assert lake == sub.rows(table) == postgres_rows(pg_conn, f"({published}) AS p")
+    ids = {r["id"] for r in lake}
+    assert {1000, 2000} <= ids and not ids & {1001, 2001, 3, 10, 33, 30, 31}
+
+    pipeline = Pipeline(config, session=spark)
+    try:
+        [verdict] = pipeline.verify()
+        assert verdict.equal and verdict.source_rows == len(lake), verdict
+        # A resync copies the same rows again, and still only those.
+        resynced = pipeline.resync([table])
+        assert resynced.copied == {table: len(lake)}
+    finally:
+        pipeline.close()
+    assert iceberg_rows(warehouse, target) == sub.rows(table)
+
+    # Published rows change (the filter now takes odd ids): the lake no longer holds what the
+    # publication publishes, and verify says so.
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER PUBLICATION {pub_even} SET TABLE {table} (id, region, v) "
+                    "WHERE (id % 2 = 1)")
+    pipeline = Pipeline(config, session=spark)
+    try:
+        [verdict] = pipeline.verify(attempts=1)
+    finally:
+        pipeline.close()
+    assert not verdict.equal
+
+
+def test_generated_columns_land_only_where_the_publication_publishes_them(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    with pg_conn.cursor() as cur:
+        cur.execute("SHOW server_version_num")
+        if int(cur.fetchone()[0]) < 180000:
+            pytest.skip("generated columns are published from PostgreSQL 18 on")
+    landed = {}
+    for publish in ("none", "stored"):
+        name = f"{unique}_{publish}"
+        table = f"public.{name}"
+        with pg_conn.cursor() as cur:
+            cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, a int, "
+                        "doubled int GENERATED ALWAYS AS (a * 2) STORED)")
+            cur.execute(f"INSERT INTO {table} (id, a) SELECT g, g FROM generate_series(1, 20) g")
+            cur.execute(f"CREATE PUBLICATION pub_{name} FOR TABLE {table} "
+                        f"WITH (publish_generated_columns = {publish})")
+        config = make_config(postgres, warehouse, tmp_path / f"segments_{publish}", name,
+                             [table])
+        target = config.target_for(table)
+        run_once(config, spark)
+        with pg_conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {table} (id, a) VALUES (100, 50)")
+            cur.execute(f"UPDATE {table} SET a = a + 1 WHERE id <= 5")
+            cur.execute(f"DELETE FROM {table} WHERE id = 20")
+        run_once(config, spark)
+        columns = "id, a, doubled" if publish == "stored" else "id, a"
+        landed[publish] = iceberg_rows(warehouse, target)
+        assert landed[publish] == postgres_rows(pg_conn, f"(SELECT {columns} FROM {table}) AS p")
+        pipeline = Pipeline(config, session=spark)
+        try:
+            [verdict] = pipeline.verify()
+        finally:
+            pipeline.close()
+        assert verdict.equal, verdict
+    assert "doubled" not in landed["none"][0]
+    assert landed["stored"][0]["doubled"] == 2 * landed["stored"][0]["a"]
