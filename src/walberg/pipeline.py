@@ -512,8 +512,8 @@ class Pipeline:
                     pg.require_key(info)
                 self._learn_types(conn, infos)
                 return (f"{len(self.tables)} table(s) exist with a usable replica identity and "
-                        "column types walberg maps; what lands: " +
-                        "; ".join(i.describe_publishing() for i in infos.values()))
+                        "column types walberg maps; what lands of each:\n" +
+                        "\n".join(f"         {i.describe_publishing()}" for i in infos.values()))
 
             def publication() -> str:
                 missing = pg.publication_missing(conn, self.pg.publication, self.tables)
