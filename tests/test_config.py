@@ -71,6 +71,44 @@ def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.yaml")
 
 
+PARTITIONED = """
+source: {postgres: {dsn: "postgresql://x@h/db", tables: [public.orders]}}
+sink:
+  catalog: {warehouse: ./warehouse}
+  tables:
+    public.orders:
+      partition_by: %s
+"""
+
+
+@pytest.mark.parametrize("written", [
+    '[days(created_at), "bucket(16, customer_id)", "truncate(4, name)"]',
+    "\n        - days(created_at)\n        - bucket(16, customer_id)\n        - truncate(4, name)",
+])
+def test_a_partition_transform_with_a_comma_loads_quoted_or_one_a_line(
+        tmp_path: Path, written: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(PARTITIONED % written)
+    assert load_config(path).layout_for("public.orders").partition_by == (
+        "days(created_at)", "bucket(16, customer_id)", "truncate(4, name)")
+
+
+@pytest.mark.parametrize("written, split", [
+    ("[days(created_at), bucket(16, customer_id)]", "bucket(16, customer_id)"),
+    ("[truncate( 4 ,name), region]", "truncate( 4, name)"),
+])
+def test_a_transform_yaml_split_at_its_comma_is_named_with_the_fix(
+        tmp_path: Path, written: str, split: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(PARTITIONED % written)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert f"sink.tables.public.orders.partition_by: Value error, YAML split {split!r} at its " \
+           "comma" in message
+    assert f'quote it ("{split}")' in message and f"(- {split})" in message
+
+
 yaml_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True),
                       st.text(max_size=20))
 yaml_tree = st.recursive(

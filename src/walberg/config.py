@@ -245,6 +245,9 @@ class Catalog(_Model):
 _TRANSFORM = re.compile(
     r"^(?:(?:identity|years|months|days|hours|year|month|day|hour)\(\s*(\w+)\s*\)"
     r"|(?:bucket|truncate)\(\s*\d+\s*,\s*(\w+)\s*\)|(\w+))$")
+# The two halves YAML leaves of "bucket(16, c)" written unquoted in a [...] list.
+_SPLIT_HEAD = re.compile(r"^\s*(?:bucket|truncate)\(\s*\d+\s*$")
+_SPLIT_TAIL = re.compile(r"^\s*\w+\s*\)\s*$")
 # Parquet codecs the Iceberg writer has here (brotli would need Hadoop's BrotliCodec, which no
 # package on PyPI ships).
 _CODECS = {"none": "uncompressed", "uncompressed": "uncompressed", "snappy": "snappy",
@@ -276,7 +279,8 @@ class TableLayout(_Model):
     partition_by: list[str] = Field(
         default_factory=list,
         description="Iceberg partition transforms: column, bucket(N, c), truncate(W, c), "
-                    "years/months/days/hours(c); changing it evolves the partition spec")
+                    "years/months/days/hours(c) (quote those with a comma in a [...] list); "
+                    "changing it evolves the partition spec")
     properties: dict[str, str] = Field(
         default_factory=dict, description="Iceberg table properties for this table")
     format_version: Optional[Literal[2, 3]] = Field(
@@ -290,7 +294,13 @@ class TableLayout(_Model):
     @field_validator("partition_by")
     @classmethod
     def _transforms(cls, value: list[str]) -> list[str]:
-        for t in value:
+        for t, after in zip(value, [*value[1:], None], strict=True):
+            if _SPLIT_HEAD.match(t) and after is not None and _SPLIT_TAIL.match(after):
+                # A [...] list in YAML splits at every comma, also inside bucket(16, c).
+                whole = f"{t.strip()}, {after.strip()}"
+                raise ValueError(f"YAML split {whole!r} at its comma into {t!r} and {after!r}: "
+                                 f"quote it (\"{whole}\") or write the list one item a line "
+                                 f"(- {whole})")
             if not _TRANSFORM.match(t.strip()):
                 raise ValueError(f"{t!r} is not a partition transform: use a column name, "
                                  "bucket(N, col), truncate(W, col), or years/months/days/"
