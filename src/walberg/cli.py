@@ -38,7 +38,7 @@ EXAMPLES = {
 
 STARTER = """\
 # walberg pipeline: PostgreSQL tables -> Apache Iceberg tables, kept in step.
-# Every key is in the README's configuration reference. ${VAR} is read from the environment.
+# Every key is in docs/configuration.md. ${VAR} is read from the environment.
 source:
   postgres:
     # libpq URI or key=value string; keep the password out of the file

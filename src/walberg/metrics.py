@@ -1,5 +1,5 @@
 """Every Prometheus metric walberg exports, in one place (served at /metrics when
-``metrics.port`` is set). Names and labels are documented in the README."""
+``metrics.port`` is set). Names and labels are documented in docs/operations.md."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ with the same session settings, see ``source.postgres.SESSION_OPTIONS``), and bo
 2. in Spark (``SparkType.convert``): what is still text is cast to the column's type (the same
    CAST over a column staged typed is a no-op).
 
-The mapping (also in the README):
+The mapping (also in docs/types.md):
 
     smallint, integer         -> int          bigint, oid        -> long
     real                      -> float        double precision   -> double
