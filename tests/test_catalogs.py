@@ -3,6 +3,7 @@ PostgreSQL, read back with PyIceberg's SQL catalog, which shares its layout)."""
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,11 @@ def test_each_catalog_type_gets_its_spark_settings() -> None:
 
 def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
                                  unique: str) -> None:
-    try:
-        catalogs.jdbc_driver()
-    except EnvironmentProblem as exc:
-        pytest.skip(str(exc))
+    # The driver comes with walberg from PyPI: no system package, no skip.
+    driver = catalogs.jdbc_driver()
+    assert driver == catalogs.packaged_jdbc_driver() and "site-packages" in str(driver)
+    with zipfile.ZipFile(driver) as jar:
+        jar.getinfo("org/postgresql/Driver.class")
     from pyiceberg.catalog.sql import SqlCatalog
 
     table = f"public.{unique}"
@@ -85,7 +87,9 @@ def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, t
     def walberg(*args: str) -> str:
         return walberg_ok("-q", *args, "-c", str(path))
 
-    assert "catalog database postgresql://" in walberg("check")
+    checked = walberg("check")
+    assert "catalog database postgresql://" in checked
+    assert f"PostgreSQL JDBC driver {driver} (from PyPI package wbjdbc)" in checked
     assert not wh.exists()  # check creates nothing
     walberg("run", "--once")
     with pg_conn.cursor() as cur:

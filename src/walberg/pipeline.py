@@ -43,7 +43,7 @@ from walberg.apply.batch import (
 )
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink, pin_tables, quote_target
 from walberg.apply.metadata import read_hadoop_table
-from walberg.apply.spark import check_java, find_java, iceberg_jar
+from walberg.apply.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
 from walberg.apply.types import TextPrep, TypeMap, parse_array, quote, sql_string
 from walberg.buffer import spill
 from walberg.buffer.spill import TxnSpill
@@ -555,7 +555,11 @@ class Pipeline:
             return f"Java at {path}"
 
         def jar() -> str:
-            return f"{iceberg_jar().name} intact"
+            jars = [f"Iceberg runtime {iceberg_jar()} (from PyPI package {JAR_PACKAGE}), intact"]
+            if self.config.sink.catalog.type == "jdbc" or \
+                    self.pg.initial_copy.method == "jdbc":
+                jars.append(catalogs.describe_jdbc_driver())
+            return "; ".join(jars)
 
         def warehouse() -> str:
             wh = self.config.warehouse

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 from typing import Optional
@@ -20,20 +21,58 @@ from walberg.errors import EnvironmentProblem
 
 TYPES = ("hadoop", "jdbc", "rest", "hive", "glue", "nessie")
 
-# Where Debian's libpostgresql-jdbc-java puts the PostgreSQL JDBC driver.
+# The PyPI package that ships the PostgreSQL JDBC driver (a dependency of walberg), and the
+# driver's place inside it; read from the package's file list, without importing it.
+PG_JDBC_PACKAGE = "wbjdbc"
+PG_JDBC_DIR = "wbjdbc/resources/maven/postgresql"
+# Where Debian's libpostgresql-jdbc-java puts it: used when the package is missing.
 PG_JDBC_JARS = (Path("/usr/share/java/postgresql.jar"),)
 
 
+def packaged_jdbc_driver() -> Optional[Path]:
+    """The PostgreSQL JDBC driver jar that the wbjdbc package installed, if it did."""
+    try:
+        dist = importlib.metadata.distribution(PG_JDBC_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    jars = sorted(Path(str(dist.locate_file(f))) for f in dist.files or []
+                  if str(f).startswith(PG_JDBC_DIR) and str(f).endswith(".jar"))
+    return jars[-1] if jars and jars[-1].is_file() else None
+
+
 def jdbc_driver(purpose: str = "the jdbc catalog") -> Path:
-    """The PostgreSQL JDBC driver jar (for the jdbc catalog, or the parallel initial copy)."""
+    """The PostgreSQL JDBC driver jar (for the jdbc catalog, or the parallel initial copy):
+    WALBERG_JDBC_DRIVER if set, else the one pip installed with walberg, else Debian's."""
     override = os.environ.get("WALBERG_JDBC_DRIVER")
-    for candidate in ([Path(override)] if override else []) + list(PG_JDBC_JARS):
+    if override:
+        if Path(override).is_file():
+            return Path(override)
+        raise EnvironmentProblem(
+            f"WALBERG_JDBC_DRIVER names {override}, which is not a file. Point it at a "
+            "postgresql-<version>.jar, or unset it to use the driver installed with walberg.")
+    packaged = packaged_jdbc_driver()
+    if packaged is not None:
+        return packaged
+    for candidate in PG_JDBC_JARS:
         if candidate.is_file():
             return candidate
     raise EnvironmentProblem(
-        f"{purpose} needs the PostgreSQL JDBC driver, which was not found at "
-        f"{', '.join(str(p) for p in PG_JDBC_JARS)}. Install it (Debian/Ubuntu: apt-get install "
-        "libpostgresql-jdbc-java) or point WALBERG_JDBC_DRIVER at postgresql-<version>.jar.")
+        f"{purpose} needs the PostgreSQL JDBC driver, which comes with walberg from the PyPI "
+        f"package {PG_JDBC_PACKAGE}, but that is not installed here. Run `pip install "
+        f"{PG_JDBC_PACKAGE}==2.4.0` in walberg's environment (or point WALBERG_JDBC_DRIVER at "
+        "a postgresql-<version>.jar).")
+
+
+def describe_jdbc_driver() -> str:
+    """Which PostgreSQL JDBC driver walberg uses and where it comes from, for ``walberg check``."""
+    jar = jdbc_driver()
+    if os.environ.get("WALBERG_JDBC_DRIVER"):
+        origin = "WALBERG_JDBC_DRIVER"
+    elif jar == packaged_jdbc_driver():
+        origin = f"PyPI package {PG_JDBC_PACKAGE}"
+    else:
+        origin = "a system package"
+    return f"PostgreSQL JDBC driver {jar} (from {origin})"
 
 
 def spark_properties(kind: str, warehouse: Optional[str], uri: Optional[str] = None,
