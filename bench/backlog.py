@@ -1,0 +1,183 @@
+"""The user's situation, cold: `walberg run --once` as a command, on tables of growing size.
+
+    python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
+
+For each table size N, in one run, on one embedded PostgreSQL:
+
+1. A table (id bigint key, name text, amount numeric(12,2), n int) of N rows is copied into
+   Iceberg by `walberg run --once` in a process of its own (a cold JVM), next to `COPY ... TO
+   STDOUT` of the same table.
+2. A no-op `walberg run --once` (nothing to apply): the fixed cost of a run (process, JVM,
+   Spark session, catalog, slot).
+3. A backlog of --changes changes is committed: half inserts of new keys, three tenths updates
+   and two tenths deletes of keys drawn at random over the whole table, in transactions of
+   10,000. `pg_recvlogical` drains them from a slot of its own (pgoutput, protocol 1): how
+   fast the server can hand them out.
+4. `walberg run --once` applies the backlog, cold. Its time net of the no-op run is set
+   against pg_recvlogical's: the ratio is what issue 14 asks to keep at 0.70 or more whatever
+   N is; "growth" is each size's net apply time over the smallest size's (the target: under
+   1.5x from 200k to 10M rows).
+
+These machines are shared and noisy: the figures that matter are the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from run import _Null, save_results, timed  # noqa: E402
+
+from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+
+TXN = 10_000  # changes per source transaction
+
+
+def walberg_once(config: Path) -> float:
+    """Seconds one `walberg run --once` takes, as a command in a process of its own."""
+    seconds, proc = timed(lambda: subprocess.run(
+        [sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(config), "--once"],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL))
+    if proc.returncode != 0:
+        raise SystemExit(f"walberg run --once failed:\n{proc.stderr[-3000:]}")
+    return seconds
+
+
+def write_config(dsn: str, work: Path, name: str) -> Path:
+    raw = {
+        "source": {"postgres": {"dsn": dsn, "slot": f"slot_{name}", "publication": f"pub_{name}",
+                                "tables": [f"public.{name}"]}},
+        "sink": {"catalog": {"name": "lake", "type": "hadoop",
+                             "warehouse": str(work / "warehouse")}, "namespace": "bench"},
+        "buffer": {"dir": str(work / f"segments_{name}")},
+        "spark": {"master": "local[2]"},
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def make_table(cur: Any, name: str, rows: int) -> float:
+    """The table of ``rows`` rows; returns the seconds `COPY ... TO STDOUT` takes to read it."""
+    cur.execute(f"CREATE TABLE {name} (id bigint PRIMARY KEY, name text, amount numeric(12,2), "
+                "n int)")
+    cur.execute(f"INSERT INTO {name} SELECT g, 'customer ' || g, (g %% 100000) / 100.0, g %% 1000 "
+                "FROM generate_series(1, %s) g", (rows,))
+    cur.execute(f"VACUUM ANALYZE {name}")
+    seconds, _ = timed(lambda: cur.copy_expert(f"COPY (SELECT * FROM {name}) TO STDOUT", _Null()))
+    return seconds
+
+
+def commit_backlog(cur: Any, name: str, rows: int, changes: int) -> int:
+    """Half inserts of new keys, 3/10 updates and 2/10 deletes of random keys; returns the
+    changes Postgres made (random draws may repeat a key)."""
+    made = 0
+    inserts, updates = changes // 2, changes * 3 // 10
+    deletes = changes - inserts - updates
+    for lo in range(0, inserts, TXN):
+        cur.execute(f"INSERT INTO {name} SELECT g, 'new ' || g, 1.00, 1 FROM generate_series(%s, %s) g",
+                    (rows + lo + 1, rows + min(lo + TXN, inserts)))
+        made += cur.rowcount
+    for lo in range(0, updates, TXN):
+        cur.execute(f"UPDATE {name} SET amount = amount + 1, n = n + 1 WHERE id IN (SELECT "
+                    "1 + (random() * %s)::bigint FROM generate_series(1, %s))",
+                    (rows - 1, min(TXN, updates - lo)))
+        made += cur.rowcount
+    for lo in range(0, deletes, TXN):
+        cur.execute(f"DELETE FROM {name} WHERE id IN (SELECT 1 + (random() * %s)::bigint "
+                    "FROM generate_series(1, %s))", (rows - 1, min(TXN, deletes - lo)))
+        made += cur.rowcount
+    return made
+
+
+def recvlogical(server: EmbeddedPostgres, slot: str, publication: str, end_lsn: str) -> float:
+    cmd = [str(server.bin_dir / "pg_recvlogical"), "-d", server.dsn, "--slot", slot, "--start",
+           "-o", "proto_version=1", "-o", f"publication_names={publication}", "--endpos", end_lsn,
+           "-f", "/dev/null", "--no-loop"]
+    seconds, proc = timed(lambda: subprocess.run(cmd, capture_output=True, text=True))
+    if proc.returncode != 0:
+        raise SystemExit(f"pg_recvlogical failed: {proc.stderr}")
+    return seconds
+
+
+def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
+             changes: int) -> dict[str, Any]:
+    name = f"backlog_{rows}"
+    copy_to_stdout_s = make_table(cur, name, rows)
+    config = write_config(server.dsn, work, name)
+    copy_s = walberg_once(config)
+    noop_s = walberg_once(config)
+    cur.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
+    cur.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}', 'pgoutput')")
+    made = commit_backlog(cur, name, rows, changes)
+    cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+    end_lsn = cur.fetchone()[0]
+    recv_s = recvlogical(server, f"recv_{name}", f"recv_{name}", end_lsn)
+    cur.execute(f"SELECT pg_drop_replication_slot('recv_{name}')")
+    apply_s = walberg_once(config)
+    net_s = max(apply_s - noop_s, 1e-3)
+    return {
+        "rows": rows, "changes": made,
+        "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
+                 "walberg_rows_per_s": rows / copy_s,
+                 "ratio": copy_to_stdout_s / copy_s},
+        "noop_run_once_s": noop_s,
+        "apply_run_once_s": apply_s, "apply_net_s": net_s,
+        "pg_recvlogical_s": recv_s,
+        "walberg_changes_per_s": made / net_s, "pg_recvlogical_changes_per_s": made / recv_s,
+        "ratio": recv_s / net_s,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="200000,2000000,10000000")
+    ap.add_argument("--changes", type=int, default=200_000)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backlog.json"))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="walberg-backlog-"))
+    server = EmbeddedPostgres().start()
+    results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": []}
+    started = time.monotonic()
+    try:
+        conn = psycopg2.connect(server.dsn)
+        conn.autocommit = True
+        cur = conn.cursor()
+        for rows in sizes:
+            results["sizes"].append(one_size(cur, server, work, rows, args.changes))
+            print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
+    finally:
+        server.stop()
+    base = results["sizes"][0]["apply_net_s"]
+    for each in results["sizes"]:
+        each["growth"] = each["apply_net_s"] / base
+    out = save_results(results, args.out)
+    print(f"\ncold `walberg run --once` backlog of {args.changes:,} random-key changes, "
+          f"{results['cores']} cores")
+    print(f"{'table rows':>12} {'no-op run':>10} {'apply net':>10} {'recvlogical':>12} "
+          f"{'ratio':>6} {'growth':>7} {'copy rows/s':>12} {'copy ratio':>11}")
+    for s in results["sizes"]:
+        print(f"{s['rows']:>12,} {s['noop_run_once_s']:>9.1f}s {s['apply_net_s']:>9.1f}s "
+              f"{s['pg_recvlogical_s']:>11.1f}s {s['ratio']:>6.2f} {s['growth']:>6.2f}x "
+              f"{s['copy']['walberg_rows_per_s']:>12,.0f} {s['copy']['ratio']:>11.2f}")
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
