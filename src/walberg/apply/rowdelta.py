@@ -1,0 +1,170 @@
+"""One Iceberg commit that deletes rows by position and adds new rows, without a join over the
+table: the building block of an apply whose cost follows the changes, not the table.
+
+A MERGE with merge-on-read has to find the position of every changed key, so it joins the
+batch with every data file that may hold one; with keys spread at random that is the whole
+table. When the positions are already known (from a key index kept beside the table), the
+same result is one row delta:
+
+- the rows to delete are written as a position-delete file: Parquet with the columns
+  ``file_path`` and ``pos`` under the field ids the Iceberg spec reserves for them, sorted by
+  both, written by Spark itself (so the work runs on the executors);
+- the new rows are written by Iceberg's own Spark writer into a *staged* snapshot
+  (write-audit-publish: ``spark.wap.id``), which is never part of the table's history; its
+  data files are taken from it;
+- both go into one ``RowDelta`` with walberg's marks in its summary, validated against the
+  snapshot the positions were read from: if a concurrent commit (a compaction, say) removed a
+  data file the deletes point into, the commit fails instead of deleting the wrong rows.
+
+Position deletes, not equality deletes: every reader (Spark, PyIceberg, DuckDB, Trino) applies
+them cheaply, and ``walberg maintain`` compacts them away. Unpartitioned tables only, for now:
+a position-delete file belongs to one partition.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from walberg.apply.spark import spark_call
+from walberg.errors import ApplyError
+
+# Field ids the Iceberg spec reserves for the columns of a position-delete file.
+FILE_PATH_ID = 2147483546
+POS_ID = 2147483545
+
+
+@dataclass(frozen=True)
+class RowDeltaResult:
+    snapshot_id: int
+    added_rows: int
+    deleted_rows: int
+
+
+def java_table(spark: Any, target: str) -> Any:
+    """``target`` (a quoted multi-part name) as an Iceberg Java table, refreshed."""
+    table = spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
+        spark._jsparkSession, target)
+    table.refresh()
+    return table
+
+
+def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Optional[Any],
+                     properties: Mapping[str, str], base_snapshot: Optional[int]) -> RowDeltaResult:
+    """Add ``rows`` (a DataFrame in the table's schema) and delete the rows at ``deletes``
+    (a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
+    ``properties`` in its summary. ``base_snapshot``: the snapshot the positions were read
+    from (None: the table was empty); the commit fails if a data file they point into has
+    been removed since."""
+    table = java_table(spark, target)
+    if not table.spec().isUnpartitioned():
+        raise ApplyError(f"{target} is partitioned: a row delta by position needs an "
+                         "unpartitioned table (the caller merges instead)")
+    jvm = spark._jvm
+    delta = table.newRowDelta()
+    if base_snapshot is not None:
+        delta = delta.validateFromSnapshot(base_snapshot)
+    added = deleted = 0
+    written: list[str] = []
+    try:
+        if deletes is not None:
+            files, deleted, referenced = _write_position_deletes(spark, table, deletes)
+            written = [f.location() for f in files]
+            for each in files:
+                delta = delta.addDeletes(each)
+            if referenced:
+                refs = jvm.java.util.ArrayList()
+                for path in referenced:
+                    refs.add(path)
+                delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
+        if rows is not None:
+            for each in _stage_rows(spark, table, target, rows):
+                added += int(each.recordCount())
+                delta = delta.addRows(each)
+        for key, value in properties.items():
+            delta = delta.set(key, value)
+        spark_call(f"committing a row delta to {target}", delta.commit)
+    except BaseException:
+        _remove(spark, written)
+        raise
+    table.refresh()
+    return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted)
+
+
+def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[Any], int, list[str]]:
+    """Spark writes ``deletes`` as position-delete Parquet files in the table's data folder;
+    returns them as Iceberg delete files, the positions they hold and the data files they
+    point into."""
+    from pyspark.sql import functions as F
+
+    jvm = spark._jvm
+    frame = deletes.select(
+        F.col("file_path").cast("string").alias("file_path",
+                                                metadata={"parquet.field.id": FILE_PATH_ID}),
+        F.col("pos").cast("long").alias("pos", metadata={"parquet.field.id": POS_ID}))
+    referenced = [r[0] for r in frame.select("file_path").distinct().collect()]
+    if not referenced:
+        return [], 0, []
+    folder = f"{table.location().rstrip('/')}/data/walberg-deletes-{uuid.uuid4().hex}"
+    # One file per group of data files, each sorted by (file_path, pos) as the spec asks.
+    parts = max(1, min(len(referenced), int(spark.sparkContext.defaultParallelism)))
+    spark_call("writing position deletes", lambda: (
+        frame.repartition(parts, "file_path").sortWithinPartitions("file_path", "pos")
+        .write.option("compression", "snappy").parquet(folder)))
+    path = jvm.org.apache.hadoop.fs.Path(folder)
+    fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
+    metrics_config = jvm.org.apache.iceberg.MetricsConfig.forPositionDelete(table)
+    parquet = jvm.org.apache.iceberg.FileFormat.PARQUET
+    files, count = [], 0
+    for status in fs.listStatus(path):
+        name = status.getPath().toString()
+        if not name.endswith(".parquet"):
+            fs.delete(status.getPath(), False)  # Spark's _SUCCESS marker
+            continue
+        metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics(
+            table.io().newInputFile(name), metrics_config)
+        if int(metrics.recordCount()) == 0:
+            fs.delete(status.getPath(), False)
+            continue
+        count += int(metrics.recordCount())
+        files.append(jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec())
+                     .ofPositionDeletes().withPath(name).withFormat(parquet)
+                     .withFileSizeInBytes(status.getLen()).withMetrics(metrics).build())
+    return files, count, referenced
+
+
+def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> list[Any]:
+    """Write ``rows`` with Iceberg's Spark writer into a staged snapshot (never part of the
+    table's history) and return its data files. The write runs in a session of its own, so a
+    staging id never leaks into another thread's writes."""
+    props = table.properties()
+    if props.get("write.wap.enabled") != "true":
+        table.updateProperties().set("write.wap.enabled", "true").commit()
+    wap = f"walberg-{uuid.uuid4().hex}"
+    view = f"walberg_stage_{uuid.uuid4().hex}"
+    rows.createOrReplaceGlobalTempView(view)
+    staging = spark.newSession()
+    try:
+        staging.conf.set("spark.wap.id", wap)
+        spark_call(f"staging rows for {target}",
+                   lambda: staging.table(f"global_temp.{view}").writeTo(target).append())
+    finally:
+        spark.catalog.dropGlobalTempView(view)
+    table.refresh()
+    for snapshot in table.snapshots():
+        if snapshot.summary().get("wap.id") == wap:
+            return list(snapshot.addedDataFiles(table.io()))
+    raise ApplyError(f"staging rows for {target}: the staged snapshot {wap} was not found")
+
+
+def _remove(spark: Any, paths: list[str]) -> None:
+    """Best effort: delete files a failed commit wrote (what is left is an orphan for
+    ``walberg maintain`` to remove)."""
+    jvm = spark._jvm
+    for name in paths:
+        try:
+            path = jvm.org.apache.hadoop.fs.Path(name)
+            path.getFileSystem(spark._jsc.hadoopConfiguration()).delete(path, False)
+        except Exception:
+            pass
