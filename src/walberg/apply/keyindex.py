@@ -1,0 +1,288 @@
+"""Where each key's row lives in an Iceberg table: key -> (data file, row position), kept on local
+disk beside the table, so that an update or delete can be written as a position delete without
+a join over the table (see ``rowdelta``).
+
+For tables with one integer key. The index is a sorted *base* (three flat arrays on disk:
+keys, file ids, positions) and a few small sorted *delta* runs, one per commit since the base
+was written; a delta entry shadows the base, and a tombstone (file id -1) says the key is gone.
+When the deltas hold more than ``max_delta`` entries they are merged into a new base.
+
+Memory stays flat whatever the table's size: the base is read in chunks of ``chunk`` keys
+(8 bytes a key), the deltas are bounded by ``max_delta``. On disk it takes 20 bytes a key
+(20 MB per million keys) plus the data file paths once each.
+
+Crash safety: the index describes one snapshot of the table (``snapshot`` in its manifest,
+replaced atomically). A caller that finds the table at another snapshot (a crash between an
+Iceberg commit and the index update, a compaction, a copy) rebuilds it from the lake.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+TOMBSTONE = -1
+
+
+@dataclass
+class Hits:
+    """Keys found in the index, with the data file and position of their current row."""
+
+    keys: np.ndarray  # int64, sorted
+    files: list[str]  # the data file of each hit
+    positions: np.ndarray  # int64
+
+
+@dataclass
+class _Run:
+    keys: np.ndarray
+    file_ids: np.ndarray
+    positions: np.ndarray
+
+
+def _sorted_unique_last(keys: np.ndarray, *columns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sort by key; where a key repeats, keep its last entry."""
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    last = np.ones(len(keys), dtype=bool)
+    if len(keys):
+        last[:-1] = keys[1:] != keys[:-1]
+    return (keys[last], *(c[order][last] for c in columns))
+
+
+class KeyIndex:
+    """The index of one table, in ``directory``."""
+
+    def __init__(self, directory: Path, chunk: int = 1 << 20, max_delta: int = 2_000_000) -> None:
+        self.directory = directory
+        self.chunk = chunk
+        self.max_delta = max_delta
+        self.snapshot: Optional[int] = None
+        self._files: list[str] = []
+        self._file_ids: dict[str, int] = {}
+        self._base: Optional[str] = None  # name of the base's folder
+        self._base_size = 0
+        self._deltas: list[_Run] = []
+        self._delta_names: list[str] = []
+        self._load()
+
+    # ---- state on disk ---------------------------------------------------------------------
+
+    def _load(self) -> None:
+        path = self.directory / MANIFEST
+        if not path.exists():
+            return
+        manifest = json.loads(path.read_text())
+        self.snapshot = manifest["snapshot"]
+        self._files = manifest["files"]
+        self._file_ids = {f: i for i, f in enumerate(self._files)}
+        self._base = manifest["base"]
+        self._base_size = manifest["base_size"]
+        self._delta_names = manifest["deltas"]
+        for name in self._delta_names:
+            with np.load(self.directory / name) as run:
+                self._deltas.append(_Run(run["keys"], run["file_ids"], run["positions"]))
+
+    def _save(self) -> None:
+        """Replace the manifest atomically (write, fsync, rename, fsync the folder); then
+        remove what it no longer names."""
+        manifest = {"snapshot": self.snapshot, "files": self._files, "base": self._base,
+                    "base_size": self._base_size, "deltas": self._delta_names}
+        partial = self.directory / f"{MANIFEST}.{uuid.uuid4().hex}"
+        with open(partial, "w") as out:
+            json.dump(manifest, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, self.directory / MANIFEST)
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        keep = {MANIFEST, *self._delta_names, *([self._base] if self._base else [])}
+        for entry in self.directory.iterdir():
+            if entry.name not in keep:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+    @property
+    def size(self) -> int:
+        """Entries in the base and the deltas (an upper bound on the keys held)."""
+        return self._base_size + sum(len(d.keys) for d in self._deltas)
+
+    def _file_id(self, path: str) -> int:
+        found = self._file_ids.get(path)
+        if found is None:
+            found = self._file_ids[path] = len(self._files)
+            self._files.append(path)
+        return found
+
+    # ---- building ---------------------------------------------------------------------------
+
+    def rebuild(self, snapshot: Optional[int], entries: Iterator[tuple[np.ndarray, list[str],
+                                                                       np.ndarray]]) -> None:
+        """Make the index anew from ``entries``: batches of (keys, data file paths,
+        positions) in ascending key order across batches (the lake read sorted by key), for
+        the table at ``snapshot``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._files, self._file_ids, self._deltas, self._delta_names = [], {}, [], []
+        base = f"base-{uuid.uuid4().hex}"
+        folder = self.directory / base
+        folder.mkdir()
+        size, last = 0, None
+        with open(folder / "keys", "wb") as k, open(folder / "files", "wb") as f, \
+                open(folder / "positions", "wb") as p:
+            for keys, paths, positions in entries:
+                keys = np.asarray(keys, dtype=np.int64)
+                if len(keys) == 0:
+                    continue
+                if (last is not None and keys[0] <= last) or np.any(keys[1:] <= keys[:-1]):
+                    raise ValueError("key index entries must come in ascending key order, "
+                                     "each key once")
+                ids = np.fromiter((self._file_id(x) for x in paths), dtype=np.int32,
+                                  count=len(keys))
+                keys.tofile(k)
+                ids.tofile(f)
+                np.asarray(positions, dtype=np.int64).tofile(p)
+                size, last = size + len(keys), int(keys[-1])
+        self._base, self._base_size, self.snapshot = base, size, snapshot
+        self._save()
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def _base_chunks(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(offset, keys) of the base, ``chunk`` keys at a time."""
+        if not self._base:
+            return
+        path = self.directory / self._base / "keys"
+        for offset in range(0, self._base_size, self.chunk):
+            count = min(self.chunk, self._base_size - offset)
+            yield offset, np.fromfile(path, dtype=np.int64, count=count, offset=offset * 8)
+
+    def _base_at(self, column: str, dtype: type, where: np.ndarray) -> np.ndarray:
+        """Values of a base column at the (sorted) row numbers ``where``."""
+        values = np.memmap(self.directory / str(self._base) / column, dtype=dtype, mode="r",
+                           shape=(self._base_size,))
+        try:
+            return np.array(values[where])
+        finally:
+            del values
+
+    def lookup(self, keys: np.ndarray) -> Hits:
+        """The current row of each of ``keys`` that the table holds."""
+        queries = np.unique(np.asarray(keys, dtype=np.int64))
+        found_keys: list[np.ndarray] = []
+        found_ids: list[np.ndarray] = []
+        found_pos: list[np.ndarray] = []
+        pending = np.ones(len(queries), dtype=bool)  # not yet decided by a newer run
+        for run in reversed(self._deltas):  # newest first: a newer entry shadows older ones
+            at = np.searchsorted(run.keys, queries)
+            hit = pending & (at < len(run.keys))
+            hit[hit] = run.keys[at[hit]] == queries[hit]
+            live = hit.copy()
+            live[hit] = run.file_ids[at[hit]] != TOMBSTONE
+            found_keys.append(queries[live])
+            found_ids.append(run.file_ids[at[live]])
+            found_pos.append(run.positions[at[live]])
+            pending &= ~hit
+        rows: list[np.ndarray] = []
+        for offset, chunk in self._base_chunks():
+            lo = int(np.searchsorted(queries, chunk[0], side="left"))
+            hi = int(np.searchsorted(queries, chunk[-1], side="right"))
+            if lo >= hi:
+                continue
+            window = queries[lo:hi]
+            at = np.searchsorted(chunk, window)
+            hit = pending[lo:hi] & (at < len(chunk))
+            hit[hit] = chunk[at[hit]] == window[hit]
+            found_keys.append(window[hit])
+            rows.append(offset + at[hit])
+        if rows:
+            where = np.concatenate(rows)
+            found_ids.append(self._base_at("files", np.int32, where))
+            found_pos.append(self._base_at("positions", np.int64, where))
+        if not found_keys:
+            return Hits(np.empty(0, np.int64), [], np.empty(0, np.int64))
+        k = np.concatenate(found_keys)
+        ids = np.concatenate(found_ids) if found_ids else np.empty(0, np.int32)
+        pos = np.concatenate(found_pos) if found_pos else np.empty(0, np.int64)
+        order = np.argsort(k, kind="stable")
+        return Hits(k[order], [self._files[i] for i in ids[order]], pos[order])
+
+    # ---- changing ---------------------------------------------------------------------------
+
+    def commit(self, snapshot: int, gone: np.ndarray, added: tuple[np.ndarray, list[str],
+                                                                   np.ndarray]) -> None:
+        """Record a commit that made the table ``snapshot``: the keys in ``gone`` no longer
+        have a row (deleted, or replaced by a row in ``added``), ``added`` gives (keys, data
+        files, positions) of the rows it wrote."""
+        keys, paths, positions = added
+        keys = np.asarray(keys, dtype=np.int64)
+        ids = np.fromiter((self._file_id(x) for x in paths), dtype=np.int32, count=len(keys))
+        gone = np.asarray(gone, dtype=np.int64)
+        all_keys = np.concatenate([gone, keys])
+        all_ids = np.concatenate([np.full(len(gone), TOMBSTONE, np.int32), ids])
+        all_pos = np.concatenate([np.zeros(len(gone), np.int64),
+                                  np.asarray(positions, dtype=np.int64)])
+        run = _Run(*_sorted_unique_last(all_keys, all_ids, all_pos))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        name = f"delta-{uuid.uuid4().hex}.npz"
+        with open(self.directory / name, "wb") as out:
+            np.savez(out, keys=run.keys, file_ids=run.file_ids, positions=run.positions)
+            out.flush()
+            os.fsync(out.fileno())
+        self._deltas.append(run)
+        self._delta_names.append(name)
+        self.snapshot = snapshot
+        if sum(len(d.keys) for d in self._deltas) > self.max_delta:
+            self._merge()
+        else:
+            self._save()
+
+    def _merge(self) -> None:
+        """Fold the deltas into a new base, chunk by chunk of the old one."""
+        delta = _Run(*_sorted_unique_last(
+            np.concatenate([d.keys for d in self._deltas]),
+            np.concatenate([d.file_ids for d in self._deltas]),
+            np.concatenate([d.positions for d in self._deltas])))
+        base = f"base-{uuid.uuid4().hex}"
+        folder = self.directory / base
+        folder.mkdir()
+        size, taken = 0, 0
+        chunks = list(self._base_chunks()) or [(0, np.empty(0, np.int64))]
+        with open(folder / "keys", "wb") as k, open(folder / "files", "wb") as f, \
+                open(folder / "positions", "wb") as p:
+            for n, (offset, chunk) in enumerate(chunks):
+                count = len(chunk)
+                ids = self._base_slice("files", np.int32, offset, count)
+                pos = self._base_slice("positions", np.int64, offset, count)
+                upto = len(delta.keys) if n == len(chunks) - 1 else \
+                    int(np.searchsorted(delta.keys, chunk[-1], side="right"))
+                d = slice(taken, upto)
+                taken = upto
+                keys_m = np.concatenate([chunk, delta.keys[d]])
+                ids_m = np.concatenate([ids, delta.file_ids[d]])
+                pos_m = np.concatenate([pos, delta.positions[d]])
+                keys_m, ids_m, pos_m = _sorted_unique_last(keys_m, ids_m, pos_m)
+                live = ids_m != TOMBSTONE
+                keys_m[live].tofile(k)
+                ids_m[live].tofile(f)
+                pos_m[live].tofile(p)
+                size += int(live.sum())
+        self._base, self._base_size = base, size
+        self._deltas, self._delta_names = [], []
+        self._save()
+
+    def _base_slice(self, column: str, dtype: type, offset: int, count: int) -> np.ndarray:
+        if not self._base or count == 0:
+            return np.empty(0, dtype)
+        width = np.dtype(dtype).itemsize
+        return np.fromfile(self.directory / self._base / column, dtype=dtype, count=count,
+                           offset=offset * width)

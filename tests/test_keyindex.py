@@ -1,0 +1,74 @@
+"""The key index (apply/keyindex.py) against a plain dict: whatever sequence of rebuilds and
+commits, a lookup finds exactly the keys the table holds, with their current file and
+position; the deltas merge into the base without changing an answer; a reopened index answers
+the same."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from walberg.apply.keyindex import KeyIndex
+
+Model = dict[int, tuple[str, int]]
+
+
+def _batches(model: Model, size: int) -> Iterator[tuple[np.ndarray, list[str], np.ndarray]]:
+    keys = sorted(model)
+    for lo in range(0, len(keys), size):
+        part = keys[lo:lo + size]
+        yield (np.array(part, np.int64), [model[k][0] for k in part],
+               np.array([model[k][1] for k in part], np.int64))
+
+
+def _answers(index: KeyIndex, keys: list[int]) -> Model:
+    hits = index.lookup(np.array(keys, np.int64))
+    return {int(k): (f, int(p)) for k, f, p in zip(hits.keys, hits.files, hits.positions,
+                                                   strict=True)}
+
+
+_keys = st.integers(min_value=-50, max_value=400)
+_commit = st.tuples(st.lists(_keys, max_size=30), st.lists(_keys, max_size=30))
+
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.lists(_keys, max_size=120, unique=True), commits=st.lists(_commit, max_size=12),
+       chunk=st.integers(1, 40), max_delta=st.integers(1, 60))
+def test_lookups_follow_every_commit(tmp_path_factory: object, start: list[int],
+                                     commits: list[tuple[list[int], list[int]]], chunk: int,
+                                     max_delta: int) -> None:
+    folder: Path = tmp_path_factory.mktemp("index")  # type: ignore[attr-defined]
+    model: Model = {k: (f"file-{k % 3}", k * 10) for k in start}
+    index = KeyIndex(folder, chunk=chunk, max_delta=max_delta)
+    index.rebuild(1, _batches(model, 7))
+    probe = list(range(-60, 410))
+    assert _answers(index, probe) == model
+    for n, (gone, added) in enumerate(commits, start=2):
+        # A commit deletes `gone`, and writes a new row for each key of `added` (an update of
+        # a key held already, or an insert): the new rows sit in a new file.
+        fresh = sorted(set(added))
+        for k in gone:
+            model.pop(k, None)
+        for pos, k in enumerate(fresh):
+            model[k] = (f"new-{n}", pos)
+        index.commit(n, np.array(sorted(set(gone) | set(fresh)), np.int64),
+                     (np.array(fresh, np.int64), [f"new-{n}"] * len(fresh),
+                      np.arange(len(fresh), dtype=np.int64)))
+        assert _answers(index, probe) == model
+    reopened = KeyIndex(folder, chunk=chunk, max_delta=max_delta)
+    assert reopened.snapshot == index.snapshot
+    assert _answers(reopened, probe) == model
+
+
+def test_entries_out_of_order_are_refused(tmp_path: Path) -> None:
+    index = KeyIndex(tmp_path)
+    try:
+        index.rebuild(1, iter([(np.array([3, 2]), ["a", "a"], np.array([0, 1]))]))
+    except ValueError as exc:
+        assert "ascending key order" in str(exc)
+    else:
+        raise AssertionError("unsorted entries were taken")
