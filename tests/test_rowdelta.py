@@ -76,3 +76,58 @@ def test_a_compaction_in_between_fails_the_commit_instead_of_deleting_wrong_rows
         commit_row_delta(spark, target, None, positions, {"walberg.lsn": "0/1"},
                          int(base.snapshotId()))
     assert iceberg_rows(warehouse, target) == before and len(before) == ROWS
+
+
+def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
+        spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """The index is built from the lake, each round's changes are looked up in it and
+    committed as one row delta, the index learns the new rows' positions from the files the
+    commit wrote; a compaction moves every row, so the index (at an older snapshot) is rebuilt
+    from the lake. The lake equals the model after every round, for every reader."""
+    import random
+
+    import numpy as np
+
+    from walberg.apply.keyindex import KeyIndex
+    from walberg.apply.rowdelta import lake_entries, written_entries
+
+    target = _table(spark, unique)
+    model = {i: f"v{i}" for i in range(1, ROWS + 1)}
+    index = KeyIndex(tmp_path / "index", chunk=300, max_delta=500)
+
+    def rebuild() -> None:
+        snapshot, entries = lake_entries(spark, target, "id", tmp_path)
+        index.rebuild(snapshot, entries)
+
+    rebuild()
+    assert index.size == ROWS
+    rng = random.Random(7)
+    for round_ in range(4):
+        if round_ == 2:
+            spark.sql(f"CALL lake.system.rewrite_data_files(table => "
+                      f"'{target.split('.', 1)[1]}', options => map('rewrite-all', 'true'))")
+            current = java_table(spark, target).currentSnapshot().snapshotId()
+            assert index.snapshot != current  # the index no longer describes the table
+            rebuild()
+        held = sorted(model)
+        deleted = rng.sample(held, 40)
+        updated = rng.sample([k for k in held if k not in deleted], 60)
+        inserted = list(range(max(held) + 1, max(held) + 31))
+        hits = index.lookup(np.array(deleted + updated))
+        assert sorted(hits.keys.tolist()) == sorted(deleted + updated)
+        deletes = spark.createDataFrame(list(zip(hits.files, hits.positions.tolist(),
+                                                 strict=True)), "file_path string, pos bigint")
+        new = [(k, f"r{round_} {k}") for k in updated + inserted]
+        result = commit_row_delta(spark, target, spark.createDataFrame(new, "id bigint, v string"),
+                                  deletes, {"walberg.lsn": f"0/{round_ + 1}"}, index.snapshot)
+        index.commit(result.snapshot_id, np.array(deleted + updated),
+                     tuple(np.concatenate(parts) if i != 1 else sum(parts, [])  # type: ignore
+                           for i, parts in enumerate(zip(*written_entries(
+                               spark, result.added_files, "id", tmp_path), strict=True))))
+        for k in deleted:
+            del model[k]
+        model.update(dict(new))
+        rows = [{"id": k, "v": v} for k, v in sorted(model.items())]
+        assert iceberg_rows(warehouse, target) == rows
+    assert duckdb_rows(warehouse, target) == rows
+    assert sorted(index.lookup(np.array(sorted(model))).keys.tolist()) == sorted(model)

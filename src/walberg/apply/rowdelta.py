@@ -23,9 +23,15 @@ a position-delete file belongs to one partition.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+import numpy as np
+import pyarrow.parquet as pq
 
 from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
@@ -40,6 +46,7 @@ class RowDeltaResult:
     snapshot_id: int
     added_rows: int
     deleted_rows: int
+    added_files: tuple[str, ...] = ()  # the data files the commit wrote
 
 
 def java_table(spark: Any, target: str) -> Any:
@@ -67,6 +74,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Opti
         delta = delta.validateFromSnapshot(base_snapshot)
     added = deleted = 0
     written: list[str] = []
+    added_files: list[str] = []
     try:
         if deletes is not None:
             files, deleted, referenced = _write_position_deletes(spark, table, deletes)
@@ -81,6 +89,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Opti
         if rows is not None:
             for each in _stage_rows(spark, table, target, rows):
                 added += int(each.recordCount())
+                added_files.append(str(each.location()))
                 delta = delta.addRows(each)
         for key, value in properties.items():
             delta = delta.set(key, value)
@@ -89,7 +98,63 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Opti
         _remove(spark, written)
         raise
     table.refresh()
-    return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted)
+    return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
+                          tuple(added_files))
+
+
+Entries = Iterator[tuple[np.ndarray, list[str], np.ndarray]]
+
+
+def lake_entries(spark: Any, target: str, key: str, scratch: Path) -> tuple[Optional[int], Entries]:
+    """What a key index of ``target`` holds: (key, data file, position) of every row of the
+    table's current snapshot, in key order, in batches; with that snapshot's id. Spark reads
+    and sorts (the work stays in the JVM and on the executors); the driver reads the sorted
+    result back from ``scratch`` a row group at a time."""
+    table = java_table(spark, target)
+    current = table.currentSnapshot()
+    snapshot = None if current is None else int(current.snapshotId())
+    if snapshot is None:
+        return None, iter(())
+    frame = spark.read.option("snapshot-id", str(snapshot)).table(target) \
+        .selectExpr(f"CAST({_quote(key)} AS BIGINT) AS key", "_file AS file_path", "_pos AS pos") \
+        .orderBy("key")
+    return snapshot, _read_back(spark, frame, scratch)
+
+
+def written_entries(spark: Any, files: tuple[str, ...], key: str, scratch: Path) -> Entries:
+    """(key, data file, position) of every row in the data files a commit wrote: each file's
+    rows in their order, read by Spark (Parquet's row index is Iceberg's position)."""
+    if not files:
+        return iter(())
+    from pyspark.sql import functions as F
+
+    frames = [spark.read.parquet(path).select(
+        F.col(key).cast("long").alias("key"), F.lit(path).alias("file_path"),
+        F.col("_metadata.row_index").alias("pos")) for path in files]
+    frame = frames[0]
+    for other in frames[1:]:
+        frame = frame.unionAll(other)
+    return _read_back(spark, frame, scratch)
+
+
+def _read_back(spark: Any, frame: Any, scratch: Path) -> Entries:
+    """Write ``frame`` (key, file_path, pos) as Parquet under ``scratch`` and yield it back a
+    row group at a time, in the order of its part files (a sorted frame stays sorted)."""
+    folder = Path(tempfile.mkdtemp(prefix="walberg-index-", dir=scratch))
+    try:
+        spark_call("reading key positions", lambda: frame.write.mode("overwrite")
+                   .parquet(folder.as_uri() + "/rows"))
+        for part in sorted((folder / "rows").glob("part-*.parquet")):
+            for batch in pq.ParquetFile(part).iter_batches(batch_size=1 << 20):
+                yield (batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64),
+                       batch.column(1).to_pylist(),
+                       batch.column(2).to_numpy(zero_copy_only=False).astype(np.int64))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
 
 
 def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[Any], int, list[str]]:
