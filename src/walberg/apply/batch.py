@@ -9,7 +9,7 @@ changes of the batch (commit order, then position in the transaction), ``_wb_op`
 ``_wb_lsn`` is the end LSN of the change's transaction, ``_wb_unchanged`` lists (as ",i,j,")
 columns an UPDATE left untouched (unchanged TOAST values). The netting (last change per key
 wins) happens here at the end of staging when the keys' text is their identity and the batch's
-extent is known (``BatchBuilder.finish``), else in Spark, see ``apply.iceberg``.
+extent is known (``BatchBuilder.finish``), else in Spark, see ``apply.writes``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _schema(values: Sequence[pa.DataType], last: str = "_wb_unchanged") -> pa.Sc
 
 class DeadLetters:
     """Rows that cannot be written as they are, staged with their raw text and the reason, for
-    the table's dead-letter table (see ``apply.iceberg``)."""
+    the table's dead-letter table (see ``apply.writes``)."""
 
     def __init__(self, path: Path, ncols: int) -> None:
         self.path = path
@@ -98,7 +98,7 @@ class StagedTable:
     dead_letters: Optional[Path] = None  # staged rows for the dead-letter table
     dead_rows: int = 0
     # An UPDATE that changed the key and left a TOASTed value unsent: its value lives under
-    # the old key (see apply.iceberg's _carry_moved).
+    # the old key (see apply.writes's _carry_moved).
     moved_unchanged: bool = False
     # No key occurs twice among the staged rows: the batch needs no netting per key.
     unique_keys: bool = False

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from walberg.apply.iceberg import LSN_PROPERTY
+from walberg.apply.session import LSN_PROPERTY
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""What every part of the Iceberg sink shares: the Spark session, the source's name when several
+sources fan in to one table, the columns walberg reserves in a table, the snapshot-summary keys
+that say what a commit covers, and the writer that puts those keys on every commit.
+
+Exactly once rests on one rule kept here: every commit walberg makes carries ``walberg.lsn`` (the
+end LSN of the last source transaction it contains) in its snapshot summary, in the same atomic
+commit as the data. What a table holds is therefore always known from the table itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+from walberg.apply.batch import value_column
+from walberg.apply.spark import spark_call
+from walberg.apply.types import TypeMap, quote
+from walberg.model import Column, Lsn
+
+LSN_PROPERTY = "walberg.lsn"
+# Marks of a chunked initial copy (see source.chunks): first, point, span, catchup.
+COPY_PREFIX = "walberg.copy."
+# walberg.offset.<topic>.<partition> = the next offset to read: what a Kafka source's commit
+# covers, in the same snapshot as its data.
+OFFSET_PROPERTY = "walberg.offset"
+LSN_COLUMN = "_walberg_lsn"
+SOURCE_COLUMN = "_walberg_source"  # with several sources fanning in to one table
+OP_COLUMN = "_walberg_op"
+DLQ_SUFFIX = "__dlq"
+
+
+def quote_target(target: str) -> str:
+    """``catalog.namespace.table`` with each part quoted for Spark SQL."""
+    return ".".join(quote(p) for p in target.split("."))
+
+
+class LakeSession:
+    """The Spark session and the source one sink writes for, shared by the sink's helpers."""
+
+    def __init__(self, spark: Any, types: Optional[TypeMap] = None,
+                 source: Optional[str] = None) -> None:
+        """``source``: the sink writes one of several sources that fan in to shared tables: its
+        rows carry ``_walberg_source``, and its commits record their LSN as
+        ``walberg.lsn.<source>``."""
+        self.spark = spark
+        self.types = types or TypeMap()
+        self.source = source
+        self.lsn_property = LSN_PROPERTY if source is None else f"{LSN_PROPERTY}.{source}"
+
+    def sql(self, what: str, statement: str) -> Any:
+        return spark_call(what, lambda: self.spark.sql(statement))
+
+    def table_exists(self, target: str) -> bool:
+        return bool(spark_call(f"looking up {target}",
+                               lambda: self.spark.catalog.tableExists(quote_target(target))))
+
+    def refresh(self, target: str) -> None:
+        """Drop what Spark caches of ``target``: its next read sees the table afresh."""
+        spark_call(f"refreshing {target}",
+                   lambda: self.spark.catalog.refreshTable(quote_target(target)))
+
+    def own_rows(self) -> Any:
+        """The rows a copy or TRUNCATE replaces: all, or this source's in a shared table."""
+        from pyspark.sql.functions import col, lit
+
+        return lit(True) if self.source is None else col(SOURCE_COLUMN) == lit(self.source)
+
+    def marks(self, lsn: Lsn, marks: Optional[Mapping[str, str]]) -> Mapping[str, str]:
+        """What a commit records of its source position: ``marks`` when given (a Kafka
+        source's offsets), else this sink's LSN property."""
+        return marks if marks is not None else {self.lsn_property: str(lsn)}
+
+    def writer(self, df: Any, target: str, lsn: Lsn,
+               marks: Optional[Mapping[str, str]] = None) -> Any:
+        """A DataFrameWriterV2 to ``target`` whose commit carries the position it covers."""
+        writer = df.writeTo(quote_target(target))
+        for key, value in self.marks(lsn, marks).items():
+            writer = writer.option(f"snapshot-property.{key}", value)
+        return writer
+
+    def typed(self, df: Any, target: str, columns: Sequence[Column], lsn_expr: str,
+              keep: Sequence[str] = ()) -> Any:
+        """The staged (or JDBC-read) ``c0..cN`` as the table's columns. Each goes through its
+        type's ``convert``: a cast of text, and a no-op for a column staged typed already."""
+        exprs = [f"{self.types.spark_type(c, target).convert.format(value_column(i))} "
+                 f"AS {quote(c.name)}" for i, c in enumerate(columns)]
+        exprs.append(f"{lsn_expr} AS {quote(LSN_COLUMN)}")
+        if self.source is not None:
+            exprs.append(f"'{self.source}' AS {quote(SOURCE_COLUMN)}")
+        exprs.extend(keep)
+        return df.selectExpr(*exprs)

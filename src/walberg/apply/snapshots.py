@@ -1,0 +1,169 @@
+"""Reading what a table's snapshots say: the progress marks walberg's commits carry (the LSN of
+each source, Kafka offsets, the marks of a chunked initial copy), the table's history, what its
+last commit added, and its files. Reads only; nothing here commits."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from walberg.apply.session import (
+    COPY_PREFIX,
+    LSN_PROPERTY,
+    OFFSET_PROPERTY,
+    LakeSession,
+    quote_target,
+)
+from walberg.apply.spark import spark_call
+from walberg.model import Lsn
+
+
+class Snapshots:
+    """The snapshot history of the tables one sink writes, read for this sink's source."""
+
+    def __init__(self, lake: LakeSession) -> None:
+        self.lake = lake
+
+    def committed_lsn(self, target: str) -> Optional[Lsn]:
+        """The LSN covered by walberg's commits in the table's current history (the highest:
+        a maintenance commit may carry an older one), or None when walberg has never committed
+        to it (the initial copy is still owed). Read from the snapshots' summaries through
+        Iceberg's API: table metadata only, no Spark job (this is asked at every start)."""
+        if not self.lake.table_exists(target):
+            return None
+
+        def read() -> Optional[Lsn]:
+            best: Optional[Lsn] = None
+            for summary in self.current_ancestry(target):
+                value = summary.get(self.lake.lsn_property)
+                if value is not None:
+                    lsn = Lsn.parse(value)
+                    best = lsn if best is None else max(best, lsn)
+            return best
+
+        return spark_call(f"reading the snapshot history of {target}", read)
+
+    def iceberg_table(self, target: str) -> Any:
+        """``target`` as an Iceberg Java table, refreshed (metadata on the driver only)."""
+        spark = self.lake.spark
+        table = spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
+            spark._jsparkSession, quote_target(target))
+        table.refresh()
+        return table
+
+    def current_ancestry(self, target: str) -> Iterator[Any]:
+        """The summary (a Java map) of the table's current snapshot and of each of its
+        ancestors still held, newest first: what the ``history`` metadata table calls the
+        current ancestors."""
+        table = self.iceberg_table(target)
+        snapshot = table.currentSnapshot()
+        while snapshot is not None:
+            yield snapshot.summary()
+            parent = snapshot.parentId()
+            snapshot = table.snapshot(parent) if parent is not None else None
+
+    def lsn_marks(self, target: str) -> dict[str, str]:
+        """Every source's LSN and Kafka offset in the table's current history (the highest of
+        each), so a maintenance commit can carry them all: expiring old snapshots then loses
+        none."""
+        t = quote_target(target)
+        rows = self.lake.sql(
+            f"reading the snapshot history of {target}",
+            f"SELECT e.key AS key, e.value AS value FROM {t}.snapshots s "
+            f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
+            f"LATERAL VIEW explode(s.summary) e AS key, value "
+            f"WHERE h.is_current_ancestor AND (e.key = '{LSN_PROPERTY}' "
+            f"OR e.key LIKE '{LSN_PROPERTY}.%' OR e.key LIKE '{OFFSET_PROPERTY}.%')").collect()
+        best: dict[str, int] = {}
+        for r in rows:
+            key = r["key"]
+            value = (int(r["value"]) if key.startswith(OFFSET_PROPERTY + ".")
+                     else Lsn.parse(r["value"]))
+            best[key] = max(best.get(key, value), value)
+        return {k: (str(Lsn(v)) if k.startswith(LSN_PROPERTY) else str(v))
+                for k, v in best.items()}
+
+    def committed_offsets(self, target: str) -> dict[tuple[str, int], int]:
+        """The next Kafka offset of each (topic, partition) the table's current history
+        covers (empty for a table walberg has not committed Kafka records to)."""
+        if not self.lake.table_exists(target):
+            return {}
+        out: dict[tuple[str, int], int] = {}
+        prefix = OFFSET_PROPERTY + "."
+        for key, value in self.lsn_marks(target).items():
+            if key.startswith(prefix):
+                topic, _, partition = key[len(prefix):].rpartition(".")
+                out[(topic, int(partition))] = int(value)
+        return out
+
+    def copy_marks(self, target: str) -> list[dict[str, str]]:
+        """The walberg.copy.* marks of the table's current history since the start of its last
+        chunked copy, oldest first (empty when no chunked copy was started)."""
+        if not self.lake.table_exists(target):
+            return []
+        t = quote_target(target)
+        rows = self.lake.sql(
+            f"reading the snapshot history of {target}",
+            f"SELECT s.summary AS summary FROM {t}.snapshots s "
+            f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
+            f"WHERE h.is_current_ancestor ORDER BY s.committed_at, s.snapshot_id").collect()
+        marks: list[dict[str, str]] = []
+        for r in rows:
+            summary = {k: v for k, v in (r["summary"] or {}).items() if k.startswith(COPY_PREFIX)}
+            if summary.get(COPY_PREFIX + "first"):
+                marks = []
+            if summary:
+                marks.append(summary)
+        return marks
+
+    def last_commit(self, target: str) -> dict[str, int]:
+        """What the table's current snapshot added: bytes, data files and delete files (from
+        its summary; Iceberg metadata only)."""
+        def read() -> dict[str, int]:
+            snapshot = self.iceberg_table(target).currentSnapshot()
+            summary = dict(snapshot.summary()) if snapshot is not None else {}
+            return {"bytes": int(summary.get("added-files-size", 0)),
+                    "data_files": int(summary.get("added-data-files", 0)),
+                    "delete_files": int(summary.get("added-delete-files", 0))
+                    + int(summary.get("added-dvs", 0)),
+                    "records": int(summary.get("added-records", 0))}
+
+        return spark_call(f"reading the last commit of {target}", read)
+
+    def last_commit_records(self, target: str) -> int:
+        """Records the table's latest commit added."""
+        return self.last_commit(target).get("records", 0)
+
+    def history(self, target: str) -> list[dict[str, Any]]:
+        """Every snapshot the table made current, oldest first, with this source's LSN and the
+        records it added and deleted."""
+        t = quote_target(target)
+        rows = self.lake.sql(
+            f"reading the history of {target}",
+            f"SELECT h.made_current_at, s.snapshot_id, s.operation, h.is_current_ancestor, "
+            f"s.summary['{self.lake.lsn_property}'] AS lsn, s.summary['added-records'] AS added, "
+            f"s.summary['deleted-records'] AS deleted, "
+            f"s.summary['added-position-deletes'] AS pos_deletes "
+            f"FROM {t}.history h JOIN {t}.snapshots s ON s.snapshot_id = h.snapshot_id "
+            f"ORDER BY h.made_current_at",
+        ).collect()
+        return [r.asDict() for r in rows]
+
+    def files(self, target: str) -> dict[str, int]:
+        """Data and delete files of the current snapshot, their bytes, and the snapshot count."""
+        t = quote_target(target)
+        rows = self.lake.sql(
+            f"listing the files of {target}",
+            f"SELECT content, count(*) AS n, coalesce(sum(file_size_in_bytes), 0) AS b "
+            f"FROM {t}.files GROUP BY content").collect()
+        by = {r["content"]: (int(r["n"]), int(r["b"])) for r in rows}
+        snaps = self.lake.sql(f"counting snapshots of {target}",
+                              f"SELECT count(*) AS n FROM {t}.snapshots").collect()[0]["n"]
+        return {"data_files": by.get(0, (0, 0))[0],
+                "delete_files": by.get(1, (0, 0))[0] + by.get(2, (0, 0))[0],
+                "bytes": sum(b for _, b in by.values()), "snapshots": int(snaps)}
+
+    def count(self, target: str) -> int:
+        """The table's rows (a Spark job over the current snapshot)."""
+        return int(self.lake.sql(f"counting {target}",
+                                 f"SELECT count(*) AS n FROM {quote_target(target)}")
+                   .collect()[0]["n"])

@@ -1,0 +1,268 @@
+"""A table's shape in the lake: creating walberg's tables (mirrors, changelogs, dead-letter
+tables) with their properties, evolving the partition spec and properties to the pipeline's
+layout, and evolving the schema with the source's."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Sequence
+
+from walberg.apply.evolution import Step
+from walberg.apply.session import LSN_COLUMN, OP_COLUMN, SOURCE_COLUMN, LakeSession, quote_target
+from walberg.apply.spark import spark_call
+from walberg.apply.types import quote, sql_string
+from walberg.errors import ApplyError
+from walberg.model import Column, Layout
+
+# A changelog table's columns after the source's (and _walberg_lsn, the change's commit LSN).
+CHANGELOG_COLUMNS = [(LSN_COLUMN, "BIGINT"), (OP_COLUMN, "STRING"), ("_walberg_seq", "BIGINT"),
+                     ("_walberg_commit_ts", "TIMESTAMP"), ("_walberg_xid", "BIGINT"),
+                     ("_walberg_unchanged", "STRING")]
+TABLE_PROPERTIES = {
+    "format-version": "2",
+    # Updates and deletes write position deletes (merge-on-read) instead of rewriting data files.
+    "write.merge.mode": "merge-on-read",
+    "write.update.mode": "merge-on-read",
+    "write.delete.mode": "merge-on-read",
+    "write.parquet.compression-codec": "zstd",
+    # Unpartitioned tables: no shuffle before writing; files are sized by the batch anyway.
+    "write.distribution-mode": "none",
+    "write.merge.distribution-mode": "none",
+    "write.update.distribution-mode": "none",
+    "write.delete.distribution-mode": "none",
+    "walberg.managed": "true",
+}
+
+
+def table_properties(layout: Optional[Layout]) -> dict[str, str]:
+    """The Iceberg table properties walberg sets: its defaults, then the layout's."""
+    props = dict(TABLE_PROPERTIES)
+    if layout is None:
+        return props
+    props["format-version"] = str(layout.format_version)
+    for op in ("merge", "update", "delete"):
+        props[f"write.{op}.mode"] = layout.write_mode
+        if layout.partition_by:
+            # Rows clustered by partition before writing: one file per partition and task,
+            # instead of a file per partition in every task.
+            props[f"write.{op}.distribution-mode"] = "hash"
+    if layout.partition_by:
+        props["write.distribution-mode"] = "hash"
+    props.update(layout.properties)
+    return props
+
+
+_TRANSFORM_NAMES = {"year": "years", "month": "months", "day": "days", "hour": "hours"}
+
+
+def normal_transform(text: str) -> str:
+    """A partition transform in one spelling: ``bucket(16,id)``, ``days(ts)``, ``id``."""
+    t = text.replace("`", "").replace(" ", "").lower()
+    m = re.fullmatch(r"(\w+)\((.*)\)", t)
+    if m is None:
+        return t
+    name, args = _TRANSFORM_NAMES.get(m.group(1), m.group(1)), m.group(2)
+    return args if name == "identity" else f"{name}({args})"
+
+
+def spark_transform(text: str) -> str:
+    """A normalised transform as Spark SQL, with the column quoted."""
+    t = normal_transform(text)
+    m = re.fullmatch(r"(\w+)\((?:(\d+),)?(\w+)\)", t)
+    if m is None:
+        return quote(t)
+    name, width, column = m.groups()
+    return f"{name}({width}, {quote(column)})" if width else f"{name}({quote(column)})"
+
+
+class Tables:
+    """DDL and evolution of the tables one sink writes. Keeps each table's schema as last read,
+    so that checking a batch's columns costs no Spark call while nothing changed."""
+
+    def __init__(self, lake: LakeSession) -> None:
+        self.lake = lake
+        self._schemas: dict[str, list[tuple[str, str]]] = {}
+
+    def exists(self, target: str) -> bool:
+        return self.lake.table_exists(target)
+
+    def ensure_table(self, target: str, columns: Sequence[Column],
+                     layout: Optional[Layout] = None) -> bool:
+        """Create the Iceberg table for these source columns if it does not exist; True if made."""
+        if self.exists(target):
+            return False
+        cols = ", ".join(f"{quote(c.name)} {self.lake.types.spark_type(c, target).sql}"
+                         for c in columns)
+        if self.lake.source is None:
+            self.create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT", layout)
+            return True
+        # Shared by several sources: each one's rows in a partition of their own, so a copy or
+        # a TRUNCATE replaces one source's rows without touching the others'.
+        self.create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT, "
+                            f"{quote(SOURCE_COLUMN)} STRING", self.shared(layout))
+        return True
+
+    def shared(self, layout: Optional[Layout]) -> Layout:
+        """A table shared by sources is partitioned by source first."""
+        layout = layout or Layout()
+        if self.lake.source is None:
+            return layout
+        return Layout((SOURCE_COLUMN, *layout.partition_by), layout.properties,
+                      layout.format_version, layout.write_mode, layout.schema_evolution,
+                      layout.mode)
+
+    def create(self, target: str, columns: str, layout: Optional[Layout] = None) -> None:
+        """``CREATE TABLE IF NOT EXISTS`` (and its namespace) with walberg's properties;
+        ``columns``: the column list as Spark SQL."""
+        catalog, namespace, _ = target.split(".")
+        self.lake.sql(f"creating namespace {catalog}.{namespace}",
+                      f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}")
+        props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in table_properties(layout).items())
+        parts = ""
+        if layout is not None and layout.partition_by:
+            parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"
+        self.lake.sql(f"creating table {target}",
+                      f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({columns}) "
+                      f"USING iceberg{parts} TBLPROPERTIES ({props})")
+
+    def ensure_changelog(self, target: str, columns: Sequence[Column],
+                         layout: Optional[Layout] = None) -> bool:
+        """Create a changelog table (one row per change) if it does not exist; True if made."""
+        if self.exists(target):
+            return False
+        cols = ", ".join(f"{quote(c.name)} {self.lake.types.spark_type(c, target).sql}"
+                         for c in columns)
+        meta = ", ".join(f"{quote(n)} {t}" for n, t in CHANGELOG_COLUMNS)
+        self.create(target, f"{cols}, {meta}", layout)
+        return True
+
+    def partitioning(self, target: str) -> list[str]:
+        """The table's current partition fields, normalised (see ``normal_transform``)."""
+        rows = self.lake.sql(f"describing {target}",
+                             f"DESCRIBE TABLE EXTENDED {quote_target(target)}").collect()
+        # Spark prints a spec of identity fields only as "# Partition Information" (one row per
+        # column), any other as "# Partitioning" ("Part N" rows with the transform).
+        out: list[str] = []
+        section = ""
+        for r in rows:
+            name = (r["col_name"] or "").strip()
+            if name in ("# Partitioning", "# Partition Information"):
+                section = name
+            elif section and (not name or (name.startswith("#") and name != "# col_name")):
+                break
+            elif section == "# Partitioning" and name.startswith("Part "):
+                field = normal_transform(r["data_type"])
+                if not field.startswith("void("):  # a field dropped from a v2 spec
+                    out.append(field)
+            elif section == "# Partition Information" and name != "# col_name":
+                out.append(normal_transform(name))
+        return out
+
+    def align(self, target: str, layout: Layout) -> list[str]:
+        """Evolve the partition spec and set the properties the layout asks for; returns what
+        changed. A format version can only go up."""
+        layout = self.shared(layout)
+        done = self._align_partitioning(target, layout)
+        done += self._align_properties(target, layout)
+        self._schemas.pop(target, None)
+        return done
+
+    def _align_partitioning(self, target: str, layout: Layout) -> list[str]:
+        t = quote_target(target)
+        done: list[str] = []
+        have = self.partitioning(target)
+        want = [normal_transform(x) for x in layout.partition_by]
+        if have == want:
+            return done
+        for field in [f for f in have if f not in want]:
+            self.lake.sql(f"evolving the partitioning of {target}",
+                          f"ALTER TABLE {t} DROP PARTITION FIELD {spark_transform(field)}")
+            done.append(f"drop partition field {field}")
+        for field in [f for f in want if f not in have]:
+            self.lake.sql(f"evolving the partitioning of {target}",
+                          f"ALTER TABLE {t} ADD PARTITION FIELD {spark_transform(field)}")
+            done.append(f"add partition field {field}")
+        return done
+
+    def _align_properties(self, target: str, layout: Layout) -> list[str]:
+        t = quote_target(target)
+        rows = self.lake.sql(f"reading the properties of {target}",
+                             f"SHOW TBLPROPERTIES {t}").collect()
+        current = {r["key"]: r["value"] for r in rows}
+        changed = {}
+        for key, value in table_properties(layout).items():
+            if key == "format-version":
+                now = int(current.get("format-version", "2"))
+                if int(value) < now:
+                    raise ApplyError(
+                        f"{target} is Iceberg format version {now}; a table cannot go back to "
+                        f"{value}. Set format_version: {now} for it in the pipeline file.")
+                if int(value) == now:
+                    continue
+            if current.get(key) != value:
+                changed[key] = value
+        if not changed:
+            return []
+        props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in changed.items())
+        self.lake.sql(f"setting properties of {target}",
+                      f"ALTER TABLE {t} SET TBLPROPERTIES ({props})")
+        return [f"set {k}={v}" for k, v in changed.items()]
+
+    def columns_match(self, target: str, columns: Sequence[Column]) -> bool:
+        """Whether the Iceberg table has exactly these source columns (names and types)."""
+        want = [(c.name, self.lake.types.spark_type(c, target).describe()) for c in columns]
+        if self._schemas.get(target) != want:
+            self._schemas[target] = self.schema(target)
+        return self._schemas[target] == want
+
+    def forget(self, target: str) -> None:
+        """Drop the schema kept of ``target``: the next check reads it afresh."""
+        self._schemas.pop(target, None)
+
+    def schema(self, target: str) -> list[tuple[str, str]]:
+        """The table's source columns as (name, Spark SQL type), in order."""
+        fields = spark_call(f"reading the schema of {target}",
+                            lambda: self.lake.spark.table(quote_target(target)).schema).fields
+        return [(f.name, f.dataType.simpleString()) for f in fields
+                if not f.name.startswith("_walberg_")]
+
+    def evolve(self, target: str, steps: Sequence[Step], after: dict[str, str]) -> None:
+        """Apply schema steps (Iceberg metadata only: no data file is rewritten). ``after``
+        places each added column after the named one, keeping the source's column order."""
+        t = quote_target(target)
+        self._schemas.pop(target, None)
+        for step in steps:
+            if step.kind == "add":
+                where = (f" AFTER {quote(after[step.name])}" if after.get(step.name)
+                         else " FIRST")
+                statement = f"ALTER TABLE {t} ADD COLUMN {quote(step.name)} {step.type}{where}"
+            elif step.kind == "drop":
+                statement = f"ALTER TABLE {t} DROP COLUMN {quote(step.name)}"
+            elif step.kind == "rename":
+                statement = (f"ALTER TABLE {t} RENAME COLUMN {quote(step.name)} TO "
+                             f"{quote(step.new_name)}")
+            else:
+                statement = f"ALTER TABLE {t} ALTER COLUMN {quote(step.name)} TYPE {step.type}"
+            self.lake.sql(f"evolving {target}: {step.describe()}", statement)
+
+    def properties(self, target: str, prefix: str) -> dict[str, str]:
+        """The table's properties whose key starts with ``prefix``."""
+        rows = self.lake.sql(f"reading the properties of {target}",
+                             f"SHOW TBLPROPERTIES {quote_target(target)}").collect()
+        return {r["key"]: r["value"] for r in rows if r["key"].startswith(prefix)}
+
+    def set_property(self, target: str, key: str, value: Optional[str]) -> None:
+        t = quote_target(target)
+        if value is None:
+            self.lake.sql(f"updating {target}",
+                          f"ALTER TABLE {t} UNSET TBLPROPERTIES IF EXISTS ('{key}')")
+        else:
+            self.lake.sql(f"updating {target}",
+                          f"ALTER TABLE {t} SET TBLPROPERTIES ('{key}' = {sql_string(value)})")
+
+    def fill(self, target: str, column: str, value_expr: str) -> None:
+        """Give every row with no value in ``column`` the value ``value_expr`` (a column added
+        in Postgres with a default: Postgres's existing rows have it, the stream never says)."""
+        self.lake.sql(f"filling {column} of {target} with its default",
+                      f"UPDATE {quote_target(target)} SET {quote(column)} = {value_expr} "
+                      f"WHERE {quote(column)} IS NULL")

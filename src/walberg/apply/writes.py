@@ -1,0 +1,515 @@
+"""Writing to a table, each write one commit that carries the position it covers: the initial
+copy (whole, or chunk by chunk), a staged batch (appended, or MERGEd by key, or as a multiset of
+whole rows), a changelog table's rows, and the dead-letter table ``<target>__dlq`` of rows that
+cannot be written exactly."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from walberg.apply.batch import (
+    DLQ_REASON,
+    StagedTable,
+    effective_truncate,
+    seq_filter,
+    value_column,
+)
+from walberg.apply.session import (
+    DLQ_SUFFIX,
+    LSN_COLUMN,
+    OP_COLUMN,
+    SOURCE_COLUMN,
+    LakeSession,
+    quote_target,
+)
+from walberg.apply.snapshots import Snapshots
+from walberg.apply.spark import spark_call, with_commit_properties
+from walberg.apply.tables import Tables
+from walberg.apply.types import quote, sql_string
+from walberg.model import Column, Lsn
+
+
+def _fill_unchanged(df: Any, keys: list[str], unchanged: list[int]) -> Any:
+    """An UPDATE that left a TOASTed value untouched does not carry it. If an earlier change in
+    the same batch carried it (an INSERT, or an UPDATE that set it), take the value from there;
+    otherwise the mark stays and the MERGE keeps what the lake already has."""
+    from pyspark.sql import Window
+    from pyspark.sql.functions import col, expr, last, struct, when
+
+    upto = (Window.partitionBy(*keys).orderBy(col("_wb_seq"))
+            .rowsBetween(Window.unboundedPreceding, Window.currentRow))
+    marks = col("_wb_unchanged")
+    for i in unchanged:
+        name = value_column(i)
+        hit = marks.contains(f",{i},")
+        carried = last(when(~hit | marks.isNull(), struct(col(name).alias("v"))), True).over(upto)
+        df = (df.withColumn("_wb_fill", carried)
+              .withColumn(name, when(hit & col("_wb_fill").isNotNull(), col("_wb_fill.v"))
+                          .otherwise(col(name)))
+              .withColumn("_wb_unchanged",
+                          when(hit & col("_wb_fill").isNotNull(),
+                               expr(f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
+                          .otherwise(marks))
+              .drop("_wb_fill"))
+    return df
+
+
+def _net(df: Any, staged: StagedTable) -> Any:
+    """The last change per key of a batch, each carrying the TOASTed values an earlier change
+    of the batch carried (see ``_fill_unchanged``). A hash aggregate, no sort; skipped when
+    staging found no key twice, each row then being its key's last change already."""
+    from pyspark.sql.functions import max_by, struct
+
+    keys = [value_column(i) for i, c in enumerate(staged.columns) if c.is_key]
+    if staged.unchanged_columns:
+        df = _fill_unchanged(df, keys, sorted(staged.unchanged_columns))
+    return (df.groupBy(*keys)
+            .agg(max_by(struct(*[c for c in df.columns if c not in keys]), "_wb_seq")
+                 .alias("_wb_last"))
+            .select(*keys, "_wb_last.*"))
+
+
+class Writes:
+    """Every commit of data to the tables one sink writes. Keeps what each dead-letter table
+    already holds (the LSN of its last commit), so a replayed batch adds no dead letter twice."""
+
+    # Key changes of one row within one batch that are followed through (a -> b -> c ...).
+    MOVE_CHAIN = 4
+
+    def __init__(self, lake: LakeSession, tables: Tables, snapshots: Snapshots) -> None:
+        self.lake = lake
+        self.tables = tables
+        self.snapshots = snapshots
+        self._dead_lsn: dict[str, Optional[Lsn]] = {}
+
+    def forget(self, target: str) -> None:
+        """Drop what is kept of ``target``'s dead-letter table: the next write reads it afresh."""
+        self._dead_lsn.pop(self.dead_letter_target(target), None)
+
+    def append_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
+                    lsn: Lsn) -> None:
+        """An initial copy into a changelog table: rows with _walberg_op 'snapshot', replacing
+        those of any earlier copy, the append marked ``lsn``."""
+        self.lake.sql(f"replacing the earlier initial copy in {target}",
+                      f"DELETE FROM {quote_target(target)} WHERE {quote(OP_COLUMN)} = 'snapshot'")
+        df = self.lake.spark.read.parquet(*[str(f) for f in files])
+        rows = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)", keep=[
+            f"'snapshot' AS {quote(OP_COLUMN)}", "CAST(NULL AS BIGINT) AS `_walberg_seq`",
+            "CAST(NULL AS TIMESTAMP) AS `_walberg_commit_ts`",
+            "CAST(NULL AS BIGINT) AS `_walberg_xid`", "CAST(NULL AS STRING) AS `_walberg_unchanged`"])
+        spark_call(f"writing the initial copy of {target}",
+                   lambda: self.lake.writer(rows, target, lsn).append())
+
+    def append_changes(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
+                       void: Sequence[tuple[int, int]],
+                       txns: Sequence[tuple[int, int, int, int]], held: Optional[Lsn]) -> int:
+        """Append one row per change (and per TRUNCATE) to a changelog table, in one commit
+        marked ``lsn``. ``txns``: (commit LSN, xid, commit time in µs since 2000, first seq) of
+        the batch's transactions; rows of transactions up to ``held`` are already there."""
+        from pyspark.sql.functions import broadcast
+
+        columns = staged.columns
+        info = self.lake.spark.createDataFrame(
+            list(txns), "t_lsn BIGINT, t_xid BIGINT, t_ts BIGINT, t_first BIGINT")
+        meta = [f"CASE _wb_op WHEN 'I' THEN 'insert' WHEN 'U' THEN 'update' "
+                f"WHEN 'D' THEN 'delete' ELSE 'truncate' END AS {quote(OP_COLUMN)}",
+                "_wb_seq - t_first AS `_walberg_seq`",
+                "timestamp_micros(t_ts + 946684800000000) AS `_walberg_commit_ts`",
+                "t_xid AS `_walberg_xid`"]
+        names = [f"CASE WHEN _wb_unchanged LIKE '%,{i},%' THEN '{c.name.replace(chr(39), '')}' END"
+                 for i, c in enumerate(columns) if i in staged.unchanged_columns]
+        meta.append(f"nullif(concat_ws(',', {', '.join(names)}), '') AS `_walberg_unchanged`"
+                    if names else "CAST(NULL AS STRING) AS `_walberg_unchanged`")
+        parts = []
+        if staged.files:
+            df = self.lake.spark.read.parquet(*[str(f) for f in staged.files])
+            df = df.where(seq_filter(max_seq, void, []))
+            if held is not None:
+                df = df.where(f"_wb_lsn > {int(held)}")
+            df = df.join(broadcast(info), df["_wb_lsn"] == info["t_lsn"], "left")
+            parts.append(self.lake.typed(df, target, columns, "_wb_lsn", keep=meta))
+        cuts = [(seq, staged.truncate_lsns.get(seq, 0)) for seq in staged.truncates
+                if seq <= max_seq and not any(lo <= seq <= hi for lo, hi in void)
+                and (held is None or staged.truncate_lsns.get(seq, 0) > held)]
+        if cuts:
+            df = self.lake.spark.createDataFrame(cuts, "_wb_seq BIGINT, _wb_lsn BIGINT")
+            df = df.selectExpr("*", "'T' AS _wb_op", "CAST(NULL AS STRING) AS _wb_unchanged",
+                               *[f"CAST(NULL AS {self.lake.types.spark_type(c, target).staged_sql})"
+                                 f" AS {value_column(i)}" for i, c in enumerate(columns)])
+            df = df.join(broadcast(info), df["_wb_lsn"] == info["t_lsn"], "left")
+            parts.append(self.lake.typed(df, target, columns, "_wb_lsn", keep=meta))
+        if not parts:
+            return 0
+        rows = parts[0]
+        for extra in parts[1:]:
+            rows = rows.unionByName(extra)
+        rows = rows.cache()
+        try:
+            count = int(spark_call(f"appending changes to {target}", rows.count))
+            if count:
+                spark_call(f"appending changes to {target}",
+                           lambda: self.lake.writer(rows, target, lsn).append())
+        finally:
+            rows.unpersist()
+        return count
+
+    def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
+                  lsn: Lsn) -> None:
+        """Replace the table's contents with the initial copy, in one commit marked ``lsn``."""
+        df = self.lake.spark.read.parquet(*[str(f) for f in files])
+        typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
+        spark_call(
+            f"writing the initial copy of {target}",
+            lambda: self.lake.writer(typed, target, lsn).overwrite(self.lake.own_rows()),
+        )
+
+    def dead_letter_target(self, target: str) -> str:
+        return target + DLQ_SUFFIX
+
+    def _dead_letter_table(self, target: str, columns: Sequence[Column]) -> str:
+        """``<target>__dlq``, created if missing, with what it holds known."""
+        dlq = self.dead_letter_target(target)
+        if dlq not in self._dead_lsn:
+            if not self.lake.table_exists(dlq):
+                cols = ", ".join(f"{quote(c.name)} STRING" for c in columns)
+                self.tables.create(dlq, f"{cols}, {quote(OP_COLUMN)} STRING, "
+                                        f"{quote(LSN_COLUMN)} BIGINT, {quote(DLQ_REASON)} STRING")
+            self._dead_lsn[dlq] = self.snapshots.committed_lsn(dlq)
+        return dlq
+
+    def load_chunk(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
+                   marks: Mapping[str, str], *, first: bool, done: bool,
+                   dead_span: Optional[tuple[str, Optional[int], Optional[int]]]
+                   ) -> tuple[int, int]:
+        """One chunk of a parallel initial copy (``df``: Postgres text in ``c0..cN``) in one
+        commit carrying ``marks``; the first replaces the table's rows, the others append. Only
+        the last (``done``) carries the LSN mark: until then the copy is still owed. Rows that
+        cannot be written exactly go to the dead-letter table first, replacing what an earlier
+        attempt at the same key span (``dead_span``: key column, low, high; None: none) left
+        there.
+        Returns (rows written, dead letters)."""
+        from pyspark import StorageLevel
+
+        checks = self._copy_checks(target, columns)
+        dead = 0
+        if checks:
+            reason = f"nullif(concat_ws('; ', {', '.join(checks)}), '')"
+            df = df.selectExpr("*", f"{reason} AS {DLQ_REASON}").persist(StorageLevel.MEMORY_AND_DISK)
+            dead = self._chunk_dead_letters(target, columns, df, lsn, first, dead_span)
+            df = df.where(f"{DLQ_REASON} IS NULL")
+        typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
+        writer = self.lake.writer(typed, target, lsn,
+                                  {**marks, self.lake.lsn_property: str(lsn)} if done else marks)
+        try:
+            if first:
+                spark_call(f"writing the initial copy of {target}",
+                           lambda: writer.overwrite(self.lake.own_rows()))
+            else:
+                spark_call(f"writing the initial copy of {target}", writer.append)
+            added = self.snapshots.last_commit_records(target)
+        finally:
+            if checks:
+                df.unpersist()
+        return added, dead
+
+    def _copy_checks(self, target: str, columns: Sequence[Column]) -> list[str]:
+        """For each column whose type only takes some spellings of Postgres text, an SQL
+        expression that says why a value cannot be written exactly (NULL when it can)."""
+        checks = []
+        for i, c in enumerate(columns):
+            t = self.lake.types.spark_type(c, target)
+            if t.valid:
+                checks.append(
+                    f"CASE WHEN c{i} IS NOT NULL AND NOT c{i} RLIKE {sql_string(t.valid)} THEN "
+                    f"concat({sql_string(f'column {c.name}: ' + chr(39))}, substring(c{i}, 1, 60),"
+                    f" {sql_string(chr(39) + ' ' + t.why_invalid)}) END")
+        return checks
+
+    def _chunk_dead_letters(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
+                            first: bool,
+                            dead_span: Optional[tuple[str, Optional[int], Optional[int]]]) -> int:
+        """Write a chunk's rows that failed a check (``df`` carries the reason) to the
+        dead-letter table, after removing what an earlier attempt at the same chunk left there
+        (see ``load_chunk``). Returns the dead letters."""
+        bad = df.where(f"{DLQ_REASON} IS NOT NULL")
+        dead = int(spark_call(f"checking the initial copy of {target}", bad.count))
+        dlq_known = self.lake.table_exists(self.dead_letter_target(target))
+        if not (dead or dlq_known):
+            return dead
+        dlq = self._dead_letter_table(target, columns)
+        where = f"{quote(OP_COLUMN)} = 'snapshot'"
+        if not first:
+            if dead_span is None:
+                where = "false"
+            else:
+                key, lo, hi = dead_span
+                k = f"TRY_CAST({quote(key)} AS BIGINT)"
+                where += "".join([f" AND {k} >= {lo}" if lo is not None else "",
+                                  f" AND {k} < {hi}" if hi is not None else ""])
+        self.lake.sql(f"replacing earlier initial-copy dead letters in {dlq}",
+                      f"DELETE FROM {quote_target(dlq)} WHERE {where}")
+        if dead:
+            rows = bad.selectExpr(
+                *[f"c{i} AS {quote(c.name)}" for i, c in enumerate(columns)],
+                f"'snapshot' AS {quote(OP_COLUMN)}",
+                f"CAST({int(lsn)} AS BIGINT) AS {quote(LSN_COLUMN)}",
+                f"{DLQ_REASON} AS {quote(DLQ_REASON)}")
+            spark_call(f"writing dead letters to {dlq}",
+                       lambda: self.lake.writer(rows, dlq, lsn).append())
+            self._dead_lsn[dlq] = lsn
+        return dead
+
+    def write_dead_letters(self, target: str, columns: Sequence[Column], path: Path, lsn: Lsn,
+                           where: str = "true", snapshot: bool = False) -> int:
+        """Append staged dead letters to ``<target>__dlq`` in one commit marked ``lsn``: the raw
+        text of every column, the change's op and LSN, and the reason. Rows of transactions the
+        dead-letter table already holds (a replay after a crash) are left out. ``snapshot``: the
+        rows come from an initial copy and replace those of any earlier copy. Returns the rows
+        written."""
+        dlq = self._dead_letter_table(target, columns)
+        held = self._dead_lsn[dlq]
+        df = self.lake.spark.read.parquet(str(path)).where(where)
+        if snapshot:
+            self.lake.sql(f"replacing earlier initial-copy dead letters in {dlq}",
+                          f"DELETE FROM {quote_target(dlq)} WHERE {quote(OP_COLUMN)} = 'snapshot'")
+        elif held is not None:
+            df = df.where(f"_wb_lsn > {int(held)}")
+        exprs = [f"{value_column(i)} AS {quote(c.name)}" for i, c in enumerate(columns)]
+        exprs += [f"CASE _wb_op WHEN 'I' THEN 'insert' WHEN 'U' THEN 'update' "
+                  f"WHEN 'S' THEN 'snapshot' ELSE 'delete' END AS {quote(OP_COLUMN)}",
+                  f"_wb_lsn AS {quote(LSN_COLUMN)}",
+                  f"{DLQ_REASON} AS {quote(DLQ_REASON)}"]
+        rows = df.selectExpr(*exprs)
+        count = int(spark_call(f"counting dead letters for {target}", rows.count))
+        if count:
+            spark_call(f"writing dead letters to {dlq}",
+                       lambda: self.lake.writer(rows, dlq, lsn).append())
+            self._dead_lsn[dlq] = lsn
+        return count
+
+    def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
+              void: Sequence[tuple[int, int]] = (),
+              marks: Optional[Mapping[str, str]] = None, upsert: bool = False) -> None:
+        """Apply one table's staged changes in one commit marked ``lsn`` (or ``marks``, see
+        ``LakeSession.marks``): the rows with ``_wb_seq <= max_seq`` outside the ``void``
+        ranges, after the last TRUNCATE that counts. ``upsert``: inserts are merged by key even
+        when the batch only inserts (the table may hold some of them already)."""
+        columns = staged.columns
+        truncate = effective_truncate(max_seq, void, staged.truncates)
+        if staged.files:
+            df = self.lake.spark.read.parquet(*[str(f) for f in staged.files])
+            df = df.where(seq_filter(max_seq, void, staged.truncates))
+        else:
+            df = None
+
+        if staged.insert_only and df is not None and not upsert:
+            typed = self.lake.typed(df, target, columns, "_wb_lsn")
+            spark_call(f"appending to {target}",
+                       lambda: self.lake.writer(typed, target, lsn, marks).append())
+            return
+
+        if df is not None and all(c.is_key for c in columns):
+            # No key but the whole row (REPLICA IDENTITY FULL): the table is a multiset.
+            self._apply_multiset(target, columns, df, lsn, truncated=truncate is not None,
+                                 marks=marks)
+            return
+
+        before_netting = df
+        if df is not None and not staged.unique_keys:
+            df = _net(df, staged)
+
+        if truncate is not None:
+            self._reload(target, columns, df, lsn, marks)
+            return
+
+        assert df is not None
+        self._merge_by_key(target, staged, df, before_netting, lsn, marks)
+
+    def _reload(self, target: str, columns: Sequence[Column], df: Optional[Any], lsn: Lsn,
+                marks: Optional[Mapping[str, str]]) -> None:
+        """A TRUNCATE voids everything before it: the table (this source's rows of it) becomes
+        exactly what follows, ``df`` netted per key (None: nothing)."""
+        from pyspark.sql.functions import col, lit
+
+        if df is None:
+            empty = self.lake.spark.table(quote_target(target)).where(lit(False))
+            spark_call(f"truncating {target}",
+                       lambda: self.lake.writer(empty, target, lsn, marks)
+                       .overwrite(self.lake.own_rows()))
+            return
+        typed = self.lake.typed(df.where(col("_wb_op") != "D"), target, columns, "_wb_lsn")
+        spark_call(f"truncating and reloading {target}",
+                   lambda: self.lake.writer(typed, target, lsn, marks)
+                   .overwrite(self.lake.own_rows()))
+
+    def _merge_by_key(self, target: str, staged: StagedTable, df: Any, before_netting: Any,
+                      lsn: Lsn, marks: Optional[Mapping[str, str]]) -> None:
+        """MERGE the last change per key (``df``) into the table: deletes, updates (keeping
+        what the lake has of a TOASTed value the change did not carry) and inserts."""
+        columns = staged.columns
+        typed = self.lake.typed(df, target, columns, "_wb_lsn",
+                                keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
+        if staged.moved_unchanged and before_netting is not None:
+            typed = self._carry_moved(target, columns, staged, before_netting, typed)
+        names = [c.name for c in columns] + [LSN_COLUMN]
+        on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
+        if self.lake.source is not None:
+            on = f"t.{quote(SOURCE_COLUMN)} = '{self.lake.source}' AND {on}"
+            names.append(SOURCE_COLUMN)  # inserted with the row, never updated
+
+        def assignment(i: int, name: str) -> str:
+            if i in staged.unchanged_columns:
+                # An untouched TOAST value was not sent: keep what the lake has.
+                return (f"t.{quote(name)} = CASE WHEN s._wb_unchanged LIKE '%,{i},%' "
+                        f"THEN t.{quote(name)} ELSE s.{quote(name)} END")
+            return f"t.{quote(name)} = s.{quote(name)}"
+
+        sets = ", ".join(assignment(i, n) for i, n in enumerate(names) if n != SOURCE_COLUMN)
+        cols = ", ".join(quote(n) for n in names)
+        vals = ", ".join(f"s.{quote(n)}" for n in names)
+        self._merge(target, typed,
+                    f"ON {on} "
+                    f"WHEN MATCHED AND s._wb_op = 'D' THEN DELETE "
+                    f"WHEN MATCHED THEN UPDATE SET {sets} "
+                    f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})",
+                    lsn, marks)
+
+    def _merge(self, target: str, source: Any, clauses: str, lsn: Lsn,
+               marks: Optional[Mapping[str, str]]) -> None:
+        """``MERGE INTO target t USING <source> s <clauses>`` in one commit marked ``lsn`` (or
+        ``marks``). The source is a temporary view of this MERGE's own: views live in the
+        Spark session, which the sources of a fan-in table share, each applying from its own
+        thread, so a name derived from the target would let one source MERGE the other's
+        batch."""
+        view = f"walberg_batch_{uuid.uuid4().hex}"
+        source.createOrReplaceTempView(view)
+        statement = f"MERGE INTO {quote_target(target)} t USING {view} s {clauses}"
+        try:
+            spark_call(f"merging a batch into {target}",
+                       lambda: with_commit_properties(self.lake.spark,
+                                                      dict(self.lake.marks(lsn, marks)),
+                                                      lambda: self.lake.spark.sql(statement)))
+        finally:
+            self.lake.spark.catalog.dropTempView(view)
+
+    def _apply_multiset(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
+                        truncated: bool, marks: Optional[Mapping[str, str]] = None) -> None:
+        """Apply a batch to a table identified by whole rows, where equal rows may repeat: per
+        distinct row, the batch's inserts minus deletes change how many copies the lake holds.
+        One MERGE deletes every copy of each changed row and inserts the new number of them
+        (after a TRUNCATE, an overwrite with the batch's surviving rows)."""
+        from pyspark.sql.functions import coalesce, col, explode, expr, lit, sequence
+        from pyspark.sql.functions import max as max_
+        from pyspark.sql.functions import sum as sum_
+
+        names = [c.name for c in columns]
+        rows = self.lake.typed(df, target, columns, "_wb_lsn", keep=["_wb_op"])
+        if self.lake.source is not None:
+            rows = rows.drop(SOURCE_COLUMN)
+        delta = (rows.groupBy(*[quote(n) for n in names])
+                 .agg(sum_(expr("CASE _wb_op WHEN 'I' THEN 1 WHEN 'D' THEN -1 ELSE 0 END"))
+                      .alias("_d"), max_(col(quote(LSN_COLUMN))).alias("_lsn"))
+                 .where("_d <> 0"))
+        if truncated:
+            counted = delta.withColumn("_n", col("_d"))
+        else:
+            lake = (self.lake.spark.table(quote_target(target)).where(self.lake.own_rows())
+                    .groupBy(*[quote(n) for n in names]).count()
+                    .select(*[col(quote(n)).alias(f"_l{i}") for i, n in enumerate(names)],
+                            col("count").alias("_have")))
+            on = None
+            for i, n in enumerate(names):
+                cond = delta[quote(n)].eqNullSafe(lake[f"_l{i}"])
+                on = cond if on is None else on & cond
+            counted = (delta.join(lake, on, "left")
+                       .withColumn("_n", coalesce(col("_have"), lit(0)) + col("_d")))
+        extra = ([f"'{self.lake.source}' AS {quote(SOURCE_COLUMN)}"] if self.lake.source is not None
+                 else [])
+        copies = (counted.where("_n > 0")
+                  .withColumn("_copy", explode(sequence(lit(1), col("_n").cast("int"))))
+                  .selectExpr(*[quote(n) for n in names], f"_lsn AS {quote(LSN_COLUMN)}",
+                              *extra))
+        if truncated:
+            spark_call(f"truncating and reloading {target}",
+                       lambda: self.lake.writer(copies, target, lsn, marks)
+                       .overwrite(self.lake.own_rows()))
+            return
+        deleters = counted.selectExpr(*[quote(n) for n in names],
+                                      f"CAST(NULL AS BIGINT) AS {quote(LSN_COLUMN)}",
+                                      *([f"'{self.lake.source}' AS {quote(SOURCE_COLUMN)}"]
+                                        if self.lake.source is not None else []),
+                                      "'D' AS _kind")
+        source = deleters.unionByName(copies.withColumn("_kind", lit("I")))
+        on_sql = " AND ".join(f"t.{quote(n)} <=> s.{quote(n)}" for n in names)
+        if self.lake.source is not None:
+            on_sql = f"t.{quote(SOURCE_COLUMN)} = '{self.lake.source}' AND {on_sql}"
+        all_names = names + [LSN_COLUMN] + ([SOURCE_COLUMN] if self.lake.source is not None else [])
+        cols = ", ".join(quote(n) for n in all_names)
+        vals = ", ".join(f"s.{quote(n)}" for n in all_names)
+        self._merge(target, source,
+                    f"ON s._kind = 'D' AND {on_sql} WHEN MATCHED THEN DELETE "
+                    f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})",
+                    lsn, marks)
+
+    def _carry_moved(self, target: str, columns: Sequence[Column], staged: StagedTable,
+                     rows: Any, typed: Any) -> Any:
+        """An UPDATE that changed the key and left a TOASTed value unsent became a delete of
+        the old key (sequence s-1) and an insert of the new one (s) that lacks the value. Take
+        it from the old key as it stood just before: its last earlier change in the batch that
+        carried the value, else the lake's row. Chains of key changes in one batch are
+        followed ``MOVE_CHAIN`` links deep."""
+        from pyspark.sql.functions import col, lit
+
+        names = [c.name for c in columns]
+        every = self.lake.typed(rows, target, columns, "_wb_lsn",
+                                keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
+        lake = (self.lake.spark.table(quote_target(target)).where(self.lake.own_rows())
+                .select(*[quote(n) for n in names])
+                .withColumn("_wb_seq", lit(-1).cast("bigint"))
+                .withColumn("_wb_unchanged", lit(None).cast("string")))
+        for _ in range(self.MOVE_CHAIN):
+            every = self._fill_moved_once(columns, sorted(staged.unchanged_columns), every,
+                                          lake).localCheckpoint()
+        moved = "_wb_op = 'I' AND _wb_unchanged IS NOT NULL"
+        seqs = typed.where(moved).select(col("_wb_seq").alias("_s"))
+        fixed = every.join(seqs, every["_wb_seq"] == seqs["_s"]).drop("_s")
+        return typed.where(f"NOT ({moved})").unionByName(fixed.select(*typed.columns))
+
+    @staticmethod
+    def _fill_moved_once(columns: Sequence[Column], unchanged: list[int], every: Any,
+                         lake: Any) -> Any:
+        from pyspark.sql.functions import col, expr, max_by, struct, when
+
+        names = [c.name for c in columns]
+        keys = [c.name for c in columns if c.is_key]
+        links = every.where("_wb_op = 'D'").select(
+            *[col(quote(k)).alias(f"_o{j}") for j, k in enumerate(keys)],
+            (col("_wb_seq") + 1).alias("_m_seq"))
+        history = every.where("_wb_op <> 'D'").select(
+            *[quote(n) for n in names], "_wb_seq", "_wb_unchanged").unionByName(lake)
+        is_moved = "_wb_op = 'I' AND _wb_unchanged IS NOT NULL"
+        moved = every.where(is_moved)
+        wanted = moved.select(col("_wb_seq").alias("_m")).join(links, col("_m") == col("_m_seq"))
+        on = None
+        for j, k in enumerate(keys):
+            cond = history[quote(k)].eqNullSafe(wanted[f"_o{j}"])
+            on = cond if on is None else on & cond
+        assert on is not None
+        joined = wanted.join(history, on & (history["_wb_seq"] < wanted["_m_seq"]))
+        marks = col("_wb_unchanged")
+        found = joined.groupBy("_m_seq").agg(*[
+            max_by(struct(col(quote(names[i])).alias("v")),
+                   when(marks.isNull() | ~marks.contains(f",{i},"), col("_wb_seq")))
+            .alias(f"_f{i}") for i in unchanged])
+        filled = moved.join(found, moved["_wb_seq"] == found["_m_seq"], "left")
+        for i in unchanged:
+            hit = col("_wb_unchanged").contains(f",{i},") & col(f"_f{i}").isNotNull()
+            filled = (filled.withColumn(names[i], when(hit, col(f"_f{i}.v"))
+                                        .otherwise(col(quote(names[i]))))
+                      .withColumn("_wb_unchanged", when(hit, expr(
+                          f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
+                          .otherwise(col("_wb_unchanged"))))
+        filled = filled.drop("_m_seq", *[f"_f{i}" for i in unchanged])
+        return every.where(f"NOT ({is_moved})").unionByName(filled)

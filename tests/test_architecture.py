@@ -1,0 +1,283 @@
+"""The layout walberg keeps, pinned by reading its source with ``ast`` (no module is imported):
+
+- the stages source/, buffer/ and apply/ never import each other, nor any walberg module outside
+  themselves but the shared plain modules (``SHARED``), which import only each other;
+- each third-party driver is imported in its own stage only (``DRIVERS``);
+- no import cycle among walberg's modules.
+
+An import counts wherever it is written: at module level, inside a function, and under
+``if TYPE_CHECKING:`` (a stage that names another stage's types knows that stage). One
+exception, for cycles only: an import under ``TYPE_CHECKING`` never runs, so a cycle that needs
+one is harmless and not reported. Importing ``walberg.a.b`` also runs the packages' ``__init__``
+modules; those implicit imports are not edges (walberg's ``__init__`` imports lazily).
+
+Every failure names the importing module, the file and line, and the import as written.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "walberg"
+
+STAGES = ("walberg.source", "walberg.buffer", "walberg.apply")
+# The plain modules every stage may use: data, errors, settings, metrics, progress reporting and
+# crash points, none of which knows a stage. Today the stages import walberg.errors and
+# walberg.model only; the others are leaves of the same kind (each imports only shared modules,
+# see test_shared_modules_import_only_each_other), so a stage may use them as well.
+SHARED = frozenset({"walberg.errors", "walberg.model", "walberg.config", "walberg.metrics",
+                    "walberg.progress", "walberg.faults"})
+# Each third-party driver and the only places that may import it. (embedded_pg.py runs
+# PostgreSQL's own binaries and needs no driver.)
+DRIVERS = {
+    "psycopg2": ("walberg.source",),
+    "confluent_kafka": ("walberg.source",),
+    "pyspark": ("walberg.apply",),
+    "py4j": ("walberg.apply",),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement of a walberg module, with each module it brings in."""
+
+    module: str  # the importing module, e.g. walberg.apply.iceberg
+    path: Path
+    line: int
+    text: str  # the statement as written
+    targets: tuple[str, ...]  # modules imported (for ``from m import name``: m.name if a module, else m)
+    type_checking: bool  # under ``if TYPE_CHECKING:``
+
+    def __str__(self) -> str:
+        return f"{self.module} ({self.path.relative_to(SRC.parent)}:{self.line}): {self.text}"
+
+
+def module_name(path: Path, root: Path = SRC) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _statements(body: list[ast.stmt], type_checking: bool
+                ) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement in ``body``, however deeply nested, with whether it sits under
+    ``if TYPE_CHECKING:``."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, type_checking
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _statements(node.body, True)
+            yield from _statements(node.orelse, type_checking)
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    yield from _statements([child], type_checking)
+                elif isinstance(child, ast.ExceptHandler):
+                    yield from _statements(child.body, type_checking)
+                elif isinstance(child, ast.match_case):
+                    yield from _statements(child.body, type_checking)
+
+
+def read_imports(source: str, module: str, path: Path, is_package: bool,
+                 modules: frozenset[str]) -> list[Import]:
+    """The imports of one module. ``modules``: every walberg module, to tell ``from walberg
+    import metrics`` (a module) from ``from walberg.model import Lsn`` (a name in one)."""
+    found = []
+    for node, type_checking in _statements(ast.parse(source).body, False):
+        if isinstance(node, ast.Import):
+            targets = tuple(a.name for a in node.names)
+        else:
+            base = _absolute(node, module, is_package)
+            targets = tuple(dict.fromkeys(
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names))
+        found.append(Import(module, path, node.lineno, ast.unparse(node), targets, type_checking))
+    return found
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def walberg_imports() -> list[Import]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = frozenset(module_name(p) for p in paths)
+    out: list[Import] = []
+    for path in paths:
+        out += read_imports(path.read_text(), module_name(path), path, path.name == "__init__.py",
+                            modules)
+    return out
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _stage_of(module: str) -> Optional[str]:
+    return next((s for s in STAGES if _within(module, s)), None)
+
+
+def _report(what: str, violations: list[str]) -> str:
+    return f"{what}:\n  " + "\n  ".join(violations)
+
+
+def test_the_reader_sees_every_kind_of_import() -> None:
+    """The checks below are only as good as the reader: it finds imports inside functions,
+    classes, try blocks and TYPE_CHECKING blocks, resolves relative ones, and tells a module
+    imported from a package from a name imported from a module."""
+    source = (
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "from walberg import metrics\n"
+        "from walberg.model import Lsn\n"
+        "from . import segment\n"
+        "from .store import SegmentStore\n"
+        "if TYPE_CHECKING:\n"
+        "    from walberg.apply.batch import StagedTable\n"
+        "else:\n"
+        "    import json\n"
+        "class Reader:\n"
+        "    def read(self) -> None:\n"
+        "        try:\n"
+        "            import pyspark.sql.functions as F\n"
+        "        except ImportError:\n"
+        "            from py4j import protocol\n"
+    )
+    modules = frozenset({"walberg.metrics", "walberg.model", "walberg.buffer.segment",
+                         "walberg.buffer.store", "walberg.buffer.reader", "walberg.apply.batch"})
+    found = read_imports(source, "walberg.buffer.reader", PACKAGE / "buffer" / "reader.py", False,
+                         modules)
+    got = [(i.line, i.targets, i.type_checking) for i in found]
+    assert got == [
+        (1, ("__future__",), False), (2, ("typing",), False),
+        (3, ("walberg.metrics",), False), (4, ("walberg.model",), False),
+        (5, ("walberg.buffer.segment",), False), (6, ("walberg.buffer.store",), False),
+        (8, ("walberg.apply.batch",), True), (10, ("json",), False),
+        (14, ("pyspark.sql.functions",), False), (16, ("py4j",), False),
+    ]
+    assert str(found[6]) == ("walberg.buffer.reader (src/walberg/buffer/reader.py:8): "
+                             "from walberg.apply.batch import StagedTable")
+
+
+def test_stages_import_only_themselves_and_shared_modules() -> None:
+    imports = walberg_imports()
+    assert {i.module for i in imports if _stage_of(i.module)} >= {
+        "walberg.source.pgoutput", "walberg.buffer.store", "walberg.apply.iceberg"}
+    violations = []
+    for imp in imports:
+        stage = _stage_of(imp.module)
+        if stage is None:
+            continue
+        for target in imp.targets:
+            if _within(target, "walberg") and not _within(target, stage) and target not in SHARED:
+                violations.append(f"{imp}  -> {target}")
+    assert not violations, _report(
+        f"a stage imports outside itself (allowed besides its own package: {sorted(SHARED)})",
+        violations)
+
+
+def test_shared_modules_import_only_each_other() -> None:
+    """What makes them shareable: they know no stage and no orchestrator."""
+    violations = [f"{imp}  -> {target}" for imp in walberg_imports() if imp.module in SHARED
+                  for target in imp.targets
+                  if _within(target, "walberg") and target not in SHARED]
+    assert not violations, _report("a shared module imports beyond the shared modules",
+                                   violations)
+
+
+def test_each_driver_is_imported_in_its_stage_only() -> None:
+    imports = walberg_imports()
+    seen = {t.split(".")[0] for i in imports for t in i.targets}
+    assert {"psycopg2", "pyspark", "confluent_kafka"} <= seen
+    violations = []
+    for imp in imports:
+        for target in imp.targets:
+            allowed = DRIVERS.get(target.split(".")[0])
+            if allowed is not None and not any(_within(imp.module, p) for p in allowed):
+                violations.append(f"{imp}  ({target.split('.')[0]} belongs in "
+                                  f"{' or '.join(allowed)})")
+    assert not violations, _report("a third-party driver is imported outside its stage",
+                                   violations)
+
+
+def _groups(edges: dict[str, dict[str, Import]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or not (Tarjan's strongly
+    connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges.get(node, {}):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(groups)
+
+
+def _cycle(edges: dict[str, dict[str, Import]], group: list[str]) -> list[tuple[str, Import]]:
+    """The shortest cycle from the group's first module back to it, as (imported module,
+    import) steps."""
+    start, members = group[0], set(group)
+    paths: dict[str, list[tuple[str, Import]]] = {start: []}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt, imp in sorted(edges.get(node, {}).items(), key=lambda e: e[0]):
+            if nxt == start:
+                return paths[node] + [(nxt, imp)]
+            if nxt in members and nxt not in paths:
+                paths[nxt] = paths[node] + [(nxt, imp)]
+                queue.append(nxt)
+    raise AssertionError(f"no cycle through {start} in {group}")
+
+
+def _describe(group: list[str], cycle: list[tuple[str, Import]]) -> str:
+    text = " -> ".join([group[0]] + [target for target, _ in cycle])
+    if len(group) > len(cycle):
+        text += f" (one cycle among {', '.join(group)})"
+    return text + "".join(f"\n    {imp}" for _, imp in cycle)
+
+
+def test_no_import_cycle() -> None:
+    edges: dict[str, dict[str, Import]] = {}
+    for imp in walberg_imports():
+        if imp.type_checking:
+            continue
+        for target in imp.targets:
+            if _within(target, "walberg") and target != imp.module:
+                edges.setdefault(imp.module, {}).setdefault(target, imp)
+    assert sum(len(e) for e in edges.values()) > 50  # the graph was read
+    found = [_describe(group, _cycle(edges, group)) for group in _groups(edges)]
+    assert not found, _report("walberg's modules import each other in a cycle", found)
