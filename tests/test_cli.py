@@ -149,3 +149,14 @@ def test_missing_table_and_incomplete_publication_are_refused_with_the_fix(
     proc = run(f"{unique}, {unique}_b")
     assert proc.returncode == 2, proc.stderr
     assert "ALTER PUBLICATION" in proc.stderr and f"{unique}_b" in proc.stderr
+
+
+def test_verify_on_a_kafka_pipeline_says_it_needs_a_database(tmp_path: Path) -> None:
+    cfg = tmp_path / "kafka.yaml"
+    cfg.write_text("source: {kafka: {bootstrap_servers: '127.0.0.1:9', topics: [srv.public.t]}}\n"
+                   "sink: {catalog: {warehouse: ./w}}\n")
+    proc = walberg_cli("verify", "-c", str(cfg), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "walberg: error: verify compares the lake with a database source; this pipeline "
+        "reads Kafka"]

@@ -554,6 +554,16 @@ class Config(_Model):
             name = f"{self._source_name}__{name}"
         return f"{self.sink.catalog.name}.{self.namespace_for(source_table)}.{name}"
 
+    def target_for_topic(self, topic: str) -> str:
+        """The Iceberg identifier for a Kafka topic's table: its ``source.kafka.tables.<topic>
+        .table`` as given (namespace.table), else as for the source table it names."""
+        kafka = self.source.kafka
+        assert kafka is not None, "target_for_topic: a Kafka source's pipeline file"
+        chosen = kafka.tables.get(topic)
+        if chosen is not None and chosen.table:
+            return f"{self.sink.catalog.name}.{chosen.table}"
+        return self.target_for(kafka.table_for(topic))
+
     def changelog_for(self, source_table: str) -> str:
         """The changelog table of a source table: the target itself in append mode, else
         ``<target>_changelog`` (mode both)."""

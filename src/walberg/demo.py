@@ -12,10 +12,12 @@ from typing import Any, Optional
 
 import yaml
 
-from walberg.cli import format_table
 from walberg.config import parse_config
 from walberg.embedded_pg import EmbeddedPostgres
+from walberg.lake.history import history
+from walberg.lake.services import Lake
 from walberg.model import Lsn
+from walberg.output import format_table, history_table
 from walberg.pipeline import Pipeline
 from walberg.source import postgres as pg
 
@@ -127,11 +129,9 @@ def run_demo(rows: int = 100_000, directory: str = "walberg-demo") -> int:
         report(new_ids)
 
         _say(f"snapshot history of {target}")
-        hist = show.history(target)
-        print("   " + format_table(
-            ["committed at", "snapshot", "operation", "walberg.lsn", "added", "deleted"],
-            [(h["made_current_at"], h["snapshot_id"], h["operation"], h["lsn"], h["added"],
-              h["pos_deletes"] or h["deleted"]) for h in hist]).replace("\n", "\n   "))
+        with Lake(cfg, session=pipeline.session()) as lake:
+            snapshots = history(lake, TABLE)
+        print("   " + history_table(snapshots).replace("\n", "\n   "))
         conn.close()
         pipeline.stop()
         runner.join(timeout=60)
