@@ -160,3 +160,11 @@ def test_verify_on_a_kafka_pipeline_says_it_needs_a_database(tmp_path: Path) -> 
     assert proc.stderr.splitlines() == [
         "walberg: error: verify compares the lake with a database source; this pipeline "
         "reads Kafka"]
+
+
+def test_the_command_line_and_the_demo_do_not_import_each_other() -> None:
+    done = subprocess.run([sys.executable, "-c", "import sys, walberg.demo; "
+                           "print('walberg.cli' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

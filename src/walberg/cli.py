@@ -1,5 +1,7 @@
-"""The command line: parse, load the config, call the pipeline, turn errors into one readable
-paragraph and an exit code (``--debug`` shows the stack trace)."""
+"""The command line: parse, load the config, call the command's module (the pipeline for `run`,
+walberg.lake for the lake's reads, walberg.ops for the operator commands), show its result
+through walberg.output, and turn errors into one readable paragraph and an exit code
+(``--debug`` shows the stack trace). Each subcommand names its handler (``set_defaults``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The lake's services for every command that reads or acts on the lake without running a
 pipeline: the Spark session (opened on first use, from the pipeline file), one ``IcebergSink``
-per source, the type map learned from Postgres, and which Iceberg table holds each source table,
+and one type map (learned from Postgres) per source, and which Iceberg table holds each source table,
 for every kind of pipeline file: one Postgres source, several (``sources:``), or Kafka topics.
 
 The Postgres / several sources / Kafka branching of the commands is here, once: a command walks
@@ -101,9 +101,10 @@ class Lake:
         ``names``: of several sources, the ones to act on (default: all)."""
         self.config = config
         self.sources = _sources(config, names)
-        self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
         self._session = session
         self._owns_session = session is None
+        # By source name: two databases may give one type OID to different types of their own.
+        self._types: dict[Optional[str], TypeMap] = {}
         self._sinks: dict[Optional[str], IcebergSink] = {}
 
     def __enter__(self) -> "Lake":
@@ -118,13 +119,20 @@ class Lake:
             self._session = open_session(self.config)
         return self._session
 
+    def types(self, source: LakeSource) -> TypeMap:
+        """The source's type map (what ``learn_types`` told it of its Postgres types)."""
+        if source.name not in self._types:
+            sink = source.config.sink
+            self._types[source.name] = TypeMap(sink.numeric_default, frozenset(sink.text_types))
+        return self._types[source.name]
+
     def sink(self, source: Optional[LakeSource] = None) -> IcebergSink:
         """The IcebergSink as ``source`` writes (default: the first source): in a shared table
         it reads that source's ``walberg.lsn.<source>``."""
-        tag = (source or self.sources[0]).tag
-        if tag not in self._sinks:
-            self._sinks[tag] = IcebergSink(self.session(), self.types, tag)
-        return self._sinks[tag]
+        source = source or self.sources[0]
+        if source.name not in self._sinks:
+            self._sinks[source.name] = IcebergSink(self.session(), self.types(source), source.tag)
+        return self._sinks[source.name]
 
     @property
     def targets(self) -> list[str]:
@@ -151,11 +159,12 @@ class Lake:
         """Tell the type map what the source catalog says about the tables' column types, and
         refuse a column whose type walberg cannot map."""
         found = pg.describe_types(conn, {c.type_oid for i in infos.values() for c in i.columns})
+        types = self.types(source)
         for t, info in infos.items():
             target = source.targets[t]
-            self.types.learn(found, target, info.dims)
+            types.learn(found, target, info.dims)
             for c in info.columns:
-                self.types.spark_type(c, target)
+                types.spark_type(c, target)
 
     def close(self) -> None:
         if self._owns_session and self._session is not None:

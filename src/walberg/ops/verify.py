@@ -92,7 +92,7 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
                   wait_seconds: float) -> TableVerdict:
     table_name, target = info.qualified_name, source.targets[info.qualified_name]
     sink = lake.sink(source)
-    types = [lake.types.spark_type(c, target) for c in info.columns]
+    types = [lake.types(source).spark_type(c, target) for c in info.columns]
     # The source side: what verify reads of the Postgres table.
     table = pg.quote_table(table_name)
     try:
