@@ -20,7 +20,9 @@ def slot_source(config: Config, source: Optional[str], origin: str) -> Config:
                           f"with its own replication slot: name one with --source NAME")
     if source is not None:
         config = config.for_source(source)  # a name it does not have: ConfigError
-    config.postgres  # noqa: B018 -- a Kafka pipeline file has no slot: the error says so
+    if config.source.kafka is not None:
+        raise ConfigError("a replication slot belongs to a database source; this pipeline "
+                          "reads Kafka")
     return config
 
 
