@@ -509,23 +509,6 @@ class Config(_Model):
         one._source_name = name
         return one
 
-    def tables_by_source(self, tables: Optional[list[str]] = None,
-                         names: Optional[list[str]] = None) -> dict[str, Optional[list[str]]]:
-        """Of several sources (``names``, default all): which of ``tables`` each one has, None
-        meaning all of its tables when no table is named. A source with none of the named
-        tables is left out; a table that none of them has is an error."""
-        chosen = {n: self.for_source(n).postgres.tables for n in names or self.sources}
-        if not tables:
-            return {n: None for n in chosen}
-        unknown = [t for t in tables if not any(t in mine for mine in chosen.values())]
-        if unknown:
-            listed = "; ".join(f"{n}: {', '.join(mine)}" for n, mine in chosen.items())
-            raise ConfigError(f"{', '.join(unknown)}: not a table of "
-                              f"{'any source' if len(chosen) > 1 else 'source ' + next(iter(chosen))}"
-                              f" ({listed}); see sources.<name>.postgres.tables")
-        return {n: [t for t in tables if t in mine] for n, mine in chosen.items()
-                if any(t in mine for t in tables)}
-
     def path(self, value: str) -> Path:
         """A path from the config, relative to the YAML file's directory."""
         p = Path(os.path.expanduser(value))
