@@ -82,7 +82,7 @@ class KafkaPipeline:
         self.kafka = config.source.kafka
         self.topics = list(self.kafka.topics)
         self.names = {t: self.kafka.table_for(t) for t in self.topics}
-        self.targets = {t: self._target(t) for t in self.topics}
+        self.targets = {t: config.target_for_topic(t) for t in self.topics}
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
         self.report = KafkaReport()
         self._session: Any = session
@@ -95,12 +95,6 @@ class KafkaPipeline:
         self._position: dict[Partition, int] = {}  # next offset read and applied (or skipped)
         self._read: dict[Partition, int] = {}  # next offset read from the broker
         self._stop = threading.Event()
-
-    def _target(self, topic: str) -> str:
-        chosen = self.kafka.tables.get(topic)
-        if chosen is not None and chosen.table:
-            return f"{self.config.sink.catalog.name}.{chosen.table}"
-        return self.config.target_for(self.names[topic])
 
     # ---- wiring ------------------------------------------------------------------------------
 
