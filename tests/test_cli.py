@@ -158,3 +158,28 @@ def test_missing_table_and_incomplete_publication_are_refused_with_the_fix(
     proc = run(f"{unique}, {unique}_b")
     assert proc.returncode == 2, proc.stderr
     assert "ALTER PUBLICATION" in proc.stderr and f"{unique}_b" in proc.stderr
+
+
+@pytest.mark.parametrize("command, said", [
+    (["verify"], "verify compares the lake with a database source; this pipeline reads Kafka"),
+    (["resync", "--yes"], "resync copies tables from a database source again; this pipeline "
+                          "reads Kafka"),
+    (["slot", "drop", "--yes"], "a replication slot belongs to a database source; this "
+                                "pipeline reads Kafka"),
+])
+def test_database_commands_on_a_kafka_pipeline_say_so_in_one_line(
+        tmp_path: Path, command: list[str], said: str) -> None:
+    cfg = tmp_path / "kafka.yaml"
+    cfg.write_text("source: {kafka: {bootstrap_servers: '127.0.0.1:9', topics: [srv.public.t]}}\n"
+                   "sink: {catalog: {warehouse: ./w}}\n")
+    proc = walberg_cli(command[0], "-c", str(cfg), *command[1:], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"walberg: error: {said}"]
+
+
+def test_the_command_line_and_the_demo_do_not_import_each_other() -> None:
+    done = subprocess.run([sys.executable, "-c", "import sys, walberg.demo; "
+                           "print('walberg.cli' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

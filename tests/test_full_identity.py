@@ -10,7 +10,8 @@ from typing import Any
 
 from conftest import make_config, run_once
 from lake import iceberg_rows
-from walberg.pipeline import Pipeline
+from walberg.lake.services import Lake
+from walberg.ops.verify import verify
 
 
 def test_duplicate_rows_without_a_key_stay_duplicates(pg_conn: Any, postgres: Any, spark: Any,
@@ -48,11 +49,8 @@ def test_duplicate_rows_without_a_key_stay_duplicates(pg_conn: Any, postgres: An
         cur.execute(f"INSERT INTO {table} VALUES (5, 'e'), (5, 'e')")
     run_once(config, spark)
     assert lake() == source() == Counter({(5, "e"): 2})
-    pipeline = Pipeline(config, session=spark)
-    try:
-        [verdict] = pipeline.verify()
-    finally:
-        pipeline.close()
+    with Lake(config, session=spark) as lake:
+        [verdict] = verify(lake)
     assert verdict.equal, verdict
 
 

@@ -4,6 +4,7 @@ Debezium events with and without schema, dead letters, and kill -9 mid-topic."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -16,11 +17,18 @@ import pyarrow.parquet as pq
 import yaml
 from prometheus_client import REGISTRY
 
-from conftest import CATALOG, run_once
+from conftest import CATALOG, run_once, walberg_cli
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import iceberg_rows
 from walberg.config import Config, parse_config
 from walberg.kafka_pipeline import KafkaPipeline
+from walberg.lake.changes import changes_sql
+from walberg.lake.history import history
+from walberg.lake.maintain import maintain
+from walberg.lake.query import query
+from walberg.lake.services import Lake
+from walberg.ops.check import check
+from walberg.ops.status import PartitionStatus, status
 
 __all__ = ["kafka_broker"]  # the session fixture, used by name
 
@@ -194,3 +202,63 @@ def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
     rows = iceberg_rows(warehouse, target)
     assert len(rows) == len({r["id"] for r in rows})  # no duplicates
     assert {r["id"]: r["v"] for r in rows} == expected  # nothing lost
+
+
+def test_lake_commands_on_a_kafka_pipeline_file(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """status, check, query (time travel too), history, changes and maintain read a Kafka
+    pipeline's tables as they read a Postgres pipeline's."""
+    topic = f"srv.public.{unique}"
+    table = f"public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    for i in (1, 2, 3):
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": f"v{i}"}, lsn=100 + i))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic],
+               tables={topic: {"key": ["id"]}})
+    config = _config(raw, tmp_path)
+    run_once(config, spark, KafkaPipeline)
+    p.send(topic, {"id": 2}, envelope("u", {"id": 2, "v": "v2"}, {"id": 2, "v": "two"}, lsn=200))
+    p.send(topic, {"id": 3}, envelope("d", {"id": 3, "v": "v3"}, None, lsn=201))
+    run_once(config, spark, KafkaPipeline)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+
+    with Lake(config, session=spark) as lake:
+        [where] = status(lake)
+        assert where.tables[table].iceberg_table == target and where.tables[table].rows == 2
+        assert where.tables[table].last_commit_at is not None
+        assert where.partitions == [PartitionStatus(topic, 0, 5, 5, 0)]
+        [checks] = check(lake)
+        assert all(c.ok for c in checks.results), checks
+        assert f"topic {topic}" in [c.name for c in checks.results]
+
+        count = f"SELECT count(*) FROM {target}"
+        assert query(lake, count)[0] == [(2,)]
+        snapshots = history(lake, table)
+        assert history(lake, topic) == snapshots  # a table is named by its topic too
+        assert len(snapshots) >= 2
+        first = snapshots[0].snapshot_id
+        assert query(lake, count, snapshot=first)[0] == [(3,)]
+        rows, names = query(lake, changes_sql(lake, table, str(first)))
+        assert {(r[names.index("_change")], r[names.index("id")], r[names.index("v")])
+                for r in rows} == {("update", 2, "two"), ("delete", 3, "v3")}
+
+        (maintained,) = maintain(lake)
+        assert maintained.table == target and maintained.after.delete_files == 0
+        # The compaction's commit carries the offsets: a restart reads nothing again.
+        assert lake.sink().committed_offsets(target) == {(topic, 0): 5}
+    assert run_once(config, spark, KafkaPipeline).records == 0
+    assert iceberg_rows(warehouse, target) == [{"id": 1, "v": "v1"}, {"id": 2, "v": "two"}]
+
+    # The same through the command line (status without Spark, query with it).
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    done = walberg_cli("status", "-c", str(path), "--json", timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert said["tables"][table]["rows"] == 2
+    assert said["partitions"] == [{"topic": topic, "partition": 0, "lake_offset": 5,
+                                   "end_offset": 5, "lag": 0}]
+    done = walberg_cli("query", "-c", str(path), f"SELECT id, v FROM {target} ORDER BY id")
+    assert done.returncode == 0, done.stderr
+    assert "two" in done.stdout and "(2 rows)" in done.stdout

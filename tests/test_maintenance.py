@@ -12,6 +12,9 @@ from lake import iceberg_rows
 from walberg.apply.batch import BatchBuilder
 from walberg.apply.iceberg import IcebergSink
 from walberg.config import parse_config
+from walberg.lake.history import history
+from walberg.lake.maintain import maintain
+from walberg.lake.services import Lake
 from walberg.model import Column, Lsn, Op
 from walberg.pipeline import Pipeline
 
@@ -45,17 +48,16 @@ def test_maintenance_after_many_small_commits(postgres: Any, spark: Any, warehou
 
     raw = config.model_dump(mode="json", exclude={"base_dir"})
     raw["maintenance"] = {"snapshot_retention": "0s", "retain_last": 3}
-    pipeline = Pipeline(parse_config(raw, tmp_path, "test"), session=spark)
-    (report,) = pipeline.maintain()
-    after = report["after"]
-    assert after["data_files"] <= 3 and after["delete_files"] == 0
-    assert after["snapshots"] <= 3
-    assert report["before"]["data_files"] == before["data_files"]
+    lake = Lake(parse_config(raw, tmp_path, "test"), session=spark)
+    (report,) = maintain(lake)
+    after = report.after
+    assert after.data_files <= 3 and after.delete_files == 0
+    assert after.snapshots <= 3
+    assert report.before.data_files == before["data_files"]
     assert iceberg_rows(warehouse, target) == before_rows  # the data is unchanged
     # What the lake holds stays known: the compaction carried walberg.lsn along.
     assert sink.committed_lsn(target) == Lsn(COMMITS)
-    history = pipeline.history(f"public.{unique}")
-    assert history[-1]["lsn"] == str(Lsn(COMMITS))
+    assert history(lake, f"public.{unique}")[-1].lsn == str(Lsn(COMMITS))
 
 
 def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, spark: Any,
@@ -67,7 +69,9 @@ def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, 
     raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
         mode="json", exclude={"base_dir"})
     raw["maintenance"] = {"every": "2s", "snapshot_retention": "0s", "retain_last": 2}
-    pipeline = Pipeline(parse_config(raw, tmp_path, "test"), session=spark)
+    config = parse_config(raw, tmp_path, "test")
+    pipeline = Pipeline(config, session=spark)
+    lake = Lake(config, session=spark)
     with running(pipeline) as failures:
         for i in range(6):
             with pg_conn.cursor() as cur:
@@ -76,10 +80,10 @@ def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, 
                 pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if "replace" in [h["operation"] for h in pipeline.history(table)]:
+            if "replace" in [h.operation for h in history(lake, table)]:
                 break
             time.sleep(0.5)
     assert not failures, failures
-    assert "replace" in [h["operation"] for h in pipeline.history(table)]
+    assert "replace" in [h.operation for h in history(lake, table)]
     rows = iceberg_rows(warehouse, pipeline.targets[table])
     assert [(r["id"], r["v"]) for r in rows] == [(i, "y") for i in range(6)]

@@ -18,8 +18,12 @@ import yaml
 
 from conftest import insert_lsn, make_config, run_once, running, writing
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows, snapshot_lsns
+from walberg.config import Config
 from walberg.errors import Terminal
+from walberg.lake.services import Lake
 from walberg.model import Lsn
+from walberg.ops.check import CheckResult, check
+from walberg.ops.status import SlotStatus, status
 from walberg.pipeline import Pipeline
 
 
@@ -260,6 +264,13 @@ def test_reconnects_after_the_replication_connection_is_killed(
     assert len(iceberg_rows(warehouse, target)) == 300
 
 
+def _checks(config: Config) -> dict[str, CheckResult]:
+    """``walberg check`` on a pipeline file with one source, by item."""
+    with Lake(config) as lake:
+        [checks] = check(lake)
+    return {r.name: r for r in checks.results}
+
+
 def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, spark: Any,
                                                   warehouse: Path, tmp_path: Path,
                                                   unique: str) -> None:
@@ -269,25 +280,27 @@ def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, s
         cur.execute(f"CREATE TABLE {table}_nokey (v text)")
         cur.execute(f"INSERT INTO {table} SELECT g, 'x' FROM generate_series(1, 50) g")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    before = Pipeline(config).status()
-    assert before["slot"] == {"name": config.source.postgres.slot, "missing": True}
-    assert before["tables"][table]["last_lsn"] is None
+    [before] = status(Lake(config))
+    assert before.slot == SlotStatus(name=config.source.postgres.slot, missing=True)
+    assert before.tables[table].last_lsn is None
 
-    results = {r.name: r for r in Pipeline(config).check()}
+    results = _checks(config)
     assert all(r.ok for r in results.values()), results
     assert "will create it" in results["publication"].detail
 
     run_once(config, spark)
-    after = Pipeline(config).status()
-    t = after["tables"][table]
-    assert t["rows"] == 50 and t["data_files"] >= 1
-    assert Lsn.parse(t["last_lsn"]) <= Lsn.parse(after["slot"]["confirmed_flush_lsn"])
-    assert after["pipeline"]["running"] is False and after["pipeline"]["pending_segments"] == 0
+    [after] = status(Lake(config))
+    t = after.tables[table]
+    assert t.rows == 50 and t.data_files is not None and t.data_files >= 1
+    assert after.slot is not None and after.slot.confirmed_flush_lsn is not None
+    assert t.last_lsn is not None
+    assert Lsn.parse(t.last_lsn) <= Lsn.parse(after.slot.confirmed_flush_lsn)
+    assert after.pipeline.running is False and after.pipeline.pending_segments == 0
 
     # A table without a key fails its check with the statement that fixes it.
     bad = make_config(postgres, warehouse, tmp_path / "segments2", unique + "b",
                       [table, f"{table}_nokey"])
-    failed = {r.name: r for r in Pipeline(bad).check() if not r.ok}
+    failed = {n: r for n, r in _checks(bad).items() if not r.ok}
     assert list(failed) == ["tables"]
     assert f'ALTER TABLE "public"."{unique}_nokey" REPLICA IDENTITY FULL;' in failed["tables"].detail
 
@@ -297,7 +310,7 @@ def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, s
         cur.execute(f"ALTER TABLE {table}_nothing REPLICA IDENTITY NOTHING")
     bad = make_config(postgres, warehouse, tmp_path / "segments3", unique + "c",
                       [f"{table}_nothing"])
-    failed = {r.name: r for r in Pipeline(bad).check() if not r.ok}
+    failed = {n: r for n, r in _checks(bad).items() if not r.ok}
     assert (f'ALTER TABLE "public"."{unique}_nothing" REPLICA IDENTITY DEFAULT;'
             in failed["tables"].detail)
 

@@ -15,8 +15,11 @@ import pytest
 from conftest import insert_lsn, make_config, run_once
 from lake import iceberg_rows, postgres_rows
 from walberg.config import parse_config
+from walberg.lake.services import Lake
 from walberg.model import Lsn
-from walberg.pipeline import Pipeline
+from walberg.ops.check import check
+from walberg.ops.resync import plan, resync
+from walberg.ops.verify import verify
 
 
 def _with_publications(postgres: Any, warehouse: Path, tmp_path: Path, name: str, table: str,
@@ -123,11 +126,9 @@ def test_row_filters_and_column_list_land_as_a_subscriber_holds_them(
     target = config.target_for(table)
 
     # check shows what will land.
-    pipeline = Pipeline(config, session=spark)
-    try:
-        tables = next(r for r in pipeline.check() if r.name == "tables")
-    finally:
-        pipeline.close()
+    with Lake(config, session=spark) as lake:
+        [checks] = check(lake)
+    tables = next(r for r in checks.results if r.name == "tables")
     assert tables.ok, tables.detail
     assert "(id % 2) = 0" in tables.detail and "id >= 91" in tables.detail, tables.detail
     assert "columns (id, region, v)" in tables.detail, tables.detail
@@ -153,15 +154,12 @@ def test_row_filters_and_column_list_land_as_a_subscriber_holds_them(
     ids = {r["id"] for r in lake}
     assert {1000, 2000} <= ids and not ids & {1001, 2001, 3, 10, 33, 30, 31}
 
-    pipeline = Pipeline(config, session=spark)
-    try:
-        [verdict] = pipeline.verify()
+    with Lake(config, session=spark) as opened:
+        [verdict] = verify(opened)
         assert verdict.equal and verdict.source_rows == len(lake), verdict
         # A resync copies the same rows again, and still only those.
-        resynced = pipeline.resync([table])
-        assert resynced.copied == {table: len(lake)}
-    finally:
-        pipeline.close()
+        resynced = resync(opened, plan(opened, [table]))
+    assert resynced[None].copied == {table: len(lake)}
     assert iceberg_rows(warehouse, target) == sub.rows(table)
 
     # Published rows change (the filter now takes odd ids): the lake no longer holds what the
@@ -169,11 +167,8 @@ def test_row_filters_and_column_list_land_as_a_subscriber_holds_them(
     with pg_conn.cursor() as cur:
         cur.execute(f"ALTER PUBLICATION {pub_even} SET TABLE {table} (id, region, v) "
                     "WHERE (id % 2 = 1)")
-    pipeline = Pipeline(config, session=spark)
-    try:
-        [verdict] = pipeline.verify(attempts=1)
-    finally:
-        pipeline.close()
+    with Lake(config, session=spark) as opened:
+        [verdict] = verify(opened, attempts=1)
     assert not verdict.equal
 
 
@@ -206,11 +201,8 @@ def test_generated_columns_land_only_where_the_publication_publishes_them(
         columns = "id, a, doubled" if publish == "stored" else "id, a"
         landed[publish] = iceberg_rows(warehouse, target)
         assert landed[publish] == postgres_rows(pg_conn, f"(SELECT {columns} FROM {table}) AS p")
-        pipeline = Pipeline(config, session=spark)
-        try:
-            [verdict] = pipeline.verify()
-        finally:
-            pipeline.close()
+        with Lake(config, session=spark) as lake:
+            [verdict] = verify(lake)
         assert verdict.equal, verdict
     assert "doubled" not in landed["none"][0]
     assert landed["stored"][0]["doubled"] == 2 * landed["stored"][0]["a"]

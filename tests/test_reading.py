@@ -16,6 +16,10 @@ import yaml
 from conftest import insert_lsn, make_config, walberg_cli
 from walberg.apply.iceberg import pin_tables
 from walberg.errors import Terminal
+from walberg.lake.changes import changes_sql
+from walberg.lake.history import history
+from walberg.lake.query import export, query
+from walberg.lake.services import Lake
 from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
@@ -56,35 +60,31 @@ def test_time_travel_export_and_changes(pg_conn: Any, postgres: Any, spark: Any,
         cur.execute(f"INSERT INTO {table} VALUES (11, 'new')")
     after_changes = run()
 
-    pipeline = Pipeline(config, session=spark)
-    try:
+    with Lake(config, session=spark) as lake:
         count = f"SELECT count(*), sum(CASE WHEN v = 'changed' THEN 1 ELSE 0 END) FROM {target}"
-        assert pipeline.query(count)[0] == [(10, 3)]
-        assert pipeline.query(count, lsn=at_copy)[0] == [(10, 0)]
-        assert pipeline.query(count, as_of=between)[0] == [(10, 0)]
-        assert pipeline.query(count, lsn=after_changes)[0] == [(10, 3)]
-        history = pipeline.history(table)
-        first = history[0]["snapshot_id"]
-        assert pipeline.query(count, snapshot=first)[0] == [(10, 0)]
+        assert query(lake, count)[0] == [(10, 3)]
+        assert query(lake, count, lsn=at_copy)[0] == [(10, 0)]
+        assert query(lake, count, as_of=between)[0] == [(10, 0)]
+        assert query(lake, count, lsn=after_changes)[0] == [(10, 3)]
+        first = history(lake, table)[0].snapshot_id
+        assert query(lake, count, snapshot=first)[0] == [(10, 0)]
         with pytest.raises(Terminal, match="no table of this pipeline has a snapshot 12345"):
-            pipeline.query(count, snapshot=12345)
+            query(lake, count, snapshot=12345)
         with pytest.raises(Terminal, match="held nothing of"):  # before the initial copy
-            pipeline.query(count, lsn=Lsn(1))
+            query(lake, count, lsn=Lsn(1))
 
-        changes = pipeline.changes_sql(table, str(first))
-        rows, names = pipeline.query(changes)
+        changes = changes_sql(lake, table, str(first))
+        rows, names = query(lake, changes)
         got = {(r[names.index("_change")], r[names.index("id")], r[names.index("v")])
                for r in rows}
         assert got == {("update", 1, "changed"), ("update", 2, "changed"),
                        ("update", 3, "changed"), ("delete", 10, "v10"), ("insert", 11, "new")}
-        assert pipeline.query(pipeline.changes_sql(table, between, str(first)))[0] == []
+        assert query(lake, changes_sql(lake, table, between, str(first)))[0] == []
 
         out = tmp_path / "then.parquet"
-        assert pipeline.export(f"SELECT id, v FROM {target} ORDER BY id", "parquet", out,
-                               lsn=at_copy) == 10
+        assert export(lake, f"SELECT id, v FROM {target} ORDER BY id", "parquet", out,
+                      lsn=at_copy) == 10
         assert pq.read_table(out).column("v").to_pylist()[:3] == ["v1", "v2", "v3"]
-    finally:
-        pipeline.close()
 
     # The same through the command line: csv and json files.
     path = tmp_path / "pipeline.yaml"

@@ -12,8 +12,9 @@ from conftest import make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.evolution import NotEvolvable, Step, plan, widens
 from walberg.errors import Terminal
+from walberg.lake.services import Lake
 from walberg.model import Insert, Lsn, Relation
-from walberg.pipeline import Pipeline
+from walberg.ops.verify import verify
 from walberg.source.pgoutput import Decoder
 
 
@@ -112,11 +113,8 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     # DuckDB reads the evolved table too (columns by field id: renamed, dropped, promoted).
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
-    pipeline = Pipeline(config, session=spark)
-    try:
-        [verdict] = pipeline.verify()
-    finally:
-        pipeline.close()
+    with Lake(config, session=spark) as lake:
+        [verdict] = verify(lake)
     assert verdict.equal, verdict
 
 

@@ -18,7 +18,11 @@ from conftest import make_config, run_once
 from lake import iceberg_rows, postgres_rows
 from walberg.config import parse_config
 from walberg.errors import WalbergError
-from walberg.pipeline import Pipeline
+from walberg.lake.services import Lake
+from walberg.ops.check import check
+from walberg.ops.status import status as status_of
+from walberg.ops.verify import verify
+from walberg.output import plain
 
 SECRET = "S3cr3t-Pa55-do-not-print"
 
@@ -57,14 +61,11 @@ def test_least_privilege_role_and_secrets_never_leak(
     run_once(config, spark)
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
 
-    pipeline = Pipeline(config, session=spark)
-    try:
-        checks = pipeline.check()
-        status = json.dumps(pipeline.status())
-        [verdict] = pipeline.verify()
-    finally:
-        pipeline.close()
-    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    with Lake(config, session=spark) as lake:
+        [checks] = check(lake)
+        status = json.dumps(plain(status_of(lake)))
+        [verdict] = verify(lake)
+    assert all(c.ok for c in checks.results), [c for c in checks.results if not c.ok]
     assert verdict.equal
     # A wrong port: the error names the server, not the password.
     broken = _with_dsn(config, config.source.postgres.dsn.replace(str(postgres.port), "1"))
@@ -174,11 +175,8 @@ def test_odd_identifiers_are_names_not_sql(pg_conn: Any, postgres: Any, spark: A
                     'WHERE "Id" <= 5')
         cur.execute(f'DELETE FROM {quoted} WHERE "Id" > 18')
     run_once(config, spark)
-    pipeline = Pipeline(config, session=spark)
-    try:
-        [verdict] = pipeline.verify()
-    finally:
-        pipeline.close()
+    with Lake(config, session=spark) as lake:
+        [verdict] = verify(lake)
     assert verdict.equal, verdict
     assert iceberg_rows(warehouse, config.target_for(table), "Id") == \
         postgres_rows(pg_conn, quoted, '"Id"')

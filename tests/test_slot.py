@@ -14,6 +14,8 @@ import yaml
 from conftest import make_config, run_once, running, walberg_cli
 from lake import iceberg_rows, postgres_rows
 from walberg.errors import WalbergError
+from walberg.lake.services import Lake
+from walberg.ops.resync import plan, resync
 from walberg.pipeline import Pipeline
 
 
@@ -54,11 +56,8 @@ def test_an_invalidated_slot_is_said_plainly_and_resync_recovers(
 
     with pytest.raises(WalbergError, match=r"invalidated by the server.*walberg resync"):
         run_once(config, spark)
-    pipeline = Pipeline(config, session=spark)
-    try:
-        report = pipeline.resync()
-    finally:
-        pipeline.close()
+    with Lake(config, session=spark) as lake:
+        [report] = resync(lake, plan(lake)).values()
     assert report.copied == {table: 150}
     assert _wal_status(pg_conn, slot) not in (None, "lost")
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
@@ -81,11 +80,8 @@ def test_resync_of_one_table_repairs_it(pg_conn: Any, postgres: Any, spark: Any,
     with pg_conn.cursor() as cur:
         cur.execute(f"INSERT INTO {a} VALUES (31, 'new')")
         cur.execute(f"INSERT INTO {b} VALUES (31, 'new')")
-    pipeline = Pipeline(config, session=spark)
-    try:
-        report = pipeline.resync([a])
-    finally:
-        pipeline.close()
+    with Lake(config, session=spark) as lake:
+        [report] = resync(lake, plan(lake, [a])).values()
     assert report.copied == {a: 31}
     for t in (a, b):
         assert iceberg_rows(warehouse, config.target_for(t)) == postgres_rows(pg_conn, t)

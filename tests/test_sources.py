@@ -14,6 +14,8 @@ import yaml
 from conftest import walberg_cli
 from lake import duckdb_rows, hadoop_table
 from walberg.config import parse_config
+from walberg.lake.services import Lake
+from walberg.ops.verify import verify
 from walberg.pipeline import Pipelines
 
 
@@ -101,11 +103,8 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
     assert any("walberg.lsn.west" in s for s in summaries)
     assert [f.name for f in table.spec().fields][0] == "_walberg_source"
 
-    several = Pipelines(config, session=spark)
-    try:
-        verdicts = several.verify()
-    finally:
-        several.close()
+    with Lake(config, session=spark) as lake:
+        verdicts = verify(lake)
     assert [(v.source, v.equal) for v in verdicts] == [
         (f"east:public.{unique}", True), (f"west:public.{unique}", True)]
     for conn in conns.values():

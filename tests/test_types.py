@@ -34,7 +34,9 @@ from walberg.apply.types import (
     parse_array,
 )
 from walberg.errors import ConfigError
+from walberg.lake.services import Lake
 from walberg.model import Column, PgType
+from walberg.ops.verify import verify
 from walberg.pipeline import Pipeline
 from walberg.source.postgres import connect
 
@@ -325,9 +327,8 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
         cur.execute(f"DELETE FROM {table} WHERE id = ANY(%s)",
                     ([*BAD, *(i + 100 for i in BAD)],))
     run()
-    pipeline = Pipeline(config, session=spark)
-    try:
-        [verdict] = pipeline.verify()
+    with Lake(config, session=spark) as lake:
+        [verdict] = verify(lake)
         assert verdict.equal, verdict
         assert verdict.source_rows == verdict.lake_rows == len(good)
         # ... and a lake changed behind walberg's back is caught, with the keys.
@@ -336,10 +337,8 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
         spark.table(target).where("id = 3").selectExpr(
             *["999 AS id" if f == "id" else f"`{f}`" for f in spark.table(target).columns]
         ).writeTo(target).append()
-        [verdict] = pipeline.verify(attempts=1)
+        [verdict] = verify(lake, attempts=1)
         assert not verdict.equal
         problems = {d["key"]["id"]: d["problem"] for d in verdict.differences}
         assert problems == {"2": "missing in the lake", "104": "values differ",
                             "999": "in the lake, not in the source"}
-    finally:
-        pipeline.close()

@@ -12,6 +12,8 @@ from typing import Any
 
 from conftest import insert_lsn, make_config, running
 from lake import iceberg_rows, postgres_rows
+from walberg.lake.services import Lake
+from walberg.ops.verify import verify
 from walberg.pipeline import Pipeline
 
 STEPS = int(os.environ.get("WALBERG_TEST_STEPS", "300"))
@@ -107,11 +109,8 @@ def test_random_workload_ends_with_verify_equal(pg_conn: Any, postgres: Any, spa
             end = insert_lsn(pg_conn)
         pipeline.wait_for(end, timeout=300)
         assert not failures, failures
-    check = Pipeline(config, session=spark)
-    try:
-        verdicts = check.verify()
-    finally:
-        check.close()
+    with Lake(config, session=spark) as lake:
+        verdicts = verify(lake)
     assert [v.source for v in verdicts if not v.equal] == [], (seed, verdicts)
     for table, key in ((a, "id"), (b, "k")):
         assert iceberg_rows(warehouse, config.target_for(table), key) == \

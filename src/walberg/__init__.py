@@ -3,8 +3,9 @@
     from walberg import Pipeline
     Pipeline.from_yaml("pipeline.yaml").run(once=True)
 
-``Pipeline`` (in ``walberg.pipeline``) is what the CLI drives: ``run``, ``check``, ``status``,
-``verify``, ``maintain``, ``history``, ``query``, ``export``, ``changes_sql``, ``resync``.
+``Pipeline`` (in ``walberg.pipeline``) runs a pipeline. The commands that read or tend the lake
+take a ``walberg.lake.services.Lake``: ``walberg.lake`` (query, changes, history, maintain) and
+``walberg.ops`` (check, status, verify, resync, slot).
 """
 
 from __future__ import annotations

@@ -1,22 +1,24 @@
-"""The command line: parse, load the config, call the pipeline, turn errors into one readable
-paragraph and an exit code (``--debug`` shows the stack trace)."""
+"""The command line: parse, load the config, call the command's module (the pipeline for `run`,
+walberg.lake for the lake's reads, walberg.ops for the operator commands), show its result
+through walberg.output, and turn errors into one readable paragraph and an exit code
+(``--debug`` shows the stack trace). Each subcommand names its handler (``set_defaults``)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import sys
 import textwrap
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from walberg.errors import WalbergError
 
 if TYPE_CHECKING:
     from walberg.config import Config
-    from walberg.pipeline import Pipeline
+    from walberg.lake.services import Lake
 
 EXAMPLES = {
     "run": "walberg run -c pipeline.yaml          # copy, then stream until stopped\n"
@@ -79,6 +81,10 @@ def _reading_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="file to write with --format csv|json|parquet")
 
 
+Handler = Callable[[argparse.Namespace], int]
+Command = Callable[..., argparse.ArgumentParser]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="walberg",
@@ -92,31 +98,48 @@ def _parser() -> argparse.ArgumentParser:
                         help="json: one JSON object per log line, for log shippers")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
+    def command(name: str, help: str, func: Handler, config: bool = True,
+                json: bool = False) -> argparse.ArgumentParser:
+        """A subcommand that ``func`` runs; ``config``: it takes ``-c``, ``json``: ``--json``."""
         p = sub.add_parser(name, help=help, description=help, epilog="example:\n  " + EXAMPLES[name],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--debug", action="store_true", help="show stack traces on errors")
+        if config:
+            p.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+        if json:
+            p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        p.set_defaults(func=func)
         return p
 
-    run = command("run", "initial copy of the configured tables, then stream their changes")
-    run.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+    _running_commands(command)
+    _reading_commands(command)
+    _operator_commands(command)
+    return parser
+
+
+def _running_commands(command: Command) -> None:
+    run = command("run", "initial copy of the configured tables, then stream their changes",
+                  _cmd_run)
     run.add_argument("--once", action="store_true",
                      help="exit 0 once everything up to the WAL position at start is in Iceberg")
-
-    demo = command("demo", "run a self-contained demo on an embedded PostgreSQL")
+    demo = command("demo", "run a self-contained demo on an embedded PostgreSQL", _cmd_demo,
+                   config=False)
     demo.add_argument("--rows", type=int, default=100_000, help="rows in the employee table")
     demo.add_argument("--dir", default="walberg-demo", help="where to put the warehouse")
+    init = command("init", "write a commented starter pipeline.yaml", _cmd_init, config=False)
+    init.add_argument("path", nargs="?", default="pipeline.yaml", help="where to write it")
 
-    query = command("query", "run Spark SQL against the lake and print the result")
-    query.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+
+def _reading_commands(command: Command) -> None:
+    query = command("query", "run Spark SQL against the lake and print the result", _cmd_query)
     query.add_argument("sql", help="the query; tables are catalog.namespace.table")
     query.add_argument("--limit", type=int, default=None,
                        help="at most this many rows (printing: default 100; files: all)")
     _reading_options(query)
 
     changes = command("changes", "net inserts, updates and deletes of a table between two "
-                                 "points of its history (for incremental downstream jobs)")
-    changes.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+                                 "points of its history (for incremental downstream jobs)",
+                      _cmd_changes)
     changes.add_argument("table", help="source table (schema.table)")
     changes.add_argument("--from", dest="start", required=True,
                          help="snapshot id or timestamp to start after")
@@ -127,54 +150,44 @@ def _parser() -> argparse.ArgumentParser:
                          help="table prints; csv, json (lines) and parquet need --output")
     changes.add_argument("--output", help="file to write with --format csv|json|parquet")
 
-    check = command("check", "check the source, the machine and the lake before running")
-    check.add_argument("-c", "--config", required=True, help="pipeline YAML file")
-
-    status = command("status", "where each table and the replication slot stand")
-    status.add_argument("-c", "--config", required=True, help="pipeline YAML file")
-    status.add_argument("--json", action="store_true", help="print JSON instead of text")
+    history = command("history", "snapshots of a table: time, operation, LSN, rows",
+                      _cmd_history, json=True)
+    history.add_argument("table", help="source table, schema.table")
 
     maintain = command("maintain", "compact files, apply deletes, expire snapshots, "
-                                   "remove orphan files")
-    maintain.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+                                   "remove orphan files", _cmd_maintain, json=True)
     maintain.add_argument("--table", action="append", help="source table (schema.table); "
                                                            "repeat for several; default: all "
                                                            "(of every source)")
 
+
+def _operator_commands(command: Command) -> None:
+    command("check", "check the source, the machine and the lake before running", _cmd_check,
+            json=True)
+    command("status", "where each table and each source stand", _cmd_status, json=True)
+
     verify = command("verify", "prove each Iceberg table equals its Postgres table (row counts, "
-                               "hashes over all columns, differing keys)")
-    verify.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+                               "hashes over all columns, differing keys)", _cmd_verify, json=True)
     verify.add_argument("--table", action="append", help="source table (schema.table); "
                                                          "repeat for several; default: all")
     verify.add_argument("--limit", type=int, default=20,
                         help="differing keys to list per table (default 20)")
     verify.add_argument("--wait", type=float, default=60.0,
                         help="seconds to wait for a running walberg to catch up (default 60)")
-    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     resync = command("resync", "copy tables from Postgres again (after a lost slot, or to "
-                               "repair a table), then catch up")
-    resync.add_argument("-c", "--config", required=True, help="pipeline YAML file")
+                               "repair a table), then catch up", _cmd_resync)
     resync.add_argument("tables", nargs="*", help="source tables (schema.table); none: all "
                                                   "tables, with a new replication slot")
     resync.add_argument("--source", help="with several sources: only this one (default: "
                                          "every source, or those that have the named tables)")
     resync.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
-    slot = command("slot", "create or drop the pipeline's replication slot")
+    slot = command("slot", "create or drop the pipeline's replication slot", _cmd_slot)
     slot.add_argument("action", choices=["create", "drop"])
-    slot.add_argument("-c", "--config", required=True, help="pipeline YAML file")
     slot.add_argument("--source", help="with several sources: the source whose slot it is "
                                        "(required then)")
     slot.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-
-    init = command("init", "write a commented starter pipeline.yaml")
-    init.add_argument("path", nargs="?", default="pipeline.yaml", help="where to write it")
-
-    history = command("history", "snapshots of a table: time, operation, LSN, rows")
-    history.add_argument("-c", "--config", required=True, help="pipeline YAML file")
-    history.add_argument("table", help="source table, schema.table")
-    return parser
 
 
 class _JsonFormatter(logging.Formatter):
@@ -256,161 +269,113 @@ def _run_kafka(config: "Config", once: bool) -> int:
     return 0
 
 
-@contextmanager
-def _opened(args: argparse.Namespace) -> Iterator["Pipeline"]:
-    """The pipeline of ``-c``, closed (and its Spark stopped) however the command ends."""
-    from walberg.config import load_config
-    from walberg.pipeline import Pipeline
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from walberg.demo import run_demo
 
-    pipeline = Pipeline(load_config(args.config))
-    try:
-        yield pipeline
-    finally:
-        pipeline.close()
+    return run_demo(rows=args.rows, directory=args.dir)
 
 
-def _cmd_query(args: argparse.Namespace) -> int:
+def _on_lake(command: Callable[[argparse.Namespace, "Lake"], int]
+             ) -> Callable[[argparse.Namespace], int]:
+    """A command on the lake of ``-c``, whatever kind of pipeline file it is (one Postgres
+    source, several, or Kafka): the Lake is opened for it and closed (its Spark stopped, if it
+    started one) however the command ends. ``--source``, where a command has it, narrows
+    several sources to one."""
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from walberg.config import load_config
+        from walberg.lake.services import Lake
+
+        source = getattr(args, "source", None)
+        with Lake(load_config(args.config), names=[source] if source else None) as lake:
+            return command(args, lake)
+
+    return run
+
+
+@_on_lake
+def _cmd_query(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.lake.query import pinned
     from walberg.model import Lsn
 
     try:
         lsn = Lsn.parse(args.lsn) if args.lsn else None
     except ValueError as exc:
         return _fail(f"--lsn: {exc}", 2)
-    when = {"as_of": args.as_of, "snapshot": args.snapshot, "lsn": lsn}
-    with _opened(args) as pipeline:
-        return _show(args, lambda: pipeline.pinned(args.sql, **when), pipeline)
+    return _show(args, lake, lambda: pinned(lake, args.sql, args.as_of, args.snapshot, lsn))
 
 
-def _cmd_changes(args: argparse.Namespace) -> int:
-    with _opened(args) as pipeline:
-        return _show(args, lambda: pipeline.changes_sql(args.table, args.start, args.end),
-                     pipeline)
+@_on_lake
+def _cmd_changes(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.lake.changes import changes_sql
+
+    return _show(args, lake, lambda: changes_sql(lake, args.table, args.start, args.end))
 
 
-def _show(args: argparse.Namespace, statement: Callable[[], str], pipeline: "Pipeline") -> int:
+def _show(args: argparse.Namespace, lake: "Lake", statement: Callable[[], str]) -> int:
     """Print a query's result, or write it to --output."""
     from pathlib import Path
+
+    from walberg.output import format_table
 
     if args.format == "table":
         if args.output:
             return _fail("--output needs --format csv, json or parquet", 2)
-        rows, names = pipeline.query(statement(), args.limit or 100)
+        rows, names = lake.sink().query(statement(), args.limit or 100)
         print(format_table(names, rows))
         return 0
     if not args.output:
         return _fail(f"--format {args.format} needs --output PATH", 2)
-    written = pipeline.export(statement(), args.format, Path(args.output), args.limit)
+    written = lake.sink().export(statement(), args.format, Path(args.output), args.limit)
     print(f"wrote {written:,} row(s) to {args.output}")
     return 0
 
 
-def _each_source(args: argparse.Namespace) -> Iterator[tuple[Optional[str], "Pipeline"]]:
-    """The pipeline of ``-c``, or one per source when the file has several (no Spark)."""
-    from walberg.config import load_config
-    from walberg.pipeline import Pipeline
+@_on_lake
+def _cmd_check(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.ops.check import check
+    from walberg.output import by_source, checks_text, emit
 
-    config = load_config(args.config)
-    names: list[Optional[str]] = list(config.sources) or [None]
-    for name in names:
-        pipeline = Pipeline(config.for_source(name) if name else config)
-        try:
-            yield name, pipeline
-        finally:
-            pipeline.close()
+    results = check(lake)
+    emit(results, args.json, checks_text, by_source)
+    return 0 if all(r.ok for group in results for r in group.results) else 1
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
-    from walberg.config import load_config
+@_on_lake
+def _cmd_status(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.ops.status import status
+    from walberg.output import by_source, emit, status_text
 
-    failed = total = 0
-    config = load_config(args.config)
-    if config.source.kafka is not None:
-        from walberg.kafka_pipeline import KafkaPipeline
-
-        sources: Iterator[tuple[Optional[str], Any]] = iter([(None, KafkaPipeline(config))])
-    else:
-        sources = _each_source(args)
-    for name, pipeline in sources:
-        if name:
-            print(f"source {name}:")
-        results = pipeline.check()
-        for r in results:
-            mark = "ok  " if r.ok else "FAIL"
-            print(f"[{mark}] {r.name}: {r.detail}")
-        failed += sum(1 for r in results if not r.ok)
-        total += len(results)
-    print(f"{total - failed} of {total} checks passed")
-    return 0 if not failed else 1
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    import json
-
-    statuses = {name: pipeline.status() for name, pipeline in _each_source(args)}
-    if args.json:
-        print(json.dumps(statuses[None] if None in statuses else statuses, indent=2))
-        return 0
-    for name, status in statuses.items():
-        if name:
-            print(f"source {name}:")
-        _print_status(status)
+    emit(status(lake), args.json, status_text, by_source)
     return 0
 
 
-def _print_status(status: dict[str, Any]) -> None:
-    p = status["pipeline"]
-    running = f"running (pid {p['pid']})" if p["running"] else "not running"
-    print(f"walberg: {running}; {p['pending_segments']} sealed segment(s) pending, "
-          f"{p['pending_bytes']:,} bytes in {p['segment_dir']}")
-    rows = [(name, t["iceberg_table"], t["last_lsn"] or "-", t["last_commit_at"] or "-",
-             "-" if t["rows"] is None else f"{t['rows']:,}", t["data_files"] or 0,
-             t["delete_files"] or 0, t["snapshot_id"] or "-")
-            for name, t in status["tables"].items()]
-    print(format_table(["source", "iceberg table", "lsn", "committed at", "rows", "files",
-                        "delete files", "snapshot"], rows))
-    slot = status["slot"] or {}
-    if "error" in slot:
-        print(f"slot: {slot['error']}")
-    elif slot.get("missing"):
-        print(f"slot {slot['name']}: does not exist yet (created by the first run)")
-    else:
-        print(f"slot {slot['name']}: confirmed {slot['confirmed_flush_lsn']}, server at "
-              f"{slot['server_wal_lsn']}, lag {slot['lag_bytes']:,} bytes, retains "
-              f"{slot['retained_wal_bytes']:,} bytes of WAL ({slot['wal_status']})")
+@_on_lake
+def _cmd_verify(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.ops.verify import verify
+    from walberg.output import emit, verdicts_text
 
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-
-    from walberg.config import load_config
-
-    config = load_config(args.config)
-    if config.source.kafka is not None:
-        return _run_kafka(config, args.once)
-    if config.sources:
-        from walberg.pipeline import Pipelines
-
-        several = Pipelines(config)
-        try:
-            verdicts = several.verify(args.table, args.limit, args.wait)
-        finally:
-            several.close()
-    else:
-        with _opened(args) as pipeline:
-            verdicts = pipeline.verify(args.table, args.limit, args.wait)
-    if args.json:
-        print(json.dumps([dataclasses.asdict(v) for v in verdicts], indent=2))
-    for v in verdicts if not args.json else []:
-        mark = "ok  " if v.equal else "DIFF"
-        print(f"[{mark}] {v.source} -> {v.target}: source {v.source_rows:,} rows (at LSN "
-              f"{v.source_lsn}), lake {v.lake_rows:,} rows (up to LSN {v.lake_lsn or '-'})")
-        if v.note:
-            print(f"       {v.note}")
-        for d in v.differences:
-            key = ", ".join(f"{k}={val}" for k, val in d["key"].items())
-            print(f"       {key}: {d['problem']}")
+    verdicts = verify(lake, args.table, args.limit, args.wait)
+    emit(verdicts, args.json, verdicts_text)
     return 0 if all(v.equal for v in verdicts) else 1
+
+
+@_on_lake
+def _cmd_maintain(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.lake.maintain import maintain
+    from walberg.output import emit, maintenance_table
+
+    emit(maintain(lake, args.table), args.json, maintenance_table)
+    return 0
+
+
+@_on_lake
+def _cmd_history(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.lake.history import history
+    from walberg.output import emit, history_table
+
+    emit(history(lake, args.table), args.json, history_table)
+    return 0
 
 
 def _confirm(args: argparse.Namespace, question: str) -> bool:
@@ -423,103 +388,39 @@ def _confirm(args: argparse.Namespace, question: str) -> bool:
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
-def _chosen_sources(config: "Config", source: Optional[str]) -> Optional[list[str]]:
-    """The sources a command acts on: None for a file with one source (``source:``), else
-    the one ``--source`` names or, without it, all of them. A name the file does not have is
-    an error that lists the ones it has."""
-    if source is not None:
-        config.for_source(source)  # raises ConfigError, naming the sources there are
-        return [source]
-    return list(config.sources) or None
+@_on_lake
+def _cmd_resync(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.ops import resync
 
-
-def _cmd_resync(args: argparse.Namespace) -> int:
-    from walberg.config import load_config
-
-    config = load_config(args.config)
-    tables = [t if "." in t else f"public.{t}" for t in args.tables] or None
-    names = _chosen_sources(config, args.source)
-    if names is not None:
-        return _resync_sources(args, config, names, tables)
-    what = (", ".join(f"{t} -> {config.target_for(t)}" for t in tables) if tables else
-            f"every table, after dropping replication slot {config.postgres.slot}")
-    if not _confirm(args, f"This copies {what} from Postgres again, replacing the Iceberg "
-                          "table's rows (its history stays for time travel)."):
+    chosen = resync.plan(lake, args.tables)  # before asking: a wrong name fails first
+    if not _confirm(args, f"This copies {resync.describe(chosen)} from Postgres again, "
+                          "replacing those rows of the Iceberg tables (their history stays "
+                          "for time travel)."):
         return 1
-    with _opened(args) as pipeline:
-        report = pipeline.resync(tables)
-    copied = ", ".join(f"{t}: {n:,} rows" for t, n in report.copied.items())
-    print(f"copied {copied}; the lake is complete up to LSN {report.applied_lsn}")
-    return 0
-
-
-def _resync_sources(args: argparse.Namespace, config: "Config", names: list[str],
-                    tables: Optional[list[str]]) -> int:
-    """``resync`` in a file with several sources: each chosen source that has the tables."""
-    from walberg.pipeline import Pipelines
-
-    plan = config.tables_by_source(tables, names)  # before asking: a wrong name fails first
-    what = "; ".join(
-        f"from source {name}: " + (
-            ", ".join(f"{t} -> {config.for_source(name).target_for(t)}" for t in mine) if mine
-            else "every table, after dropping replication slot "
-                 f"{config.for_source(name).postgres.slot}")
-        for name, mine in plan.items())
-    if not _confirm(args, f"This copies {what} from Postgres again, replacing those rows of the "
-                          "Iceberg tables (their history stays for time travel)."):
-        return 1
-    several = Pipelines(config, names=list(plan))
-    try:
-        reports = several.resync(tables)
-    finally:
-        several.close()
-    for name, report in reports.items():
+    for name, report in resync.resync(lake, chosen).items():
         copied = ", ".join(f"{t}: {n:,} rows" for t, n in report.copied.items())
-        print(f"source {name}: copied {copied}; the lake is complete up to LSN "
-              f"{report.applied_lsn}")
+        print((f"source {name}: " if name else "") + f"copied {copied}; the lake is complete "
+              f"up to LSN {report.applied_lsn}")
     return 0
 
 
 def _cmd_slot(args: argparse.Namespace) -> int:
     from walberg.config import load_config
-    from walberg.source import postgres as pg
-    from walberg.source.stream import ReplicationStream
+    from walberg.ops.slot import create_slot, drop_slot, slot_source
 
-    config = load_config(args.config)
-    if config.sources and args.source is None:
-        # Each source has its own slot; acting on all of them unasked (dropping several
-        # slots, and so copying several databases again) is too easy a mistake.
-        return _fail(f"{args.config} has several sources ({', '.join(config.sources)}), each "
-                     f"with its own replication slot: name one with --source NAME", 2)
-    if args.source is not None:
-        config = config.for_source(args.source)  # a name it does not have: ConfigError
-    src = config.postgres
+    config = slot_source(load_config(args.config), args.source, args.config)
+    slot = config.postgres.slot
     if args.action == "drop":
-        if not _confirm(args, f"Dropping replication slot {src.slot} frees the WAL it holds; "
+        if not _confirm(args, f"Dropping replication slot {slot} frees the WAL it holds; "
                               "the next walberg run creates it anew and copies every table."):
             return 1
-        conn = pg.connect(src.dsn)
-        try:
-            dropped = pg.drop_slot(conn, src.slot)
-        finally:
-            conn.close()
-        print(f"dropped replication slot {src.slot}" if dropped else
-              f"replication slot {src.slot} does not exist")
+        print(f"dropped replication slot {slot}" if drop_slot(config) else
+              f"replication slot {slot} does not exist")
         return 0
-    conn = pg.connect(src.dsn)
-    try:
-        exists = pg.slot_state(conn, src.slot) is not None
-    finally:
-        conn.close()
-    if exists:
-        print(f"replication slot {src.slot} exists already")
+    created = create_slot(config)
+    if created is None:
+        print(f"replication slot {slot} exists already")
         return 0
-    stream = ReplicationStream(src.dsn, src.slot, src.publication)
-    stream.open()
-    try:
-        created = stream.create_slot()
-    finally:
-        stream.close()
     print(f"created replication slot {created.name} at {created.consistent_point}; the first "
           "walberg run copies the tables that the lake does not hold yet")
     return 0
@@ -535,51 +436,6 @@ def _cmd_init(args: argparse.Namespace) -> int:
     path.write_text(STARTER)
     print(f"wrote {path}: set source.postgres.dsn and tables, then `walberg check -c {path}`")
     return 0
-
-
-def _cmd_maintain(args: argparse.Namespace) -> int:
-    from walberg.config import load_config
-
-    config = load_config(args.config)
-    if config.sources:
-        from walberg.pipeline import Pipelines
-
-        several = Pipelines(config)
-        try:
-            reports = several.maintain(args.table)
-        finally:
-            several.close()
-    else:
-        with _opened(args) as pipeline:
-            reports = pipeline.maintain(args.table)
-    rows = [(r["table"], f"{r['before']['data_files']} -> {r['after']['data_files']}",
-             f"{r['before']['delete_files']} -> {r['after']['delete_files']}",
-             f"{r['before']['snapshots']} -> {r['after']['snapshots']}",
-             f"{r['before']['bytes']:,} -> {r['after']['bytes']:,}", r["seconds"])
-            for r in reports]
-    print(format_table(["table", "data files", "delete files", "snapshots", "bytes", "seconds"],
-                       rows))
-    return 0
-
-
-def _cmd_history(args: argparse.Namespace) -> int:
-    with _opened(args) as pipeline:
-        history = pipeline.history(args.table)
-    print(format_table(
-        ["committed at", "snapshot", "operation", "walberg.lsn", "rows added", "rows deleted"],
-        [(h["made_current_at"], h["snapshot_id"], h["operation"], h["lsn"] or "-",
-          h["added"] or 0, h["pos_deletes"] or h["deleted"] or 0) for h in history]))
-    return 0
-
-
-def format_table(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
-    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
-    line = "  ".join(n.ljust(w) for n, w in zip(names, widths, strict=False))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) for r in cells]
-    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(out)
 
 
 def _on_signals(handler: Callable[[], None]) -> dict[int, Any]:
@@ -605,33 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.debug:  # the JVM's own log on the terminal too, not only in its file
         os.environ.setdefault("WALBERG_SPARK_LOG", "-")
     try:
-        if args.command == "run":
-            return _cmd_run(args)
-        if args.command == "demo":
-            from walberg.demo import run_demo
-
-            return run_demo(rows=args.rows, directory=args.dir)
-        if args.command == "query":
-            return _cmd_query(args)
-        if args.command == "check":
-            return _cmd_check(args)
-        if args.command == "status":
-            return _cmd_status(args)
-        if args.command == "init":
-            return _cmd_init(args)
-        if args.command == "maintain":
-            return _cmd_maintain(args)
-        if args.command == "history":
-            return _cmd_history(args)
-        if args.command == "verify":
-            return _cmd_verify(args)
-        if args.command == "changes":
-            return _cmd_changes(args)
-        if args.command == "resync":
-            return _cmd_resync(args)
-        if args.command == "slot":
-            return _cmd_slot(args)
-        raise AssertionError(args.command)
+        return int(args.func(args))
     except WalbergError as exc:
         if args.debug:
             raise

@@ -542,23 +542,6 @@ class Config(_Model):
         one._source_name = name
         return one
 
-    def tables_by_source(self, tables: Optional[list[str]] = None,
-                         names: Optional[list[str]] = None) -> dict[str, Optional[list[str]]]:
-        """Of several sources (``names``, default all): which of ``tables`` each one has, None
-        meaning all of its tables when no table is named. A source with none of the named
-        tables is left out; a table that none of them has is an error."""
-        chosen = {n: self.for_source(n).postgres.tables for n in names or self.sources}
-        if not tables:
-            return {n: None for n in chosen}
-        unknown = [t for t in tables if not any(t in mine for mine in chosen.values())]
-        if unknown:
-            listed = "; ".join(f"{n}: {', '.join(mine)}" for n, mine in chosen.items())
-            raise ConfigError(f"{', '.join(unknown)}: not a table of "
-                              f"{'any source' if len(chosen) > 1 else 'source ' + next(iter(chosen))}"
-                              f" ({listed}); see sources.<name>.postgres.tables")
-        return {n: [t for t in tables if t in mine] for n, mine in chosen.items()
-                if any(t in mine for t in tables)}
-
     def path(self, value: str) -> Path:
         """A path from the config, relative to the YAML file's directory."""
         p = Path(os.path.expanduser(value))
@@ -586,6 +569,16 @@ class Config(_Model):
         if self._source_name is not None and not self.sink.fan_in:
             name = f"{self._source_name}__{name}"
         return f"{self.sink.catalog.name}.{self.namespace_for(source_table)}.{name}"
+
+    def target_for_topic(self, topic: str) -> str:
+        """The Iceberg identifier for a Kafka topic's table: its ``source.kafka.tables.<topic>
+        .table`` as given (namespace.table), else as for the source table it names."""
+        kafka = self.source.kafka
+        assert kafka is not None, "target_for_topic: a Kafka source's pipeline file"
+        chosen = kafka.tables.get(topic)
+        if chosen is not None and chosen.table:
+            return f"{self.sink.catalog.name}.{chosen.table}"
+        return self.target_for(kafka.table_for(topic))
 
     def changelog_for(self, source_table: str) -> str:
         """The changelog table of a source table: the target itself in append mode, else

@@ -34,11 +34,10 @@ import pyarrow.parquet as pq
 from walberg import metrics
 from walberg.apply.batch import BatchBuilder, StagedTable
 from walberg.apply.iceberg import OFFSET_PROPERTY, IcebergSink
-from walberg.apply.spark import check_java, find_java
 from walberg.apply.types import TypeMap, pg_type_for
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config, KafkaTopic
-from walberg.errors import ConfigError, WalbergError
+from walberg.errors import ConfigError
 from walberg.faults import crash_point
 from walberg.lakeside import commit_with_retries, count_files, open_session, release
 from walberg.model import Column, Lsn, Op
@@ -73,13 +72,6 @@ class _Shape:
     types: tuple[dbz.FieldType, ...]
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    ok: bool
-    detail: str
-
-
 class KafkaPipeline:
     """Keeps one Iceberg table per configured topic equal to what its Debezium events say."""
 
@@ -90,7 +82,7 @@ class KafkaPipeline:
         self.kafka = config.source.kafka
         self.topics = list(self.kafka.topics)
         self.names = {t: self.kafka.table_for(t) for t in self.topics}
-        self.targets = {t: self._target(t) for t in self.topics}
+        self.targets = {t: config.target_for_topic(t) for t in self.topics}
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
         self.report = KafkaReport()
         self._session: Any = session
@@ -103,12 +95,6 @@ class KafkaPipeline:
         self._position: dict[Partition, int] = {}  # next offset read and applied (or skipped)
         self._read: dict[Partition, int] = {}  # next offset read from the broker
         self._stop = threading.Event()
-
-    def _target(self, topic: str) -> str:
-        chosen = self.kafka.tables.get(topic)
-        if chosen is not None and chosen.table:
-            return f"{self.config.sink.catalog.name}.{chosen.table}"
-        return self.config.target_for(self.names[topic])
 
     # ---- wiring ------------------------------------------------------------------------------
 
@@ -441,63 +427,6 @@ class KafkaPipeline:
             log.warning("%d record(s) of %s partition %d (offsets %d..%d) could not be applied "
                         "and went to %s with the reason in _dlq_reason; the first: offset %d: %s",
                         len(fresh), topic, partition, first, last, directory, first, fresh[0][1])
-
-    # ---- check ---------------------------------------------------------------------------------
-
-    def check(self) -> list[CheckResult]:
-        """Whether this pipeline can run: broker, topics, Java, dead-letter directory."""
-        results: list[CheckResult] = []
-
-        def item(name: str, fn: Any) -> bool:
-            try:
-                results.append(CheckResult(name, True, fn()))
-                return True
-            except WalbergError as exc:
-                results.append(CheckResult(name, False, str(exc)))
-                return False
-
-        consumer: Optional[kafka.Consumer] = None
-        try:
-            consumer = self._new_consumer()
-
-            def broker() -> str:
-                assert consumer is not None
-                consumer.partitions([])  # lists the cluster's topics: the broker answers
-                return f"reached {self.kafka.bootstrap_servers}"
-
-            if item("broker", broker):
-                for topic in self.topics:
-                    def one(topic: str = topic) -> str:
-                        assert consumer is not None
-                        n = len(consumer.partitions([topic]))
-                        return f"{n} partition(s) -> {self.targets[topic]}"
-                    item(f"topic {topic}", one)
-        except WalbergError as exc:
-            results.append(CheckResult("broker", False, str(exc)))
-        finally:
-            if consumer is not None:
-                consumer.close()
-
-        def java() -> str:
-            path = find_java()
-            check_java(path)
-            return str(path)
-
-        def dead_letters() -> str:
-            root = self.config.dead_letter_dir
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-                probe = root / ".walberg-check"
-                probe.write_text("")
-                probe.unlink()
-            except OSError as exc:
-                raise ConfigError(f"cannot write to {root} (source.kafka.dead_letter_dir): "
-                                  f"{exc.strerror}") from None
-            return f"{root} is writable"
-
-        item("java", java)
-        item("dead letters", dead_letters)
-        return results
 
 
 def _offsets(offsets: Mapping[Partition, int]) -> str:

@@ -31,8 +31,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from walberg import metrics, verify
-from walberg.apply import catalogs, evolution, jdbc
+from walberg import metrics
+from walberg.apply import evolution, jdbc
 from walberg.apply.batch import (
     BatchBuilder,
     DeadLetters,
@@ -41,13 +41,11 @@ from walberg.apply.batch import (
     csv_to_parquet,
     seq_filter,
 )
-from walberg.apply.iceberg import COPY_PREFIX, IcebergSink, pin_tables, quote_target
-from walberg.apply.metadata import read_hadoop_table
-from walberg.apply.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
-from walberg.apply.types import TextPrep, TypeMap, parse_array, quote, sql_string
+from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
+from walberg.apply.types import TextPrep, TypeMap, parse_array, sql_string
 from walberg.buffer import spill
 from walberg.buffer.spill import TxnSpill
-from walberg.buffer.store import SegmentStore, inspect_directory
+from walberg.buffer.store import SegmentStore
 from walberg.config import Config, load_config
 from walberg.errors import (
     ConfigError,
@@ -58,6 +56,7 @@ from walberg.errors import (
     WalbergError,
 )
 from walberg.faults import crash_point
+from walberg.lake.maintain import maintain_tables
 from walberg.lakeside import commit_with_retries, count_files, open_session, release
 from walberg.model import (
     Begin,
@@ -75,7 +74,6 @@ from walberg.source.columnar import Changes, Malformed, decode_changes
 from walberg.source.pgoutput import Decoder
 from walberg.source.snapshot import copy_table
 from walberg.source.stream import CreatedSlot, ReplicationStream
-from walberg.verify import TableVerdict
 
 log = logging.getLogger("walberg")
 
@@ -132,13 +130,6 @@ class PreparedBatch:
     start: Lsn = Lsn(0)  # the lake held everything before this when the batch was staged
     # Set once its commit is over (or failed): the next batch stops growing then.
     committed: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    ok: bool
-    detail: str
 
 
 @dataclass
@@ -249,443 +240,12 @@ class Pipeline:
                                f"(it holds up to {self._applied})")
             time.sleep(0.05)
 
-    def query(self, statement: str, limit: int = 100, *, as_of: Optional[str] = None,
-              snapshot: Optional[int] = None, lsn: Optional[Lsn] = None
-              ) -> tuple[list[tuple[Any, ...]], list[str]]:
-        """Run Spark SQL against the lake; returns (rows, column names). With ``as_of`` (a
-        timestamp), ``snapshot`` (an Iceberg snapshot id of one table) or ``lsn`` (a Postgres
-        WAL position), the pipeline's tables are read as they were then."""
-        return self.sink.query(self.pinned(statement, as_of, snapshot, lsn), limit)
-
-    def export(self, statement: str, fmt: str, output: Path, limit: Optional[int] = None, *,
-               as_of: Optional[str] = None, snapshot: Optional[int] = None,
-               lsn: Optional[Lsn] = None) -> int:
-        """Write a query's result to ``output`` as csv, json (lines) or parquet."""
-        return self.sink.export(self.pinned(statement, as_of, snapshot, lsn), fmt, output, limit)
-
-    def pinned(self, statement: str, as_of: Optional[str] = None,
-               snapshot: Optional[int] = None, lsn: Optional[Lsn] = None) -> str:
-        """``statement`` with the pipeline's tables read at a point in their history."""
-        if sum(x is not None for x in (as_of, snapshot, lsn)) > 1:
-            raise ConfigError("give one of --as-of, --snapshot and --lsn, not several")
-        pins: dict[str, str] = {}
-        if as_of is not None:
-            stamp = as_of.replace("'", "")
-            pins = {target: f"TIMESTAMP AS OF '{stamp}'" for target in self.targets.values()
-                    if self.sink.table_exists(target)}
-        elif snapshot is not None:
-            for target in self.targets.values():
-                if self.sink.table_exists(target) and any(
-                        h["snapshot_id"] == snapshot for h in self.sink.history(target)):
-                    pins[target] = f"VERSION AS OF {int(snapshot)}"
-            if not pins:
-                raise Terminal(f"no table of this pipeline has a snapshot {snapshot}; "
-                               "`walberg history -c pipeline.yaml TABLE` lists them")
-        elif lsn is not None:
-            for source, target in self.targets.items():
-                if self.sink.table_exists(target):
-                    pins[target] = f"VERSION AS OF {self._snapshot_at(source, lsn)}"
-        return pin_tables(statement, pins)
-
-    def changes_sql(self, source: str, start: str, end: Optional[str] = None) -> str:
-        """Spark SQL for the net changes to a table between two points of its history (snapshot
-        ids or timestamps; ``end`` defaults to now): one row per changed key with ``_change``
-        (insert, update or delete) and the row's values (the old ones for a delete)."""
-        source = source if "." in source else f"public.{source}"
-        if source not in self.targets:
-            raise Terminal(f"{source} is not one of this pipeline's tables "
-                           f"({', '.join(self.tables)}); see source.postgres.tables")
-        target = self.targets[source]
-        names = [n for n, _ in self.sink.schema(target)]
-        conn = pg.connect(self.pg.dsn)
-        try:
-            keys = [c.name for c in pg.describe_table(conn, source).columns if c.is_key]
-        finally:
-            conn.close()
-        keys = [k for k in keys if k in names] or names
-        t = quote_target(target)
-
-        def at(point: Optional[str]) -> str:
-            if point is None:
-                return t
-            if point.strip().isdigit():
-                return f"{t} VERSION AS OF {int(point)}"
-            return f"{t} TIMESTAMP AS OF '{point.replace(chr(39), '')}'"
-
-        on = " AND ".join(f"o.{quote(k)} <=> n.{quote(k)}" for k in keys)
-        lsn = quote("_walberg_lsn")
-        first_key = quote(keys[0])
-        change = (f"CASE WHEN o.{lsn} IS NULL THEN 'insert' WHEN n.{lsn} IS NULL THEN 'delete' "
-                  "ELSE 'update' END AS _change")
-        cols = ", ".join(f"CASE WHEN n.{lsn} IS NULL THEN o.{quote(c)} ELSE n.{quote(c)} END "
-                         f"AS {quote(c)}" for c in names + ["_walberg_lsn"])
-        return (f"SELECT {change}, {cols} FROM (SELECT * FROM {at(start)}) o "
-                f"FULL OUTER JOIN (SELECT * FROM {at(end)}) n ON {on} "
-                f"WHERE o.{lsn} IS NULL OR n.{lsn} IS NULL OR o.{lsn} <> n.{lsn} "
-                f"ORDER BY coalesce(n.{first_key}, o.{first_key})")
-
-    def _snapshot_at(self, source: str, lsn: Lsn) -> int:
-        """The last snapshot of the table's current history whose data covers the source only
-        up to ``lsn``: what the lake held of it as of that Postgres position."""
-        target = self.targets[source]
-        chosen: Optional[int] = None
-        covered = Lsn(0)
-        first: Optional[str] = None
-        for h in self.sink.history(target):
-            if not h["is_current_ancestor"]:
-                continue
-            if h["lsn"] is not None:
-                covered = max(covered, Lsn.parse(h["lsn"]))
-                first = first or h["lsn"]
-            if h["lsn"] is not None or chosen is not None:
-                if covered > lsn:
-                    break
-                chosen = int(h["snapshot_id"])
-        if chosen is None:
-            raise Terminal(f"the lake held nothing of {source} at LSN {lsn}: its first commit "
-                           f"covers up to LSN {first or '-'}")
-        return chosen
-
-    def history(self, source: str) -> list[dict[str, Any]]:
-        """The snapshots of a source table's Iceberg table, oldest first."""
-        source = source if "." in source else f"public.{source}"
-        if source not in self.targets:
-            raise Terminal(f"{source} is not one of this pipeline's tables "
-                           f"({', '.join(self.tables)}); see source.postgres.tables")
-        return self.sink.history(self.targets[source])
-
-    # ---- maintenance ---------------------------------------------------------------------------
-
-    def maintain(self, tables: Optional[list[str]] = None) -> list[dict[str, Any]]:
-        """Compact and clean up the Iceberg tables of these source tables (default: all)."""
-        m = self.config.maintenance
-        now_ms = int(time.time() * 1000)
-        reports = []
-        for source in tables or self.tables:
-            if source not in self.targets:
-                raise Terminal(f"{source} is not one of this pipeline's tables "
-                               f"({', '.join(self.tables)}); see source.postgres.tables")
-            target = self.targets[source]
-            if not self.sink.table_exists(target):
-                continue
-            started = time.monotonic()
-            report = self.sink.maintain(
-                target, m.target_file_size_bytes, now_ms - int(m.snapshot_retention * 1000),
-                m.retain_last, now_ms - int(m.orphan_retention * 1000))
-            report["seconds"] = round(time.monotonic() - started, 2)
-            b, a = report["before"], report["after"]
-            log.info("maintained %s in %.1f s: data files %d -> %d, delete files %d -> %d, "
-                     "snapshots %d -> %d, %d -> %d bytes", target, report["seconds"],
-                     b["data_files"], a["data_files"], b["delete_files"], a["delete_files"],
-                     b["snapshots"], a["snapshots"], b["bytes"], a["bytes"])
-            reports.append(report)
-        return reports
-
-    # ---- verify ----------------------------------------------------------------------------------
-
-    def verify(self, tables: Optional[list[str]] = None, limit: int = 20,
-               wait_seconds: float = 60.0, attempts: int = 3) -> list[TableVerdict]:
-        """Compare each table in Postgres with its Iceberg table: row counts and an
-        order-independent hash over all columns, computed by each side's own engine; on a
-        difference, the first ``limit`` differing keys.
-
-        The source is read in one snapshot at WAL position X. When a walberg process is running
-        on the pipeline, verify waits (up to ``wait_seconds``) until the lake has committed
-        past X. A source table still changing meanwhile can make the two disagree for that
-        reason alone, so a difference is measured again, ``attempts`` times in all."""
-        chosen = tables or [t for t in self.tables
-                            if self.config.layout_for(t).mode != "append"]
-        for t in chosen:
-            if t not in self.targets:
-                raise Terminal(f"{t} is not one of this pipeline's tables "
-                               f"({', '.join(self.tables)}); see source.postgres.tables")
-            if self.config.layout_for(t).mode == "append":
-                raise Terminal(f"{t} is written in append mode: its Iceberg table is a "
-                               "changelog, not a mirror, so there is nothing to compare")
-        self.session()
-        conn = pg.connect(self.pg.dsn, autocommit=False)
-        verdicts = []
-        try:
-            infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in chosen}
-            conn.rollback()
-            self._learn_types(conn, infos)
-            conn.rollback()
-            for t in chosen:
-                verdict = None
-                for _ in range(max(attempts, 1)):
-                    verdict = self._verify_table(conn, infos[t], limit, wait_seconds)
-                    if verdict.equal:
-                        break
-                assert verdict is not None
-                verdicts.append(verdict)
-        finally:
-            conn.close()
-        return verdicts
-
-    def _verify_table(self, conn: Any, info: pg.TableInfo, limit: int,
-                      wait_seconds: float) -> TableVerdict:
-        source, target = info.qualified_name, self.targets[info.qualified_name]
-        types = [self.types.spark_type(c, target) for c in info.columns]
-        table = info.rows_sql()  # what the publication publishes, not the whole table
-        conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
-        try:
-            with conn.cursor() as cur:
-                cur.execute("SELECT pg_current_wal_lsn()::text")
-                at = Lsn.parse(cur.fetchone()[0])
-            running = inspect_directory(self.config.segment_dir).holder_pid is not None
-            lake_lsn = self.sink.committed_lsn(target)
-            deadline = time.monotonic() + wait_seconds
-            while running and (lake_lsn is None or lake_lsn < at) and time.monotonic() < deadline:
-                time.sleep(0.5)
-                lake_lsn = self.sink.committed_lsn(target)
-            if lake_lsn is None:
-                return TableVerdict(source, target, False, 0, 0, str(at), None,
-                                    note=f"{target} has no walberg commit yet: run walberg "
-                                         f"run -c <pipeline.yaml> --once first")
-            src_n, src_hash = verify.source_digest(conn, table, info.columns, types)
-            own = f"`_walberg_source` = '{self._tag}'" if self._tag else "true"
-            lake_n, lake_hash = verify.lake_digest(self.session(), target, info.columns, types,
-                                                   own)
-            verdict = TableVerdict(source, target, (src_n, src_hash) == (lake_n, lake_hash),
-                                   src_n, lake_n, str(at), str(lake_lsn))
-            if lake_lsn < at:
-                verdict.note = (f"the lake holds {source} up to LSN {lake_lsn}, the source was "
-                                f"read at {at}; changes in between, if any, are not applied yet")
-            if not verdict.equal:
-                with tempfile.TemporaryDirectory(prefix="walberg-verify-",
-                                                 dir=self.config.segment_dir.parent) as work:
-                    hashes = Path(work) / "source.parquet"
-                    verify.source_row_hashes(conn, table, info.columns, types, hashes)
-                    verdict.differences = verify.differing_keys(
-                        self.session(), target, info.columns, types, hashes, limit, own)
-            return verdict
-        finally:
-            conn.rollback()
-            conn.set_session(isolation_level="READ COMMITTED", readonly=False)
-
-    # ---- inspection: check and status ---------------------------------------------------------
-
-    def check(self) -> list["CheckResult"]:
-        """Everything walberg needs, checked without changing anything: one result per item."""
-        results: list[CheckResult] = []
-
-        def item(name: str, fn: Callable[[], str]) -> bool:
-            try:
-                results.append(CheckResult(name, True, fn()))
-                return True
-            except WalbergError as exc:
-                results.append(CheckResult(name, False, str(exc)))
-            except Exception as exc:  # a check must report, never crash the command
-                results.append(CheckResult(name, False, f"{type(exc).__name__}: {exc}"))
-            return False
-
-        conn: Any = None
-
-        def reach() -> str:
-            nonlocal conn
-            conn = pg.connect(self.pg.dsn)
-            with conn.cursor() as cur:
-                cur.execute("SHOW server_version")
-                return f"PostgreSQL {cur.fetchone()[0]} at {pg.redact(self.pg.dsn)}"
-
-        if item("postgres reachable", reach):
-            def wal() -> str:
-                pg.check_wal_level(conn)
-                return "wal_level = logical"
-
-            def role() -> str:
-                name, ok = pg.role_can_replicate(conn)
-                if not ok:
-                    raise Terminal(f"role {name} may not replicate: ALTER ROLE \"{name}\" "
-                                   "REPLICATION;")
-                denied = [t for t in self.tables if not pg.can_select(conn, t)]
-                if denied:
-                    raise Terminal(f"role {name} cannot SELECT {', '.join(denied)}: GRANT SELECT "
-                                   f"ON {', '.join(pg.quote_table(t) for t in denied)} TO "
-                                   f"\"{name}\";")
-                return f"role {name} has REPLICATION and SELECT on the tables"
-
-            def tables() -> str:
-                infos = {t: pg.describe_table(conn, t, self.pg.publications)
-                         for t in self.tables}
-                for info in infos.values():
-                    pg.require_key(info)
-                self._learn_types(conn, infos)
-                return (f"{len(self.tables)} table(s) exist with a usable replica identity and "
-                        "column types walberg maps; what lands of each:\n" +
-                        "\n".join(f"         {i.describe_publishing()}" for i in infos.values()))
-
-            def publication() -> str:
-                missing = pg.publication_missing(conn, self.pg.publication, self.tables)
-                if missing is None:
-                    return f"publication {self.pg.publication} missing: walberg will create it"
-                if missing:
-                    raise Terminal(pg.missing_tables_message(self.pg.publication, missing))
-                return f"publication {self.pg.publication} covers the tables"
-
-            def slot() -> str:
-                state = pg.slot_state(conn, self.pg.slot)
-                if state is None:
-                    return f"slot {self.pg.slot} missing: walberg will create it"
-                used = f", in use by server pid {state.active_pid}" if state.active_pid else ""
-                return (f"slot {self.pg.slot} at {state.confirmed_flush} "
-                        f"(wal_status {state.wal_status}){used}")
-
-            item("wal_level", wal)
-            item("replication role", role)
-            item("tables", tables)
-            item("publication", publication)
-            item("replication slot", slot)
-            conn.close()
-
-        def space() -> str:
-            directory = self.config.segment_dir
-            probe = directory if directory.exists() else next(
-                p for p in directory.parents if p.exists())
-            free = shutil.disk_usage(probe).free
-            need = 4 * self.config.buffer.max_segment_bytes
-            if free < need:
-                raise Terminal(f"only {free >> 20} MiB free under {probe}; walberg wants at "
-                               f"least {need >> 20} MiB (4 segments) for buffer.dir")
-            return f"{free >> 30} GiB free for segments under {probe}"
-
-        def java() -> str:
-            path = find_java()
-            check_java(path)
-            return f"Java at {path}"
-
-        def jar() -> str:
-            jars = [f"Iceberg runtime {iceberg_jar()} (from PyPI package {JAR_PACKAGE}), intact"]
-            if self.config.sink.catalog.type == "jdbc" or \
-                    self.pg.initial_copy.method == "jdbc":
-                jars.append(catalogs.describe_jdbc_driver())
-            return "; ".join(jars)
-
-        def warehouse() -> str:
-            wh = self.config.warehouse
-            cat = self.config.sink.catalog
-            props, jars = catalogs.spark_properties(cat.type, wh, cat.uri, cat.options(),
-                                                    cat.properties,
-                                                    self.config.spark.conf.get("spark.jars", ""))
-            reached = ""
-            if cat.type == "jdbc" and (cat.uri or "").startswith("jdbc:postgresql://"):
-                # The catalog's database answers (the same check walberg's Spark will pass).
-                dsn = "postgresql://" + cat.uri.removeprefix("jdbc:postgresql://")  # type: ignore[union-attr]
-                params = {k: v for k, v in (("user", cat.user), ("password", cat.password)) if v}
-                probe = pg.connect(dsn + ("&" if "?" in dsn else "?") + "&".join(
-                    f"{k}={v}" for k, v in params.items()) if params else dsn)
-                probe.close()
-                reached = f"; catalog database {pg.redact(dsn)} reachable"
-            if not wh or ("://" in wh and not wh.startswith("file:")):
-                return (f"{cat.type} catalog {cat.name}: {wh or 'warehouse from the catalog'} "
-                        f"not checked (remote){reached}")
-            root = Path(wh.removeprefix("file:"))
-            existing = root
-            while not existing.is_dir() and existing != existing.parent:
-                existing = existing.parent  # check creates nothing: probe what exists
-            with tempfile.NamedTemporaryFile(dir=existing, prefix=".walberg-check-"):
-                pass
-            state = "is writable" if existing == root else f"will be created under {existing}"
-            return (f"{cat.type} catalog {cat.name}: warehouse {root} {state}"
-                    + (f"; driver {jars[0]}" if jars else "") + reached)
-
-        item("segment space", space)
-        item("java", java)
-        item("iceberg jar", jar)
-        item("catalog and warehouse", warehouse)
-        return results
-
-    def status(self) -> dict[str, Any]:
-        """Where each table and the slot stand, read from Postgres, the segment directory and
-        the Iceberg metadata; starts no Spark and changes nothing."""
-        buffer = inspect_directory(self.config.segment_dir)
-        out: dict[str, Any] = {
-            "pipeline": {"running": buffer.holder_pid is not None, "pid": buffer.holder_pid,
-                         "segment_dir": str(self.config.segment_dir),
-                         "pending_segments": buffer.sealed_segments,
-                         "pending_bytes": buffer.sealed_bytes + buffer.active_bytes},
-            "tables": {},
-            "slot": None,
-        }
-        for t in self.tables:
-            _, namespace, table = self.targets[t].split(".")
-            hadoop = self.config.sink.catalog.type == "hadoop" and "://" not in self.config.warehouse
-            prop = "walberg.lsn" + (f".{self._tag}" if self._tag else "")
-            summary = (read_hadoop_table(Path(self.config.warehouse), namespace, table, prop)
-                       if hadoop else None)
-            out["tables"][t] = {
-                "iceberg_table": self.targets[t],
-                "snapshot_id": summary.snapshot_id if summary else None,
-                "last_lsn": summary.walberg_lsn if summary else None,
-                "last_commit_at": _iso(summary.walberg_committed_at_ms) if summary else None,
-                "rows": summary.records if summary else None,
-                "data_files": summary.data_files if summary else None,
-                "delete_files": summary.delete_files if summary else None,
-                "snapshots": summary.snapshots if summary else 0,
-            }
-        try:
-            conn = pg.connect(self.pg.dsn)
-        except Transient as exc:
-            out["slot"] = {"error": str(exc)}
-            return out
-        try:
-            state = pg.slot_state(conn, self.pg.slot)
-            now = pg.current_wal_lsn(conn)
-            if state is not None:
-                out["slot"] = {
-                    "name": state.name, "confirmed_flush_lsn": str(state.confirmed_flush),
-                    "server_wal_lsn": str(now),
-                    "lag_bytes": max(int(now) - int(state.confirmed_flush), 0),
-                    "retained_wal_bytes": max(int(now) - int(state.restart_lsn), 0),
-                    "wal_status": state.wal_status, "active_pid": state.active_pid,
-                }
-            else:
-                out["slot"] = {"name": self.pg.slot, "missing": True}
-        except WalbergError as exc:
-            out["slot"] = {"error": str(exc)}
-        finally:
-            conn.close()
-        return out
+    def copy_again(self, tables: set[str]) -> None:
+        """Have the next ``run`` copy these tables again (``walberg resync``; see
+        walberg.ops.resync), replacing their Iceberg tables' rows in one commit each."""
+        self._recopy = set(tables)
 
     # ---- run ---------------------------------------------------------------------------------
-
-    def resync(self, tables: Optional[list[str]] = None) -> RunReport:
-        """Copy tables again from Postgres, then catch up (like ``run(once=True)``). With no
-        tables, or when the replication slot is lost or gone: drop the slot and copy every
-        table, inside the new slot's snapshot. The Iceberg tables are overwritten in one commit
-        each; their history stays for time travel."""
-        for t in tables or []:
-            if t not in self.targets:
-                raise Terminal(f"{t} is not one of this pipeline's tables "
-                               f"({', '.join(self.tables)}); see source.postgres.tables")
-        conn = pg.connect(self.pg.dsn)
-        try:
-            try:
-                state = pg.slot_state(conn, self.pg.slot)
-                lost = False
-            except SourceError:
-                state, lost = None, True
-            if tables is None or lost:
-                if lost or state is not None:
-                    self.drop_slot(conn)
-                self._recopy = set(self.tables)
-            else:
-                self._recopy = set(tables)
-        finally:
-            conn.close()
-        log.info("copying again: %s", ", ".join(sorted(self._recopy)))
-        return self.run(once=True)
-
-    def drop_slot(self, conn: Any = None) -> bool:
-        """Drop the pipeline's replication slot (refused while a process streams from it);
-        True if there was one. The next run creates it anew and copies every table."""
-        own = conn is None
-        conn = conn or pg.connect(self.pg.dsn)
-        try:
-            return pg.drop_slot(conn, self.pg.slot)
-        finally:
-            if own:
-                conn.close()
 
     def run(self, once: bool = False) -> RunReport:
         """Initial copy where owed, then stream. With ``once``, return as soon as everything up
@@ -1369,7 +929,7 @@ class Pipeline:
                 if every and time.monotonic() - self._last_maintenance >= every:
                     # Between batches, in this thread: never racing walberg's own commits.
                     # The reader keeps filling segments meanwhile.
-                    self.maintain()
+                    maintain_tables(self.sink, self.config.maintenance, self.targets.values())
                     self._last_maintenance = time.monotonic()
         except BaseException as exc:  # surfaced by run() in the main thread
             self._apply_error = exc
@@ -1978,13 +1538,7 @@ def _pg_epoch(micros: int) -> float:
     return _PG_EPOCH + micros / 1_000_000
 
 
-def _iso(ms: Optional[int]) -> Optional[str]:
-    if ms is None:
-        return None
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="seconds")
-
-
-__all__ = ["CheckResult", "Pipeline", "RunReport"]
+__all__ = ["Pipeline", "Pipelines", "RunReport"]
 
 
 class Pipelines:
@@ -2032,41 +1586,6 @@ class Pipelines:
         if failures:
             raise failures[0]
         return reports
-
-    def _tables_by_source(self, tables: Optional[list[str]]
-                          ) -> dict[str, Optional[list[str]]]:
-        return self.config.tables_by_source(tables, list(self.pipelines))
-
-    def verify(self, tables: Optional[list[str]] = None, limit: int = 20,
-               wait_seconds: float = 60.0) -> list[TableVerdict]:
-        verdicts = []
-        for name, mine in self._tables_by_source(tables).items():
-            for v in self.pipelines[name].verify(mine, limit, wait_seconds):
-                v.source = f"{name}:{v.source}"
-                verdicts.append(v)
-        return verdicts
-
-    def maintain(self, tables: Optional[list[str]] = None) -> list[dict[str, Any]]:
-        """Maintain the Iceberg tables of every source (or of these source tables), each once:
-        with fan-in several sources share a table, and compacting it twice would only cost.
-        The maintenance commits carry every source's ``walberg.lsn.<source>`` (see
-        ``IcebergSink.maintain``), whichever source's pipeline makes them."""
-        reports: list[dict[str, Any]] = []
-        done: set[str] = set()
-        for name, mine in self._tables_by_source(tables).items():
-            pipeline = self.pipelines[name]
-            todo = [t for t in mine or pipeline.tables if pipeline.targets[t] not in done]
-            done.update(pipeline.targets[t] for t in todo)
-            if todo:
-                reports += pipeline.maintain(todo)
-        return reports
-
-    def resync(self, tables: Optional[list[str]] = None) -> dict[str, RunReport]:
-        """``Pipeline.resync`` for each source, one after the other: the named tables where a
-        source has them, or (none named) every table of every source, each with a new slot.
-        In a shared table a source's copy replaces only its own rows."""
-        return {name: self.pipelines[name].resync(mine)
-                for name, mine in self._tables_by_source(tables).items()}
 
     def stop(self) -> None:
         for pipeline in self.pipelines.values():

@@ -1,18 +1,18 @@
 """Reading an Iceberg table's metadata without Spark, for `walberg status` and `walberg history`:
-the current snapshot, the LSN of walberg's last commit, sizes, and the snapshot log. Hadoop
-catalog layout only (``<warehouse>/<namespace>/<table>/metadata/v<N>.metadata.json`` +
-``version-hint.text``), on a local warehouse: no JVM to start, so these answer in well under a
-second where a Spark session takes several."""
+the current snapshot, the LSN (or the Kafka offsets) of walberg's last commit, sizes, and the
+snapshot log. Hadoop catalog layout only (``<warehouse>/<namespace>/<table>/metadata/v<N>.
+metadata.json`` + ``version-hint.text``), on a local warehouse: no JVM to start, so these
+answer in well under a second where a Spark session takes several."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
-from walberg.apply.session import LSN_PROPERTY
+from walberg.apply.session import LSN_PROPERTY, OFFSET_PROPERTY
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class TableSummary:
     data_files: Optional[int]
     delete_files: Optional[int]
     snapshots: int
+    # Kafka: the next offset of each (topic, partition) the current history covers.
+    offsets: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def _current_metadata(warehouse: Path, namespace: str, table: str) -> Optional[dict[str, Any]]:
@@ -80,11 +82,20 @@ def read_hadoop_table(warehouse: Path, namespace: str, table: str,
     current = snapshots.get(current_id) if current_id not in (None, -1) else None
     lsn: Optional[str] = None
     lsn_at: Optional[int] = None
+    offsets: dict[tuple[str, int], int] = {}
+    prefix = OFFSET_PROPERTY + "."
     walk = current
-    while walk is not None:
-        if lsn_property in walk.get("summary", {}):
-            lsn, lsn_at = walk["summary"][lsn_property], walk.get("timestamp-ms")
-            break
+    while walk is not None and lsn is None:
+        summary = walk.get("summary", {})
+        if lsn_property in summary:
+            lsn = summary[lsn_property]
+        for key, value in summary.items():
+            if key.startswith(prefix):
+                topic, _, partition = key[len(prefix):].rpartition(".")
+                offsets[(topic, int(partition))] = max(int(value),
+                                                       offsets.get((topic, int(partition)), 0))
+        if lsn_at is None and (lsn is not None or offsets):
+            lsn_at = walk.get("timestamp-ms")
         walk = snapshots.get(walk.get("parent-snapshot-id"))
 
     def total(key: str) -> Optional[int]:
@@ -100,5 +111,5 @@ def read_hadoop_table(warehouse: Path, namespace: str, table: str,
         records=(None if current is None
                  else (total("total-records") or 0) - (total("total-position-deletes") or 0)),
         data_files=total("total-data-files"),
-        delete_files=total("total-delete-files"), snapshots=len(snapshots),
+        delete_files=total("total-delete-files"), snapshots=len(snapshots), offsets=offsets,
     )

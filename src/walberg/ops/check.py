@@ -1,0 +1,266 @@
+"""`walberg check`: everything a pipeline needs, checked without changing anything, one result
+per item: the source (Postgres: server, role, tables, publication, slot; Kafka: broker, topics,
+the dead-letter directory), then this machine and the lake (segment space, Java, the Iceberg
+jar, catalog and warehouse). Each item is one function; the lists below say which run."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from walberg.apply import catalogs
+from walberg.apply.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
+from walberg.errors import ConfigError, Terminal, WalbergError
+from walberg.lake.services import Lake, LakeSource
+from walberg.source import kafka
+from walberg.source import postgres as pg
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class SourceChecks:
+    source: Optional[str]  # its name among several sources
+    results: list[CheckResult]
+
+
+@dataclass
+class Probe:
+    """What the items of one source share: the lake, the source, and what earlier items
+    opened (a Postgres connection, a Kafka consumer)."""
+
+    lake: Lake
+    source: LakeSource
+    conn: Any = None
+    consumer: Optional[kafka.Consumer] = None
+    opened: list[Any] = field(default_factory=list)
+
+
+Item = tuple[str, Callable[[Probe], str]]
+
+
+def check(lake: Lake) -> list[SourceChecks]:
+    """The checks of every source of the pipeline."""
+    return [SourceChecks(source.name, _check_source(lake, source)) for source in lake.sources]
+
+
+def _check_source(lake: Lake, source: LakeSource) -> list[CheckResult]:
+    probe = Probe(lake, source)
+    try:
+        if source.kind == "postgres":
+            results = _run(POSTGRES_REACH, probe)
+            if results[-1].ok:
+                results += _run(POSTGRES_ITEMS, probe)
+        else:
+            results = _run(KAFKA_REACH, probe)
+            if results[-1].ok:
+                results += _run(_topic_items(source), probe)
+            results += _run(KAFKA_ITEMS, probe)
+    finally:
+        for thing in probe.opened:
+            thing.close()
+    return results + _run(MACHINE_ITEMS, probe)
+
+
+def _run(items: list[Item], probe: Probe) -> list[CheckResult]:
+    out = []
+    for name, fn in items:
+        try:
+            out.append(CheckResult(name, True, fn(probe)))
+        except WalbergError as exc:
+            out.append(CheckResult(name, False, str(exc)))
+        except Exception as exc:  # a check must report, never crash the command
+            out.append(CheckResult(name, False, f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+# ---- Postgres ------------------------------------------------------------------------------
+
+
+def postgres_reachable(p: Probe) -> str:
+    dsn = p.source.postgres.dsn
+    p.conn = pg.connect(dsn)
+    p.opened.append(p.conn)
+    with p.conn.cursor() as cur:
+        cur.execute("SHOW server_version")
+        return f"PostgreSQL {cur.fetchone()[0]} at {pg.redact(dsn)}"
+
+
+def wal_level(p: Probe) -> str:
+    pg.check_wal_level(p.conn)
+    return "wal_level = logical"
+
+
+def replication_role(p: Probe) -> str:
+    name, ok = pg.role_can_replicate(p.conn)
+    if not ok:
+        raise Terminal(f"role {name} may not replicate: ALTER ROLE \"{name}\" REPLICATION;")
+    denied = [t for t in p.source.targets if not pg.can_select(p.conn, t)]
+    if denied:
+        raise Terminal(f"role {name} cannot SELECT {', '.join(denied)}: GRANT SELECT "
+                       f"ON {', '.join(pg.quote_table(t) for t in denied)} TO \"{name}\";")
+    return f"role {name} has REPLICATION and SELECT on the tables"
+
+
+def tables(p: Probe) -> str:
+    publications = p.source.postgres.publications
+    infos = {t: pg.describe_table(p.conn, t, publications) for t in p.source.targets}
+    for info in infos.values():
+        pg.require_key(info)
+    p.lake.learn_types(p.source, p.conn, infos)
+    # What lands of each table: the publication's row filter and column list.
+    return (f"{len(infos)} table(s) exist with a usable replica identity and column types "
+            "walberg maps; what lands of each:\n" +
+            "\n".join(f"         {i.describe_publishing()}" for i in infos.values()))
+
+
+def publication(p: Probe) -> str:
+    name = p.source.postgres.publication
+    missing = pg.publication_missing(p.conn, name, list(p.source.targets))
+    if missing is None:
+        return f"publication {name} missing: walberg will create it"
+    if missing:
+        raise Terminal(pg.missing_tables_message(name, missing))
+    return f"publication {name} covers the tables"
+
+
+def replication_slot(p: Probe) -> str:
+    slot = p.source.postgres.slot
+    state = pg.slot_state(p.conn, slot)
+    if state is None:
+        return f"slot {slot} missing: walberg will create it"
+    used = f", in use by server pid {state.active_pid}" if state.active_pid else ""
+    return f"slot {slot} at {state.confirmed_flush} (wal_status {state.wal_status}){used}"
+
+
+POSTGRES_REACH: list[Item] = [("postgres reachable", postgres_reachable)]
+POSTGRES_ITEMS: list[Item] = [
+    ("wal_level", wal_level),
+    ("replication role", replication_role),
+    ("tables", tables),
+    ("publication", publication),
+    ("replication slot", replication_slot),
+]
+
+
+# ---- Kafka ---------------------------------------------------------------------------------
+
+
+def broker(p: Probe) -> str:
+    settings = p.source.config.source.kafka
+    assert settings is not None
+    p.consumer = kafka.Consumer(settings.bootstrap_servers, settings.group_id,
+                                settings.properties)
+    p.opened.append(p.consumer)
+    p.consumer.partitions([])  # lists the cluster's topics: the broker answers
+    return f"reached {settings.bootstrap_servers}"
+
+
+def _topic_items(source: LakeSource) -> list[Item]:
+    def one(topic: str, target: str) -> Callable[[Probe], str]:
+        def item(p: Probe) -> str:
+            assert p.consumer is not None
+            return f"{len(p.consumer.partitions([topic]))} partition(s) -> {target}"
+        return item
+
+    return [(f"topic {topic}", one(topic, source.targets[table]))
+            for table, topic in source.topics.items()]
+
+
+def dead_letters(p: Probe) -> str:
+    root = p.source.config.dead_letter_dir
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".walberg-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write to {root} (source.kafka.dead_letter_dir): "
+                          f"{exc.strerror}") from None
+    return f"{root} is writable"
+
+
+KAFKA_REACH: list[Item] = [("broker", broker)]
+KAFKA_ITEMS: list[Item] = [("dead letters", dead_letters)]
+
+
+# ---- this machine and the lake -------------------------------------------------------------
+
+
+def segment_space(p: Probe) -> str:
+    config = p.source.config
+    directory = config.segment_dir
+    probe = directory if directory.exists() else next(
+        d for d in directory.parents if d.exists())
+    free = shutil.disk_usage(probe).free
+    need = 4 * config.buffer.max_segment_bytes
+    if free < need:
+        raise Terminal(f"only {free >> 20} MiB free under {probe}; walberg wants at "
+                       f"least {need >> 20} MiB (4 segments) for buffer.dir")
+    return f"{free >> 30} GiB free for segments under {probe}"
+
+
+def java(p: Probe) -> str:
+    path = find_java()
+    check_java(path)
+    return f"Java at {path}"
+
+
+def jar(p: Probe) -> str:
+    """Each jar walberg puts on Spark's class path, and where it comes from."""
+    config = p.source.config
+    jars = [f"Iceberg runtime {iceberg_jar()} (from PyPI package {JAR_PACKAGE}), intact"]
+    jdbc_copy = p.source.kind == "postgres" and p.source.postgres.initial_copy.method == "jdbc"
+    if config.sink.catalog.type == "jdbc" or jdbc_copy:
+        jars.append(catalogs.describe_jdbc_driver())
+    return "; ".join(jars)
+
+
+def catalog_and_warehouse(p: Probe) -> str:
+    config = p.source.config
+    wh = config.warehouse
+    cat = config.sink.catalog
+    _, jars = catalogs.spark_properties(cat.type, wh, cat.uri, cat.options(), cat.properties,
+                                        config.spark.conf.get("spark.jars", ""))
+    reached = _catalog_database(p)
+    if not wh or ("://" in wh and not wh.startswith("file:")):
+        return (f"{cat.type} catalog {cat.name}: {wh or 'warehouse from the catalog'} "
+                f"not checked (remote){reached}")
+    root = Path(wh.removeprefix("file:"))
+    existing = root
+    while not existing.is_dir() and existing != existing.parent:
+        existing = existing.parent  # check creates nothing: probe what exists
+    with tempfile.NamedTemporaryFile(dir=existing, prefix=".walberg-check-"):
+        pass
+    state = "is writable" if existing == root else f"will be created under {existing}"
+    return (f"{cat.type} catalog {cat.name}: warehouse {root} {state}"
+            + (f"; driver {jars[0]}" if jars else "") + reached)
+
+
+def _catalog_database(p: Probe) -> str:
+    """A jdbc catalog in Postgres: its database answers (the check walberg's Spark will pass)."""
+    cat = p.source.config.sink.catalog
+    if cat.type != "jdbc" or not (cat.uri or "").startswith("jdbc:postgresql://"):
+        return ""
+    dsn = "postgresql://" + (cat.uri or "").removeprefix("jdbc:postgresql://")
+    params = {k: v for k, v in (("user", cat.user), ("password", cat.password)) if v}
+    probe = pg.connect(dsn + ("&" if "?" in dsn else "?") + "&".join(
+        f"{k}={v}" for k, v in params.items()) if params else dsn)
+    probe.close()
+    return f"; catalog database {pg.redact(dsn)} reachable"
+
+
+MACHINE_ITEMS: list[Item] = [
+    ("segment space", segment_space),
+    ("java", java),
+    ("iceberg jar", jar),
+    ("catalog and warehouse", catalog_and_warehouse),
+]

@@ -1,0 +1,81 @@
+"""`walberg resync`: copy tables from Postgres again (after a lost slot, or to repair a table),
+then catch up. The copy is the pipeline's own: this module decides what to copy again (and
+drops the slot when every table is copied), then runs the pipeline once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from walberg.errors import SourceError
+from walberg.lake.services import Lake, LakeSource, qualified
+from walberg.pipeline import Pipeline, RunReport
+from walberg.source import postgres as pg
+
+log = logging.getLogger("walberg")
+
+Plan = list[tuple[LakeSource, Optional[list[str]]]]
+
+
+def plan(lake: Lake, tables: Optional[list[str]] = None) -> Plan:
+    """Which source copies which of ``tables`` (None: all of its tables, with a new slot).
+    A source with none of the named tables is left out; a table no source has is an error."""
+    sources = lake.postgres_sources("resync copies tables from a database source again")
+    if not tables:
+        return [(s, None) for s in sources]
+    wanted = [qualified(t) for t in tables]
+    for t in wanted:
+        if not any(t in s.targets for s in sources):
+            lake.find(t)  # the error that lists the pipeline's tables
+    return [(s, [t for t in wanted if t in s.targets]) for s in sources
+            if any(t in s.targets for t in wanted)]
+
+
+def describe(chosen: Plan) -> str:
+    """What a resync will do, for the confirmation question."""
+    def one(source: LakeSource, tables: Optional[list[str]]) -> str:
+        what = (", ".join(f"{t} -> {source.targets[t]}" for t in tables) if tables else
+                f"every table, after dropping replication slot {source.postgres.slot}")
+        return f"from source {source.name}: {what}" if source.name else what
+
+    return "; ".join(one(s, t) for s, t in chosen)
+
+
+def resync(lake: Lake, chosen: Plan) -> dict[Optional[str], RunReport]:
+    """Each source of the plan, one after the other: its named tables copied again, or (none
+    named) every table, with a new slot. In a shared table a source's copy replaces only its
+    own rows. Returns each source's run report."""
+    return {source.name: resync_source(lake, source, tables) for source, tables in chosen}
+
+
+def resync_source(lake: Lake, source: LakeSource,
+                  tables: Optional[list[str]] = None) -> RunReport:
+    """Copy tables of one source again from Postgres, then catch up (like ``run --once``).
+    With no tables, or when the replication slot is lost or gone: drop the slot and copy every
+    table, inside the new slot's snapshot. The Iceberg tables are overwritten in one commit
+    each; their history stays for time travel."""
+    for t in tables or []:
+        source.target(t)  # a table the source does not have: the error that lists them
+    src = source.postgres
+    conn = pg.connect(src.dsn)
+    try:
+        try:
+            state = pg.slot_state(conn, src.slot)
+            lost = False
+        except SourceError:
+            state, lost = None, True
+        if tables is None or lost:
+            if lost or state is not None:
+                pg.drop_slot(conn, src.slot)
+            again = set(source.targets)
+        else:
+            again = set(tables)
+    finally:
+        conn.close()
+    log.info("copying again: %s", ", ".join(sorted(again)))
+    pipeline = Pipeline(source.config, session=lake.session())
+    try:
+        pipeline.copy_again(again)
+        return pipeline.run(once=True)
+    finally:
+        pipeline.close()

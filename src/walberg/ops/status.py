@@ -1,0 +1,166 @@
+"""`walberg status`: where each table and each source stands, read from the segment directory,
+the Iceberg metadata and the source (the replication slot, or the Kafka partitions' ends);
+starts no Spark and changes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from walberg.apply.iceberg import LSN_PROPERTY
+from walberg.apply.metadata import TableSummary, read_hadoop_table
+from walberg.buffer.store import inspect_directory
+from walberg.errors import Transient, WalbergError
+from walberg.lake.services import Lake, LakeSource
+from walberg.source import kafka
+from walberg.source import postgres as pg
+
+
+@dataclass(frozen=True)
+class BufferStatus:
+    running: bool  # a walberg process holds the segment directory
+    pid: Optional[str]
+    segment_dir: str
+    pending_segments: int
+    pending_bytes: int
+
+
+@dataclass(frozen=True)
+class TableStatus:
+    iceberg_table: str
+    snapshot_id: Optional[int]
+    last_lsn: Optional[str]  # what walberg's last commit covers (Postgres sources)
+    last_commit_at: Optional[str]  # ISO 8601, UTC
+    rows: Optional[int]
+    data_files: Optional[int]
+    delete_files: Optional[int]
+    snapshots: int
+
+
+@dataclass(frozen=True)
+class SlotStatus:
+    """A Postgres source's replication slot; ``error`` when the source could not be read."""
+
+    name: Optional[str] = None
+    missing: bool = False  # created by the first run
+    confirmed_flush_lsn: Optional[str] = None
+    server_wal_lsn: Optional[str] = None
+    lag_bytes: Optional[int] = None
+    retained_wal_bytes: Optional[int] = None
+    wal_status: Optional[str] = None
+    active_pid: Optional[int] = None
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class PartitionStatus:
+    """A Kafka source's partition: the next offset the lake holds and the partition's end."""
+
+    topic: str
+    partition: int
+    lake_offset: Optional[int]  # None: the lake holds none of it
+    end_offset: int
+    lag: int  # records the lake does not hold yet
+
+
+@dataclass(frozen=True)
+class Status:
+    source: Optional[str]  # its name among several sources
+    pipeline: BufferStatus
+    tables: dict[str, TableStatus]  # by source table
+    slot: Optional[SlotStatus] = None  # Postgres
+    partitions: Optional[list[PartitionStatus]] = None  # Kafka
+    broker_error: Optional[str] = None  # Kafka: the broker could not be read
+
+
+def status(lake: Lake) -> list[Status]:
+    """Where each source of the pipeline stands."""
+    return [_status(source) for source in lake.sources]
+
+
+def _status(source: LakeSource) -> Status:
+    summaries = {t: _summary(source, target) for t, target in source.targets.items()}
+    tables = {t: _table(source.targets[t], s) for t, s in summaries.items()}
+    buffer = _buffer(source.config.segment_dir)
+    if source.kind == "kafka":
+        held: dict[tuple[str, int], int] = {}
+        for s in summaries.values():
+            held.update(s.offsets if s is not None else {})
+        try:
+            partitions = _partitions(source, held)
+        except WalbergError as exc:
+            return Status(source.name, buffer, tables, broker_error=str(exc))
+        return Status(source.name, buffer, tables, partitions=partitions)
+    return Status(source.name, buffer, tables, slot=_slot(source))
+
+
+def _buffer(directory: Path) -> BufferStatus:
+    state = inspect_directory(directory)
+    return BufferStatus(running=state.holder_pid is not None, pid=state.holder_pid,
+                        segment_dir=str(directory), pending_segments=state.sealed_segments,
+                        pending_bytes=state.sealed_bytes + state.active_bytes)
+
+
+def _summary(source: LakeSource, target: str) -> Optional[TableSummary]:
+    """The table's metadata, when the catalog keeps it in a local hadoop warehouse."""
+    config = source.config
+    if config.sink.catalog.type != "hadoop" or "://" in config.warehouse:
+        return None
+    _, namespace, table = target.split(".")
+    prop = LSN_PROPERTY + (f".{source.tag}" if source.tag else "")
+    return read_hadoop_table(Path(config.warehouse), namespace, table, prop)
+
+
+def _table(target: str, summary: Optional[TableSummary]) -> TableStatus:
+    if summary is None:
+        return TableStatus(target, None, None, None, None, None, None, 0)
+    return TableStatus(
+        iceberg_table=target, snapshot_id=summary.snapshot_id, last_lsn=summary.walberg_lsn,
+        last_commit_at=_iso(summary.walberg_committed_at_ms), rows=summary.records,
+        data_files=summary.data_files, delete_files=summary.delete_files,
+        snapshots=summary.snapshots)
+
+
+def _slot(source: LakeSource) -> SlotStatus:
+    src = source.postgres
+    try:
+        conn = pg.connect(src.dsn)
+    except Transient as exc:
+        return SlotStatus(error=str(exc))
+    try:
+        state = pg.slot_state(conn, src.slot)
+        now = pg.current_wal_lsn(conn)
+    except WalbergError as exc:
+        return SlotStatus(error=str(exc))
+    finally:
+        conn.close()
+    if state is None:
+        return SlotStatus(name=src.slot, missing=True)
+    return SlotStatus(
+        name=state.name, confirmed_flush_lsn=str(state.confirmed_flush),
+        server_wal_lsn=str(now), lag_bytes=max(int(now) - int(state.confirmed_flush), 0),
+        retained_wal_bytes=max(int(now) - int(state.restart_lsn), 0),
+        wal_status=state.wal_status, active_pid=state.active_pid)
+
+
+def _partitions(source: LakeSource, held: dict[tuple[str, int], int]) -> list[PartitionStatus]:
+    settings = source.config.source.kafka
+    assert settings is not None
+    consumer = kafka.Consumer(settings.bootstrap_servers, settings.group_id, settings.properties)
+    try:
+        out = []
+        for topic, partition in consumer.partitions(list(source.topics.values())):
+            end = consumer.high_watermark(topic, partition)
+            lake = held.get((topic, partition))
+            out.append(PartitionStatus(topic, partition, lake, end, max(end - (lake or 0), 0)))
+        return out
+    finally:
+        consumer.close()
+
+
+def _iso(ms: Optional[int]) -> Optional[str]:
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="seconds")
