@@ -39,3 +39,46 @@ def test_history_from_the_metadata_file_equals_sparks(spark: Any, warehouse: Pat
     assert got == expected
     assert [r["is_current_ancestor"] for r in got] == [True, False, False, True, True]
     assert read_hadoop_history(warehouse, f"hist_{unique}", "missing") is None
+
+
+def test_history_needs_no_jvm_and_query_pipes_json_and_csv(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """`walberg history` on a local hadoop warehouse answers from the metadata file: it runs
+    with no Java anywhere. `walberg query --format json|csv` without --output writes only the
+    result to standard output, ready for a pipe."""
+    import csv
+    import io
+    import json
+    import os
+
+    import yaml
+
+    from conftest import make_config, run_once, walberg_cli
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, name text)")
+        cur.execute(f"INSERT INTO {table} VALUES (1, 'a'), (2, 'b'), (3, 'c, \"quoted\"')")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    run_once(config, spark)
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+
+    no_java = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    no_java["PATH"] = ""
+    done = walberg_cli("history", "-c", str(path), table, "--json", env=no_java)
+    assert done.returncode == 0, done.stderr
+    [snapshot] = json.loads(done.stdout)
+    assert snapshot["added"] == 3 and snapshot["lsn"]
+
+    target = config.target_for(table)
+    statement = f"SELECT id, name FROM {target} ORDER BY id"
+    done = walberg_cli("-q", "query", "-c", str(path), statement, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line) for line in done.stdout.splitlines()] == [
+        {"id": 1, "name": "a"}, {"id": 2, "name": "b"}, {"id": 3, "name": 'c, "quoted"'}]
+    done = walberg_cli("-q", "query", "-c", str(path), statement, "--format", "csv")
+    assert done.returncode == 0, done.stderr
+    assert list(csv.reader(io.StringIO(done.stdout))) == [
+        ["id", "name"], ["1", "a"], ["2", "b"], ["3", 'c, "quoted"']]

@@ -77,7 +77,8 @@ def _reading_options(p: argparse.ArgumentParser) -> None:
     when.add_argument("--lsn", help="read the pipeline's tables as they held the source at "
                                     "this Postgres LSN (e.g. 0/1A2B3C4)")
     p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
-                   help="table prints; csv, json (lines) and parquet need --output")
+                   help="table prints; csv and json (lines) go to --output or standard "
+                        "output; parquet needs --output")
     p.add_argument("--output", help="file to write with --format csv|json|parquet")
 
 
@@ -147,7 +148,8 @@ def _reading_commands(command: Command) -> None:
     changes.add_argument("--limit", type=int, default=None,
                          help="at most this many rows (printing: default 100; files: all)")
     changes.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
-                         help="table prints; csv, json (lines) and parquet need --output")
+                         help="table prints; csv and json (lines) go to --output or "
+                              "standard output; parquet needs --output")
     changes.add_argument("--output", help="file to write with --format csv|json|parquet")
 
     history = command("history", "snapshots of a table: time, operation, LSN, rows",
@@ -325,9 +327,29 @@ def _show(args: argparse.Namespace, lake: "Lake", statement: Callable[[], str]) 
         print(format_table(names, rows))
         return 0
     if not args.output:
-        return _fail(f"--format {args.format} needs --output PATH", 2)
+        if args.format == "parquet":
+            return _fail("--format parquet needs --output PATH (it is a binary file)", 2)
+        return _to_stdout(args, lake, statement())
     written = lake.sink().export(statement(), args.format, Path(args.output), args.limit)
     print(f"wrote {written:,} row(s) to {args.output}")
+    return 0
+
+
+def _to_stdout(args: argparse.Namespace, lake: "Lake", statement: str) -> int:
+    """csv or JSON lines on standard output, for a pipe into jq, csvkit and the like: only
+    what the format says goes there (Spark writes the file, walberg copies it out)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="walberg-query-") as work:
+        out = Path(work) / f"result.{args.format}"
+        written = lake.sink().export(statement, args.format, out, args.limit)
+        sys.stdout.flush()
+        with open(out, "rb") as result:
+            shutil.copyfileobj(result, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+    logging.getLogger("walberg").info("%d row(s) written to standard output", written)
     return 0
 
 

@@ -37,7 +37,9 @@ class Queries:
         try:
             writer = df.coalesce(1).write.mode("overwrite").format(fmt)
             if fmt == "csv":
-                writer = writer.option("header", "true")
+                # RFC 4180: a quote inside a quoted value is doubled (Spark's default, a
+                # backslash, is not CSV that csvkit, pandas or a spreadsheet read back).
+                writer = writer.option("header", "true").option("escape", '"')
             spark_call(f"writing the result to {output}", lambda: writer.save(str(work / "out")))
             [part] = sorted((work / "out").glob("part-*"))
             part.replace(output)
