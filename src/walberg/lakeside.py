@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from walberg import metrics
@@ -91,3 +92,23 @@ def count_files(sink: IcebergSink, source: str, target: str) -> None:
     metrics.BYTES_WRITTEN.labels(source).inc(added["bytes"])
     metrics.FILES_CREATED.labels(source, "data").inc(added["data_files"])
     metrics.FILES_CREATED.labels(source, "delete").inc(added["delete_files"])
+
+
+def maintain_table(config: Config, sink: IcebergSink, target: str) -> Optional[dict[str, Any]]:
+    """Compact and clean up one Iceberg table as ``maintenance`` says (None: no such table
+    yet); returns what it did."""
+    if not sink.table_exists(target):
+        return None
+    m = config.maintenance
+    now_ms = int(time.time() * 1000)
+    started = time.monotonic()
+    report = sink.maintain(target, m.target_file_size_bytes,
+                           now_ms - int(m.snapshot_retention * 1000), m.retain_last,
+                           now_ms - int(m.orphan_retention * 1000))
+    report["seconds"] = round(time.monotonic() - started, 2)
+    b, a = report["before"], report["after"]
+    log.info("maintained %s in %.1f s: data files %d -> %d, delete files %d -> %d, "
+             "snapshots %d -> %d, %d -> %d bytes", target, report["seconds"],
+             b["data_files"], a["data_files"], b["delete_files"], a["delete_files"],
+             b["snapshots"], a["snapshots"], b["bytes"], a["bytes"])
+    return report

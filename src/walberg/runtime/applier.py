@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Protocol
 from walberg import metrics
 from walberg.apply.batch import BatchBuilder, StagedTable
 from walberg.apply.iceberg import IcebergSink
+from walberg.apply.spark import with_commit_properties
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point
@@ -98,6 +99,10 @@ class Stager(Protocol):
     def before_commit(self, batch: Batch) -> None:
         """Before any table's commit of the batch."""
 
+    def replays_inserts(self, table: str) -> bool:
+        """Whether the source may send an insert again for a key the table holds (its inserts
+        are then merged by key, never appended)."""
+
     def applied(self, batch: Batch) -> None:
         """Every table of the batch holds it: advance the source's applied position."""
 
@@ -153,12 +158,12 @@ class Applier:
 
         Batch N+1 is decoded and staged (Python, pyarrow) in a helper thread while Spark
         commits batch N, so the two kinds of work overlap."""
-        prepared = self.stager.prepare_next(None)
+        prepared = self._prepare(None)
         if prepared is None:
             return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="walberg-stage") as pool:
             while prepared is not None:
-                upcoming = pool.submit(self.stager.prepare_next, prepared)
+                upcoming = pool.submit(self._prepare, prepared)
                 try:
                     self.commit(prepared)
                 except BaseException:
@@ -170,6 +175,13 @@ class Applier:
                     _discard(upcoming)
                     return
                 prepared = upcoming.result()
+
+    def _prepare(self, after: Optional[Batch]) -> Optional[Batch]:
+        batch = self.stager.prepare_next(after)
+        if batch is not None:
+            log.debug("staged %d segment(s), %d changes, in %.2f s", len(batch.segments),
+                      batch.changes, batch.staged_s)
+        return batch
 
     def commit(self, batch: Batch) -> None:
         """Commit a staged batch to Iceberg (one commit per table), then let go of its
@@ -238,17 +250,26 @@ class Applier:
         if st.dead_letters is not None:
             # Before the table's own commit: a replay skips what the DLQ holds.
             self.stager.dead_letters(table, st, batch)
+        marks = self.stager.marks.marks(table, batch)
         if changelog is not None:
             held = self.tables.changelog_held.get(table) if changelog != target else None
-            self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq, batch.void,
-                                     batch.txns, held)
+
+            def append() -> None:
+                self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq, batch.void,
+                                         batch.txns, held)
+
+            if marks and changelog == target:
+                # The changelog is the table: its commit carries the source's marks.
+                with_commit_properties(self.sink.spark, marks, append)
+            else:
+                append()
             if changelog != target:
                 self.tables.changelog_held[table] = batch.lsn
         if changelog != target:
             crash_point("commit", delay=0.5)
             catchup = self.state.catchup(table)
-            self.sink.apply(target, st, batch.lsn, batch.max_seq, batch.void,
-                            self.stager.marks.marks(table, batch), upsert=catchup is not None)
+            self.sink.apply(target, st, batch.lsn, batch.max_seq, batch.void, marks,
+                            upsert=catchup is not None or self.stager.replays_inserts(table))
             if catchup is not None:
                 self.state.caught_up(table, batch.lsn)
 

@@ -66,6 +66,7 @@ class PgReader:
         self._streamed_since_start = False
         self._gauge_conn: Any = None
         self._oldest_unapplied_ts: Optional[float] = None  # when the oldest pending change came
+        self._source = config.source_name or "postgres"  # the gauges' label
 
     def close(self) -> None:
         if self._gauge_conn is not None:
@@ -396,7 +397,7 @@ class PgReader:
 
     def _note_pending(self) -> None:
         pending = self.store.pending_bytes()
-        metrics.PENDING_BYTES.set(pending)
+        metrics.PENDING_BYTES.labels(self._source).set(pending)
         if pending == 0:
             self._oldest_unapplied_ts = None
         elif self._oldest_unapplied_ts is None:
@@ -414,10 +415,12 @@ class PgReader:
             self._gauge_conn = None
             return
         if slot is not None:
-            metrics.LAG_BYTES.set(max(int(now) - int(slot.confirmed_flush), 0))
-            metrics.RETAINED_WAL_BYTES.set(max(int(now) - int(slot.restart_lsn), 0))
+            metrics.LAG_BYTES.labels(self._source).set(max(int(now) - int(slot.confirmed_flush), 0))
+            metrics.RETAINED_WAL_BYTES.labels(self._source).set(
+                max(int(now) - int(slot.restart_lsn), 0))
         oldest = self._oldest_unapplied_ts
-        metrics.LAG_SECONDS.set(0.0 if oldest is None else max(time.time() - oldest, 0.0))
+        metrics.LAG_SECONDS.labels(self._source).set(
+            0.0 if oldest is None else max(time.time() - oldest, 0.0))
 
     def seal(self, clean: bool) -> None:
         info = self.store.seal()

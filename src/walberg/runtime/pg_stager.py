@@ -199,6 +199,9 @@ class PgStager:
     def before_commit(self, batch: Batch) -> None:
         pass
 
+    def replays_inserts(self, table: str) -> bool:
+        return False  # a transaction is applied once: the slot's replays are skipped by LSN
+
     def applied(self, batch: Batch) -> None:
         self.state.advance_applied(batch.lsn)
         self.report.batches += 1
