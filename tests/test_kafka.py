@@ -300,3 +300,37 @@ def test_append_mode_keeps_every_event_once_with_its_offsets(
     summary = spark.sql(f"SELECT summary FROM {target}.snapshots ORDER BY committed_at DESC"
                         ).collect()[0]["summary"]
     assert summary[f"walberg.offset.{topic}.0"] == "4"
+
+
+def test_a_new_optional_field_in_the_schema_adds_a_column(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """Additive schema evolution from the Debezium ``schema`` part: the connector's table
+    gained a column, so its records carry a new optional field; the Iceberg table gets the
+    column (older rows NULL) instead of every record going to the dead letters."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    old = row_schema([{"field": "id", "type": "int32"},
+                      {"field": "name", "type": "string", "optional": True}])
+    new = row_schema([{"field": "id", "type": "int32"},
+                      {"field": "name", "type": "string", "optional": True},
+                      {"field": "email", "type": "string", "optional": True}])
+    p.send(topic, {"id": 1}, envelope("c", None, {"id": 1, "name": "a"}, schema=old))
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "name": "b"}, schema=old))
+    # In the same batch as the rows before it: the batch ends there, the next has the column.
+    p.send(topic, {"id": 3}, envelope("c", None, {"id": 3, "name": "c", "email": "c@x"},
+                                      schema=new))
+    p.send(topic, {"id": 1}, envelope("u", None, {"id": 1, "name": "a", "email": "a@x"},
+                                      schema=new))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0 and report.records == 4
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert iceberg_rows(warehouse, target) == [
+        {"id": 1, "name": "a", "email": "a@x"}, {"id": 2, "name": "b", "email": None},
+        {"id": 3, "name": "c", "email": "c@x"}]
+    # A later run reads the columns from the table and takes records of either schema.
+    p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "name": "d"}, schema=old))
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0 and report.records == 1
+    assert iceberg_rows(warehouse, target)[-1] == {"id": 4, "name": "d", "email": None}

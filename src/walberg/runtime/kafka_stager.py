@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg import metrics
+from walberg.apply import evolution
 from walberg.apply.batch import BatchBuilder, StagedTable
 from walberg.apply.iceberg import OFFSET_PROPERTY, IcebergSink
 from walberg.apply.types import TypeMap, pg_type_for
@@ -120,7 +121,12 @@ class KafkaStager:
     def prepare_next(self, after: Optional[Batch]) -> Optional[Batch]:
         """The sealed segments after ``after``'s, ``buffer.max_batch_bytes`` at a time,
         staged."""
-        first = after.segments[-1].seq + 1 if after is not None else 0
+        first = 0
+        floor = self.state.applied_offsets()
+        if after is not None:
+            first = after.segments[-1].seq + (0 if after.cut else 1)
+            for tp, o in after.offsets.items():
+                floor[tp] = max(floor.get(tp, 0), o)
         batch: list[SegmentInfo] = []
         size = 0
         for info in self.store.sealed():
@@ -130,11 +136,13 @@ class KafkaStager:
                 break
             batch.append(info)
             size += info.size_bytes
-        return self._stage(batch) if batch else None
+        return self._stage(batch, floor) if batch else None
 
-    def _stage(self, segments: list[SegmentInfo]) -> Batch:
+    def _stage(self, segments: list[SegmentInfo], floor: dict[Partition, int]) -> Batch:
         """Turn the segments' records into staged changes per table, the next offset of each
-        partition read, and the records that cannot be applied (dead letters)."""
+        partition read, and the records that cannot be applied (dead letters). Records below
+        ``floor`` (the batch before, not yet committed) are left out. A record that adds
+        columns to a table this batch has rows of ends the batch before it."""
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
         builder = BatchBuilder(workdir, prep=lambda name, columns: self.types.prep(
@@ -143,27 +151,30 @@ class KafkaStager:
         upto: dict[Partition, int] = {}
         dead: list[tuple[kafka.Record, str]] = []
         by_seq: dict[int, kafka.Record] = {}
+        read: list[SegmentInfo] = []
+        cut = False
         try:
             for info in segments:
+                read.append(info)
                 for _, kind, payload in self.store.read(info):
                     if kind != FRAME_KAFKA:
                         continue
                     record = kafka.decode(payload)
                     tp = (record.topic, record.partition)
-                    if record.offset < self.state.lake_offset(tp):
-                        continue  # its table holds it already: a replay after a crash
-                    upto[tp] = max(upto.get(tp, 0), record.offset + 1)
-                    if record.topic not in self.names:
-                        continue  # a topic taken out of the pipeline file since it was read
-                    if record.value is None:
-                        continue  # a tombstone: Kafka's compaction marker, not a change
+                    if record.offset < max(floor.get(tp, 0), self.state.lake_offset(tp)):
+                        continue  # held already (a replay after a crash) or in the batch before
                     try:
-                        self._stage_record(builder, record, seq + 2)
+                        if self._stage_record(builder, record, seq + 2):
+                            seq += 2  # room for the delete half of a key change
+                            by_seq[seq] = record
                     except dbz.BadRecord as exc:
                         dead.append((record, str(exc)))
-                        continue
-                    seq += 2  # room for the delete half of a key change
-                    by_seq[seq] = record
+                    except _NewColumns:
+                        cut = True  # this record starts the next batch, with the new columns
+                        break
+                    upto[tp] = max(upto.get(tp, 0), record.offset + 1)
+                if cut:
+                    break
             staged = builder.finish()
             dead += _refused(staged, by_seq)
         except BaseException:
@@ -171,16 +182,23 @@ class KafkaStager:
             raise
         tables = [self.names[t] for t in self.topics
                   if (st := staged.get(self.names[t])) is not None and (st.rows or st.truncates)]
-        return Batch(segments, builder, staged, tables, seq,
+        return Batch(read, builder, staged, tables, seq,
                      sum(st.rows for st in staged.values()), time.monotonic() - started,
-                     offsets=upto, dead=dead)
+                     offsets=upto, dead=dead, cut=cut)
 
-    def _stage_record(self, builder: BatchBuilder, record: kafka.Record, seq: int) -> None:
-        assert record.value is not None
+    def _stage_record(self, builder: BatchBuilder, record: kafka.Record, seq: int) -> bool:
+        """Stage one record's change(s) at ``seq``; False if it holds none (a tombstone, or a
+        topic no longer in the pipeline file)."""
+        if record.topic not in self.names:
+            return False  # a topic taken out of the pipeline file since it was read
+        if record.value is None:
+            return False  # a tombstone: Kafka's compaction marker, not a change
         event = dbz.parse_event(record.value)
         key = dbz.parse_key(record.key)
         shape = self._shape(record.topic, event, key)
         name, target = self.names[record.topic], self.targets[record.topic]
+        if event.fields is not None:
+            shape = self._widened(record.topic, shape, event.fields, builder)
         types = shape.types
         if event.fields is not None:
             dbz.check_fields(event.fields, shape.columns,
@@ -191,10 +209,35 @@ class KafkaStager:
         lsn = event.lsn or 0
         if event.op == "t":
             builder.truncate(name, shape.columns, seq, lsn)
-            return
+            return True
         staged = dbz.changes(event, key, shape.columns, types)
         for i, (op, row) in enumerate(staged):
             builder.add(name, shape.columns, Op(op), seq - len(staged) + 1 + i, lsn, row)
+        return True
+
+    def _widened(self, topic: str, shape: _Shape, fields: tuple[tuple[str, dbz.FieldType], ...],
+                 builder: BatchBuilder) -> _Shape:
+        """Additive schema evolution: fields of the record's schema the table lacks become new
+        (nullable) columns at its end, unless the pipeline file gives the columns or
+        ``sink.schema_evolution`` is strict. Raises _NewColumns when this batch already has
+        rows of the table with the old columns."""
+        names = {c.name for c in shape.columns}
+        new = [(n, t) for n, t in fields if n not in names]
+        chosen = self.kafka.tables.get(topic)
+        table = self.names[topic]
+        if not new or (chosen is not None and chosen.columns) or \
+                self.config.layout_for(table).schema_evolution == "strict":
+            return shape  # (a field the table lacks is then a dead letter)
+        if builder.columns_of(table) is not None:
+            raise _NewColumns(topic)
+        target = self.targets[topic]
+        columns = shape.columns + tuple(Column(n, t.oid, t.modifier, False) for n, t in new)
+        for c in columns:
+            self.types.spark_type(c, target)
+        widened = self._shapes[topic] = _Shape(columns, shape.types + tuple(t for _, t in new))
+        log.info("%s: the records' schema adds %s; %s follows", topic,
+                 ", ".join(n for n, _ in new), target)
+        return widened
 
     def _same_type(self, t: dbz.FieldType, col: Column, target: str) -> bool:
         mine = self.types.spark_type(Column(col.name, t.oid, t.modifier), target).describe()
@@ -264,9 +307,21 @@ class KafkaStager:
         if ensure(target, staged.columns, layout):
             log.info("created %s", target)
         elif not self.sink.columns_match(target, staged.columns):
-            raise ConfigError(f"{target} has columns {self.sink.schema(target)}, not those "
-                              f"walberg staged for topic {topic}; give the table's columns in "
-                              f"source.kafka.tables.{topic}.columns")
+            current = self.sink.schema(target)
+            wanted = [(c.name, self.types.spark_type(c, target).describe())
+                      for c in staged.columns]
+            try:
+                steps = evolution.plan(current, wanted)
+            except evolution.NotEvolvable:
+                steps = []
+            if not steps or any(s.kind != "add" for s in steps):
+                raise ConfigError(f"{target} has columns {current}, not those walberg staged "
+                                  f"for topic {topic}; give the table's columns in "
+                                  f"source.kafka.tables.{topic}.columns")
+            after = {n: (wanted[i - 1][0] if i else "") for i, (n, _) in enumerate(wanted)}
+            self.sink.evolve(target, steps, after)
+            log.info("evolved the schema of %s to follow topic %s: %s", target, topic,
+                     "; ".join(s.describe() for s in steps))
 
     def replays_inserts(self, table: str) -> bool:
         # A connector that crashed sends its last events again, creates included: a `c`
@@ -313,7 +368,12 @@ class KafkaStager:
         self.report.records += batch.changes
 
     def done_with(self, batch: Batch) -> list[SegmentInfo]:
-        return batch.segments
+        # A batch cut before new columns leaves its last segment to the next one.
+        return batch.segments[:-1] if batch.cut else batch.segments
+
+
+class _NewColumns(Exception):
+    """A record adds columns to a table the batch has rows of: the batch ends before it."""
 
 
 def _refused(staged: Mapping[str, StagedTable],

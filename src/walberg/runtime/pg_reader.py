@@ -46,6 +46,16 @@ class Relations:
         return [(0, FRAME_PREAMBLE, raw) for raw in self.raw.values()]
 
 
+@dataclass
+class _Cursor:
+    """Where the reader is in the stream."""
+
+    skip_before: Lsn  # transactions committing before this are in the segments already
+    received: Lsn  # end of the last transaction written to a segment
+    in_txn: bool = False
+    skipping: bool = False  # inside a transaction the segments hold already
+
+
 class PgReader:
     """Reads a Postgres source into segment files."""
 
@@ -285,16 +295,15 @@ class PgReader:
     def _stream_loop(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
         store, state = self.store, self.state
         self._streamed_since_start = False
-        skip_before = state.received  # transactions already in segments are not written twice
-        received = skip_before
+        # Transactions already in segments are not written twice.
+        at = _Cursor(skip_before=state.received, received=state.received)
         stream.confirm(state.confirmable())
         in_progress = self.pg.stream_in_progress and stream.server_version() >= 140000
         stream.start(state.confirmable(), in_progress=in_progress)
         spill_dir = self.config.segment_dir / "spill"
         spill.clear(spill_dir)  # an unfinished streamed transaction is streamed again
-        streamed = StreamedTransactions(lambda xid: TxnSpill(spill_dir, xid), skip_before)
+        streamed = StreamedTransactions(lambda xid: TxnSpill(spill_dir, xid), at.skip_before)
         interval = self.config.buffer.max_interval_seconds
-        in_txn = skipping = False
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
         last_ask = last_gauges = 0.0
         while not state.stop.is_set():
@@ -308,55 +317,26 @@ class PgReader:
                 continue
             # --once: what committed after the target is left for the next run, so a source
             # that never stops writing cannot keep this run from ending.
-            reached = target is not None and not in_txn and received >= target
+            reached = target is not None and not at.in_txn and at.received >= target
             if reached:
                 stream.keepalive()
                 self._await_progress()
             for wal_start, payload in () if reached else stream.messages(timeout=0.2):
-                tag = payload[0]
-                if streamed.takes(tag):
-                    done = streamed.message(tag, payload, wal_start)
-                    if done is not None:
-                        received = self._write_streamed(done)
-                    continue
-                if tag == Tag.RELATION:
-                    self.relations.raw[relation_oid(payload)] = bytes(payload)
-                elif tag == Tag.BEGIN:
-                    in_txn = True
-                    skipping = begin_final_lsn(payload) < skip_before
-                if skipping:
-                    if tag == Tag.COMMIT:
-                        skipping = in_txn = False
-                    continue
-                if tag == Tag.COMMIT:
-                    end = commit_end_lsn(payload)
-                    store.append(end, FRAME_PGOUTPUT, payload)
-                    in_txn = False
-                    self._active_commit = received = end
-                    state.set_received(end)
-                    self._streamed_since_start = True
-                    if store.should_seal():
-                        self.seal(clean=True)
-                    if target is not None and end >= target:
-                        break
-                else:
-                    store.append(wal_start, FRAME_PGOUTPUT, payload)
-                    crash_point("segment-write")
-                    if store.should_seal():
-                        self.seal(clean=False)
+                if self._message(payload, wal_start, streamed, at, target):
+                    break
 
-            caught_up = target is not None and not in_txn and (
-                received >= target or stream.wal_end >= target)
+            caught_up = target is not None and not at.in_txn and (
+                at.received >= target or stream.wal_end >= target)
             if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
-                self.seal(clean=not in_txn)
-            idle = not in_txn and not streamed.pending and store.pending_bytes() == 0
+                self.seal(clean=not at.in_txn)
+            idle = not at.in_txn and not streamed.pending and store.pending_bytes() == 0
             # (past the target, messages may wait unread: the server's WAL end says nothing then)
-            reached = target is not None and not in_txn and received >= target
+            reached = target is not None and not at.in_txn and at.received >= target
             if idle and not reached and stream.wal_end > state.applied:
                 # Nothing of ours is pending: positions up to the server's WAL end hold no
                 # change for our tables, so the slot may move on (keeps retained WAL bounded).
                 state.advance_applied(stream.wal_end)
-            stream.confirm(state.confirmable(), written=received)
+            stream.confirm(state.confirmable(), written=at.received)
             self._note_pending()
             if time.monotonic() - last_gauges >= self.pg.status_interval_seconds:
                 self._update_slot_gauges()
@@ -368,6 +348,42 @@ class PgReader:
                 # Ask for a keepalive: its WAL end tells how far the server has looked.
                 stream.keepalive(force=True, reply=True)
                 last_ask = time.monotonic()
+
+    def _message(self, payload: bytes, wal_start: int, streamed: StreamedTransactions,
+                 at: "_Cursor", target: Optional[Lsn]) -> bool:
+        """One message from the server into the segments; True once the ``--once`` target's
+        transaction is written (read no further)."""
+        store = self.store
+        tag = payload[0]
+        if streamed.takes(tag):
+            done = streamed.message(tag, payload, wal_start)
+            if done is not None:
+                at.received = self._write_streamed(done)
+            return False
+        if tag == Tag.RELATION:
+            self.relations.raw[relation_oid(payload)] = bytes(payload)
+        elif tag == Tag.BEGIN:
+            at.in_txn = True
+            at.skipping = begin_final_lsn(payload) < at.skip_before
+        if at.skipping:
+            if tag == Tag.COMMIT:
+                at.skipping = at.in_txn = False
+            return False
+        if tag == Tag.COMMIT:
+            end = commit_end_lsn(payload)
+            store.append(end, FRAME_PGOUTPUT, payload)
+            at.in_txn = False
+            self._active_commit = at.received = end
+            self.state.set_received(end)
+            self._streamed_since_start = True
+            if store.should_seal():
+                self.seal(clean=True)
+            return target is not None and end >= target
+        store.append(wal_start, FRAME_PGOUTPUT, payload)
+        crash_point("segment-write")
+        if store.should_seal():
+            self.seal(clean=False)
+        return False
 
     def _write_streamed(self, done: Committed) -> Lsn:
         """A streamed transaction that committed, written to the segments as an ordinary one;
