@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pyarrow.parquet as pq
 import yaml
 from prometheus_client import REGISTRY
 
-from conftest import CATALOG, run_once, walberg_cli
+from conftest import CATALOG, run_once, running, walberg_cli
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import iceberg_rows
 from walberg.config import Config, parse_config
@@ -262,3 +264,141 @@ def test_lake_commands_on_a_kafka_pipeline_file(
     done = walberg_cli("query", "-c", str(path), f"SELECT id, v FROM {target} ORDER BY id")
     assert done.returncode == 0, done.stderr
     assert "two" in done.stdout and "(2 rows)" in done.stdout
+
+
+def _wide_records(p: Producer, topic: str, ids: range, v: str) -> None:
+    for i in ids:
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": v * 400}))
+
+
+def test_the_next_batch_is_staged_while_one_commits(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: Any) -> None:
+    """The Kafka source goes through the shared applier: batch N+1 is staged in the staging
+    thread while Spark commits batch N."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    _wide_records(Producer(kafka_broker), topic, range(1, 601), "x")  # ~250 KB: several batches
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    raw["buffer"].update(max_segment_bytes=65536, max_batch_bytes=65536)
+    with caplog.at_level(logging.DEBUG, logger="walberg"):
+        report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.batches >= 3 and report.records == 600
+    staged_aside = [r for r in caplog.records
+                    if r.getMessage().startswith("staged ") and r.threadName.startswith(
+                        "walberg-stage")]
+    assert staged_aside, "no batch was staged beside a commit"
+    rows = iceberg_rows(warehouse, f"{CATALOG}.ns_{unique}.{unique}")
+    assert [r["id"] for r in rows] == list(range(1, 601))
+
+
+def test_maintenance_runs_on_schedule_between_kafka_batches(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    raw["maintenance"] = {"every": "2s", "snapshot_retention": "0s", "retain_last": 2}
+    pipeline = KafkaPipeline(_config(raw, tmp_path), session=spark)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    with running(pipeline) as failures:
+        for i in range(1, 7):
+            p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": "x"}))
+            p.send(topic, {"id": i}, envelope("u", None, {"id": i, "v": "y"}))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not failures:
+                if spark.catalog.tableExists(target) and spark.sql(
+                        f"SELECT count(*) AS n FROM {target} WHERE id = {i} AND v = 'y'"
+                ).collect()[0]["n"]:
+                    break
+                time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not failures:
+            if "replace" in [h["operation"] for h in pipeline.sink.history(target)]:
+                break
+            time.sleep(0.5)
+        assert "replace" in [h["operation"] for h in pipeline.sink.history(target)]
+    assert not failures, failures
+    rows = iceberg_rows(warehouse, target)
+    assert [(r["id"], r["v"]) for r in rows] == [(i, "y") for i in range(1, 7)]
+
+
+def test_a_replayed_create_is_not_a_duplicate_in_an_upsert_table(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """A connector that replays after its own crash sends a `c` again: the key already holds
+    the same row, so the table keeps one row for it, whether the replay lands in the same
+    batch or in a later run."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    for i in (1, 2, 1):  # the second `c` of 1: a replay within one batch
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": f"v{i}"}))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert [(r["id"], r["v"]) for r in iceberg_rows(warehouse, target)] == [(1, "v1"), (2, "v2")]
+    for i in (2, 3):  # a replay of 2 in a later run, then a new row
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": f"v{i}"}))
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.records == 2
+    assert [(r["id"], r["v"]) for r in iceberg_rows(warehouse, target)] == [
+        (1, "v1"), (2, "v2"), (3, "v3")]
+
+
+def test_append_mode_keeps_every_event_once_with_its_offsets(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """``sink.mode: append`` on a Kafka source: the table is a changelog, one row per event,
+    and its commits carry the offsets, so a run that reads the topic again adds nothing twice."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    p.send(topic, {"id": 1}, envelope("c", None, {"id": 1, "v": "a"}))
+    p.send(topic, {"id": 1}, envelope("u", {"id": 1, "v": "a"}, {"id": 1, "v": "b"}))
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "v": "c"}))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    raw["sink"]["mode"] = "append"
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    p.send(topic, {"id": 2}, envelope("d", {"id": 2, "v": "c"}, None))
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)  # nothing new: nothing added
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    rows = spark.sql(f"SELECT id, v, _walberg_op FROM {target}").collect()
+    assert sorted((r["id"], r["v"], r["_walberg_op"]) for r in rows) == [
+        (1, "a", "insert"), (1, "b", "update"), (2, "c", "delete"), (2, "c", "insert")]
+    summary = spark.sql(f"SELECT summary FROM {target}.snapshots ORDER BY committed_at DESC"
+                        ).collect()[0]["summary"]
+    assert summary[f"walberg.offset.{topic}.0"] == "4"
+
+
+def test_a_new_optional_field_in_the_schema_adds_a_column(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """Additive schema evolution from the Debezium ``schema`` part: the connector's table
+    gained a column, so its records carry a new optional field; the Iceberg table gets the
+    column (older rows NULL) instead of every record going to the dead letters."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    old = row_schema([{"field": "id", "type": "int32"},
+                      {"field": "name", "type": "string", "optional": True}])
+    new = row_schema([{"field": "id", "type": "int32"},
+                      {"field": "name", "type": "string", "optional": True},
+                      {"field": "email", "type": "string", "optional": True}])
+    p.send(topic, {"id": 1}, envelope("c", None, {"id": 1, "name": "a"}, schema=old))
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "name": "b"}, schema=old))
+    # In the same batch as the rows before it: the batch ends there, the next has the column.
+    p.send(topic, {"id": 3}, envelope("c", None, {"id": 3, "name": "c", "email": "c@x"},
+                                      schema=new))
+    p.send(topic, {"id": 1}, envelope("u", None, {"id": 1, "name": "a", "email": "a@x"},
+                                      schema=new))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0 and report.records == 4
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert iceberg_rows(warehouse, target) == [
+        {"id": 1, "name": "a", "email": "a@x"}, {"id": 2, "name": "b", "email": None},
+        {"id": 3, "name": "c", "email": "c@x"}]
+    # A later run reads the columns from the table and takes records of either schema.
+    p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "name": "d"}, schema=old))
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0 and report.records == 1
+    assert iceberg_rows(warehouse, target)[-1] == {"id": 4, "name": "d", "email": None}

@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg2
 import yaml
+from prometheus_client import REGISTRY
 
 from conftest import walberg_cli
 from lake import duckdb_rows, hadoop_table
@@ -91,6 +92,10 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
         cur.execute(f"TRUNCATE {unique}")
         cur.execute(f"INSERT INTO {unique} VALUES (1, 'after truncate')")
     _run(config, spark)
+    # Each source has gauges of its own: one source does not overwrite the other's.
+    for name in ("east", "west"):
+        assert REGISTRY.get_sample_value("walberg_pending_segment_bytes",
+                                         {"source": name}) == 0.0, name
 
     table = hadoop_table(warehouse, target)
     got = sorted((r["_walberg_source"], r["id"], r["v"])

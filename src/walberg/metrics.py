@@ -41,12 +41,17 @@ END_TO_END_SECONDS = Histogram(
 
 COMMITTED_LSN = Gauge("walberg_committed_lsn", "LSN covered by the table's last walberg commit",
                       ["table"])
-PENDING_BYTES = Gauge("walberg_pending_segment_bytes", "Segment bytes not yet applied")
+# Per source (``source``: its name in a pipeline with several, else postgres or kafka), so that
+# several sources in one process do not overwrite each other.
+PENDING_BYTES = Gauge("walberg_pending_segment_bytes", "Segment bytes not yet applied",
+                      ["source"])
 LAG_BYTES = Gauge("walberg_replication_lag_bytes",
-                  "Server WAL position minus the slot's confirmed flush position")
-RETAINED_WAL_BYTES = Gauge("walberg_slot_retained_wal_bytes", "WAL the slot keeps on the server")
+                  "Server WAL position minus the slot's confirmed flush position", ["source"])
+RETAINED_WAL_BYTES = Gauge("walberg_slot_retained_wal_bytes", "WAL the slot keeps on the server",
+                           ["source"])
 LAG_SECONDS = Gauge("walberg_replication_lag_seconds",
-                    "Age of the oldest change received but not yet in Iceberg (0 when none)")
+                    "Age of the oldest change received but not yet in Iceberg (0 when none)",
+                    ["source"])
 
 _served: Optional[int] = None
 _lock = threading.Lock()

@@ -1,0 +1,300 @@
+"""The applier: sealed segments -> Iceberg, the same for every source.
+
+It picks the sealed segments of the next batch, has the source's stager decode and stage them
+(batch N+1 in a helper thread while Spark commits batch N), commits each table's share with
+retries and metrics, lets go of the segments once the lake holds what they hold, and runs
+scheduled maintenance between batches. The sources differ only through ``Stager`` (how a batch
+is staged, and what a table needs before its commit) and ``Marks`` (what a commit records of
+the source's position: ``walberg.lsn`` or ``walberg.offset.<topic>.<partition>``).
+
+Order of a table's commit (crash-safe at every step, see the pipeline's delivery contract):
+schema first, then dead letters, then the changelog, then the table itself with its marks."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+from walberg import metrics
+from walberg.apply.batch import BatchBuilder, StagedTable
+from walberg.apply.iceberg import IcebergSink
+from walberg.apply.spark import with_commit_properties
+from walberg.buffer.store import SegmentInfo, SegmentStore
+from walberg.config import Config
+from walberg.faults import crash_point
+from walberg.lakeside import commit_with_retries, count_files
+from walberg.model import Lsn
+from walberg.runtime.state import RunState
+from walberg.runtime.tables import SchemaStop, Tables
+
+log = logging.getLogger("walberg")
+
+Partition = tuple[str, int]
+OP_NAMES = {"I": "insert", "U": "update", "D": "delete"}
+
+
+@dataclass
+class Batch:
+    """A batch decoded and staged, waiting for its Spark commit."""
+
+    segments: list[SegmentInfo]
+    builder: BatchBuilder
+    staged: dict[str, StagedTable]
+    tables: list[str]  # the tables it commits to, in order
+    max_seq: int
+    changes: int
+    staged_s: float
+    lsn: Lsn = Lsn(0)  # Postgres: end LSN of its last transaction, what its commits record
+    start: Lsn = Lsn(0)  # Postgres: the lake held everything before this when it was staged
+    void: list[tuple[int, int]] = field(default_factory=list)
+    txns: list[tuple[int, int, int, int]] = field(default_factory=list)  # for changelogs
+    last_commit_ts: Optional[int] = None  # source commit time of its last transaction (µs, 2000)
+    cut: bool = False  # ended early, before a table's new columns: its segments are read again
+    offsets: dict[Partition, int] = field(default_factory=dict)  # Kafka: next offset read
+    dead: list[Any] = field(default_factory=list)  # Kafka: records that could not be staged
+    # Set once its commit is over (or failed): the next batch stops growing then.
+    committed: threading.Event = field(default_factory=threading.Event)
+
+
+class Marks(Protocol):
+    """What a commit records of the source's position, and how to tell it landed."""
+
+    def marks(self, table: str, batch: Batch) -> Optional[dict[str, str]]:
+        """Snapshot properties of the table's commit (None: the sink's ``walberg.lsn``)."""
+
+    def landed(self, sink: IcebergSink, table: str, target: str, batch: Batch) -> bool:
+        """Whether the table holds the batch (after a commit whose outcome is unknown)."""
+
+    def upto(self, table: str, batch: Batch) -> str:
+        """What the table's commit covers, for messages (``LSN 0/1A``)."""
+
+    def held(self, table: str) -> str:
+        """What the table held before, for messages."""
+
+    def record(self, table: str, batch: Batch) -> None:
+        """The table's commit landed: remember what it holds now."""
+
+
+class Stager(Protocol):
+    """How a source's batch is staged and what a table needs before its commit."""
+
+    @property
+    def marks(self) -> Marks:
+        """What this source's commits record."""
+
+    def prepare_next(self, after: Optional[Batch]) -> Optional[Batch]:
+        """Stage the next batch: the sealed segments after ``after`` (not yet committed)."""
+
+    def follow(self, table: str, staged: StagedTable, batch: Batch) -> None:
+        """Before the table's commit: its Iceberg table exists and takes the staged columns."""
+
+    def dead_letters(self, table: str, staged: StagedTable, batch: Batch) -> None:
+        """Before the table's commit: write the staged rows it cannot take."""
+
+    def before_commit(self, batch: Batch) -> None:
+        """Before any table's commit of the batch."""
+
+    def replays_inserts(self, table: str) -> bool:
+        """Whether the source may send an insert again for a key the table holds (its inserts
+        are then merged by key, never appended)."""
+
+    def applied(self, batch: Batch) -> None:
+        """Every table of the batch holds it: advance the source's applied position."""
+
+    def done_with(self, batch: Batch) -> list[SegmentInfo]:
+        """The segments the lake now holds whole: removed."""
+
+
+class Applier:
+    """Applies sealed segments to Iceberg, batch after batch, in its own thread."""
+
+    def __init__(self, config: Config, store: SegmentStore, state: RunState, stager: Stager,
+                 tables: Tables, sink: Callable[[], IcebergSink],
+                 maintain: Optional[Callable[[], Any]] = None) -> None:
+        self.config = config
+        self.store = store
+        self.state = state
+        self.stager = stager
+        self.tables = tables
+        self._sink = sink
+        self._maintain = maintain
+        self._last_maintenance = time.monotonic()
+        self.batches = 0
+        self.changes = 0
+
+    @property
+    def sink(self) -> IcebergSink:
+        return self._sink()
+
+    def loop(self) -> None:
+        """The applier thread: apply whatever is sealed, until stopped. A failure stops the
+        reader and is raised by the pipeline's ``run`` in the main thread."""
+        try:
+            while True:
+                self.state.wake.wait(0.5)
+                self.state.wake.clear()
+                if self.state.stop.is_set():
+                    # Stopping: the batch in flight has finished; what is still sealed is
+                    # durable and is applied by the next run, so shutdown stays short.
+                    return
+                self.apply_ready(drain=False)
+                every = self.config.maintenance.every
+                if (self._maintain is not None and every
+                        and time.monotonic() - self._last_maintenance >= every):
+                    # Between batches, in this thread: never racing walberg's own commits.
+                    # The reader keeps filling segments meanwhile.
+                    self._maintain()
+                    self._last_maintenance = time.monotonic()
+        except BaseException as exc:
+            self.state.fail(exc)
+
+    def apply_ready(self, drain: bool) -> None:
+        """Apply sealed segments, a batch at a time, while some hold unapplied changes.
+
+        Batch N+1 is decoded and staged (Python, pyarrow) in a helper thread while Spark
+        commits batch N, so the two kinds of work overlap."""
+        prepared = self._prepare(None)
+        if prepared is None:
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="walberg-stage") as pool:
+            while prepared is not None:
+                upcoming = pool.submit(self._prepare, prepared)
+                try:
+                    self.commit(prepared)
+                except BaseException:
+                    prepared.committed.set()
+                    _discard(upcoming)
+                    raise
+                prepared.committed.set()
+                if self.state.stop.is_set() and not drain:
+                    _discard(upcoming)
+                    return
+                prepared = upcoming.result()
+
+    def _prepare(self, after: Optional[Batch]) -> Optional[Batch]:
+        batch = self.stager.prepare_next(after)
+        if batch is not None:
+            log.debug("staged %d segment(s), %d changes, in %.2f s", len(batch.segments),
+                      batch.changes, batch.staged_s)
+        return batch
+
+    def commit(self, batch: Batch) -> None:
+        """Commit a staged batch to Iceberg (one commit per table), then let go of its
+        segments."""
+        started = time.monotonic()
+        log.info("applying %d segment(s) up to %s", len(batch.segments),
+                 self.stager.marks.upto("", batch))
+        try:
+            self.stager.before_commit(batch)
+            for table in batch.tables:
+                if not self.state.is_halted(table):
+                    self._commit_counted(table, batch)
+        finally:
+            batch.builder.discard()
+        crash_point("committed")
+        self.stager.applied(batch)
+        self.state.progress.set()
+        self.batches += 1
+        self.changes += batch.changes
+        done_with = self.stager.done_with(batch)
+        self.store.remove(done_with)
+        self.state.forget_segments([info.seq for info in done_with])
+        metrics.BATCHES.inc()
+        metrics.SEGMENTS_APPLIED.inc(len(done_with))
+        metrics.BATCH_CHANGES.observe(batch.changes)
+        metrics.BATCH_SECONDS.observe(batch.staged_s + time.monotonic() - started)
+        if batch.last_commit_ts is not None:
+            metrics.END_TO_END_SECONDS.observe(
+                max(time.time() - pg_epoch(batch.last_commit_ts), 0.0))
+        log.info("batch of %d segment(s), %d changes, %s: staged in %.2f s, committed in "
+                 "%.2f s", len(batch.segments), batch.changes,
+                 self.stager.marks.upto("", batch), batch.staged_s, time.monotonic() - started)
+
+    def _commit_counted(self, table: str, batch: Batch) -> None:
+        """One table's commit, tried again on storage failures, with its metrics; a schema
+        change it cannot follow stops this table only."""
+        st = batch.staged[table]
+        started = time.monotonic()
+        try:
+            self._with_retries(table, batch, functools.partial(self._commit_table, table, batch))
+        except SchemaStop as exc:
+            # This table cannot follow its source; the others go on.
+            self.state.halt(table, str(exc))
+            metrics.TABLE_STOPPED.labels(table).set(1)
+            log.error("%s; the other tables go on", exc)
+            return
+        except BaseException:
+            metrics.COMMITS.labels(table, "failure").inc()
+            raise
+        metrics.COMMITS.labels(table, "success").inc()
+        count_files(self.sink, table, self.tables.targets[table])
+        metrics.COMMIT_SECONDS.labels(table).observe(time.monotonic() - started)
+        for op, name in OP_NAMES.items():
+            metrics.RECORDS_WRITTEN.labels(table, name).inc(st.ops[op])
+        self.stager.marks.record(table, batch)
+        log.info("applied %s: %d changes (I %d, U %d, D %d%s), %s, in %.2f s", table, st.rows,
+                 st.ops["I"], st.ops["U"], st.ops["D"], ", truncated" if st.truncates else "",
+                 self.stager.marks.upto(table, batch), time.monotonic() - started)
+
+    def _commit_table(self, table: str, batch: Batch) -> None:
+        """One table's share of a batch: schema first, then dead letters, then its commit (the
+        changelog's first when the table has both)."""
+        st, target = batch.staged[table], self.tables.targets[table]
+        changelog = self.tables.changelogs.get(table)
+        self.stager.follow(table, st, batch)
+        if st.dead_letters is not None:
+            # Before the table's own commit: a replay skips what the DLQ holds.
+            self.stager.dead_letters(table, st, batch)
+        marks = self.stager.marks.marks(table, batch)
+        if changelog is not None:
+            held = self.tables.changelog_held.get(table) if changelog != target else None
+
+            def append() -> None:
+                self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq, batch.void,
+                                         batch.txns, held)
+
+            if marks and changelog == target:
+                # The changelog is the table: its commit carries the source's marks.
+                with_commit_properties(self.sink.spark, marks, append)
+            else:
+                append()
+            if changelog != target:
+                self.tables.changelog_held[table] = batch.lsn
+        if changelog != target:
+            crash_point("commit", delay=0.5)
+            catchup = self.state.catchup(table)
+            self.sink.apply(target, st, batch.lsn, batch.max_seq, batch.void, marks,
+                            upsert=catchup is not None or self.stager.replays_inserts(table))
+            if catchup is not None:
+                self.state.caught_up(table, batch.lsn)
+
+    def _with_retries(self, table: str, batch: Batch, commit: Callable[[], None]) -> None:
+        """``commit`` tried again on storage or catalog failures (see
+        ``lakeside.commit_with_retries``); it landed if the table holds the batch."""
+        target = self.tables.targets[table]
+        marks = self.stager.marks
+        commit_with_retries(self.config.sink, self.state.stop, self.sink, table, target, commit,
+                            lambda: marks.landed(self.sink, table, target, batch),
+                            marks.upto(table, batch), marks.held(table))
+
+
+def _discard(upcoming: "Future[Optional[Batch]]") -> None:
+    try:
+        batch = upcoming.result()
+    except BaseException:
+        return
+    if batch is not None:
+        batch.builder.discard()
+
+
+_PG_EPOCH = 946684800.0  # 2000-01-01 UTC
+
+
+def pg_epoch(micros: int) -> float:
+    """Unix time of a timestamp sent as microseconds since 2000-01-01 UTC."""
+    return _PG_EPOCH + micros / 1_000_000

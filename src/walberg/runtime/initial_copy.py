@@ -1,0 +1,282 @@
+"""A Postgres table's first copy into the lake, inside a snapshot exported by a replication
+slot: one COPY stream staged as Parquet and loaded in one commit, or (``initial_copy.method:
+jdbc``) Spark reading the table in chunks over JDBC, each chunk a commit, resumable. Also a
+table that joins the publication while walberg runs (``follow_publication``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from walberg import metrics
+from walberg.apply import jdbc
+from walberg.apply.batch import DeadLetters, csv_to_parquet
+from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
+from walberg.config import Config
+from walberg.faults import crash_point
+from walberg.model import Lsn, Relation
+from walberg.progress import CopyProgress
+from walberg.runtime.state import RunState
+from walberg.runtime.tables import PgTables, count_dead
+from walberg.source import chunks
+from walberg.source import postgres as pg
+from walberg.source.chunks import Span
+from walberg.source.snapshot import copy_table
+from walberg.source.stream import CreatedSlot, ReplicationStream
+
+log = logging.getLogger("walberg")
+
+
+class InitialCopy:
+    """Copies tables owed a copy and marks each with the LSN the stream goes on from."""
+
+    def __init__(self, config: Config, tables: PgTables, state: RunState, report: Any,
+                 session: Callable[[], Any], sink: Callable[[], IcebergSink]) -> None:
+        self.config = config
+        self.pg = config.postgres
+        self.tables = tables
+        self.state = state
+        self.report = report
+        self._session = session
+        self._sink = sink
+
+    @property
+    def sink(self) -> IcebergSink:
+        return self._sink()
+
+    def copy(self, infos: list[pg.TableInfo], created: Optional[CreatedSlot],
+             slot_flushed: Optional[Lsn] = None) -> None:
+        """Copy tables inside a snapshot exported by a replication slot: the slot's own when it
+        was just created, else a temporary slot's. Either way the copy is marked with the slot's
+        consistent point, and the stream applies exactly the transactions after it.
+        ``slot_flushed``: where the existing slot resumes (None: the slot is new), which tells
+        whether a chunked copy cut short can resume."""
+        temp: Optional[ReplicationStream] = None
+        if created is None:
+            temp = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication)
+            temp.open()
+            created = temp.create_slot(name=f"{self.pg.slot}_copy_{id(self) % 100000}",
+                                       temporary=True)
+        workdir = Path(tempfile.mkdtemp(prefix="walberg-copy-", dir=self.config.segment_dir))
+        try:
+            for info in infos:
+                started = time.monotonic()
+                source = info.qualified_name
+                if self._chunked(info):
+                    rows, point = self._copy_chunked(info, created,
+                                                     slot_flushed if temp is not None else None)
+                else:
+                    rows = self._copy_whole(info, created, workdir)
+                    point = created.consistent_point
+                self.state.set_committed(source, point)
+                self.report.copied[source] = rows
+                metrics.COPIED_ROWS.labels(source).inc(rows)
+                metrics.COMMITTED_LSN.labels(source).set(int(point))
+                log.info("initial copy of %s -> %s: %d rows in %.1f s (at LSN %s)", source,
+                         self.tables.targets[source], rows, time.monotonic() - started, point)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            if temp is not None:
+                temp.close()
+
+    def adopt(self, rel: Relation) -> None:
+        """A table added to the publication while walberg runs: copy it inside a temporary
+        slot's snapshot; its changes count from that snapshot's position on."""
+        table = rel.qualified_name
+        conn = pg.connect(self.pg.dsn)
+        try:
+            if table not in pg.published_tables(conn, self.pg.publication):
+                return
+            info = pg.describe_table(conn, table, self.pg.publications)
+            pg.require_key(info)
+            self.tables.add(table)
+            self.tables.learn_types(conn, {table: info})
+        finally:
+            conn.close()
+        log.info("%s joined publication %s: copying it", table, self.pg.publication)
+        self.tables.ensure(table, info)
+        self.copy([info], None)
+
+    def _copy_whole(self, info: pg.TableInfo, created: CreatedSlot, workdir: Path) -> int:
+        """The default copy: one COPY stream staged as local Parquet, loaded in one commit
+        marked with the slot's consistent point (and appended to the changelog, if any).
+        Returns the rows copied."""
+        source = info.qualified_name
+        parquet = workdir / f"{source}.parquet"
+        dead = DeadLetters(workdir / f"dlq-{source}.parquet", len(info.columns))
+        rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet,
+                                     (dead, int(created.consistent_point)))
+        target = self.tables.targets[source]
+        dead.close()
+        # Dead letters first: if the copy itself then fails, the next copy replaces them.
+        dropped = self.sink.write_dead_letters(
+            target, info.columns, dead.path, created.consistent_point,
+            snapshot=True) if dead.rows else 0
+        count_dead(self.sink, source, target, dropped)
+        changelog = self.tables.changelogs.get(source)
+        if changelog is not None:
+            self.sink.append_copy(changelog, info.columns, [parquet], created.consistent_point)
+            self.tables.changelog_held[source] = created.consistent_point
+        if changelog != target:
+            self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
+        return rows
+
+    def _chunked(self, info: pg.TableInfo) -> bool:
+        """Whether this table's copy is read by Spark over JDBC in chunks."""
+        if self.pg.initial_copy.method != "jdbc":
+            return False
+        source = info.qualified_name
+        why = None
+        if self.config.layout_for(source).mode != "upsert":
+            why = "its sink mode keeps a changelog"
+        elif any(self.tables.types.spark_type(c, source).array_dims for c in info.columns):
+            why = "it has array columns"
+        if why:
+            log.info("initial copy of %s: through COPY, not jdbc, because %s", source, why)
+            return False
+        return True
+
+    def _resume_point(self, info: pg.TableInfo, key: Optional[str], created: CreatedSlot,
+                      slot_flushed: Optional[Lsn]) -> tuple[Lsn, Optional[Lsn], list[Span]]:
+        """Where a chunked copy starts: (the LSN it is marked with, the catch-up LSN of a
+        resumed copy, the spans already committed)."""
+        source, target = info.qualified_name, self.tables.targets[info.qualified_name]
+        if key is None or slot_flushed is None:
+            return created.consistent_point, None, []
+        history = self.sink.copy_marks(target)
+        if not history or history[0].get(COPY_PREFIX + "key") != key:
+            return created.consistent_point, None, []
+        start = Lsn.parse(history[0][COPY_PREFIX + "point"])
+        if start < slot_flushed:
+            return created.consistent_point, None, []
+        done = [Span.decode(m[COPY_PREFIX + "span"]) for m in history
+                if COPY_PREFIX + "span" in m]
+        log.info("resuming the initial copy of %s: %d chunk(s) were committed (from LSN %s); "
+                 "the rest is read at LSN %s", source, len(done), start,
+                 created.consistent_point)
+        return start, created.consistent_point, done
+
+    def _copy_chunked(self, info: pg.TableInfo, created: CreatedSlot,
+                      slot_flushed: Optional[Lsn]) -> tuple[int, Lsn]:
+        """The parallel initial copy: Spark reads the table over JDBC in chunks, each a commit
+        recording the span it covers (``walberg.copy.*``); the last also carries the LSN mark.
+
+        Resuming: a copy cut by key ranges that an interruption left unfinished goes on with
+        the spans not yet committed, read in this (newer) snapshot, provided the slot still
+        starts at or before the copy's start (``slot_flushed``). The table is then marked with
+        the copy's original start, so the stream replays everything after it; rows read in the
+        newer snapshot already hold part of that replay, which is harmless as long as the
+        replayed inserts are merged by key rather than appended: they are, until the stream
+        passes the newer snapshot (``walberg.copy.catchup``). Returns the rows copied and the
+        LSN the table is marked with."""
+        source, target = info.qualified_name, self.tables.targets[info.qualified_name]
+        settings = self.pg.initial_copy
+        key = chunks.range_key(info)
+        kind = "key" if key else "ctid"
+        point, catchup, done = self._resume_point(info, key, created, slot_flushed)
+        conn = pg.connect(self.pg.dsn, autocommit=False)
+        try:
+            conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
+            with conn.cursor() as cur:
+                cur.execute("SET TRANSACTION SNAPSHOT %s", (created.snapshot_name,))
+                extent = chunks.table_extent(cur, info, key)
+            conn.rollback()
+        finally:
+            conn.close()
+        todo = chunks.remaining(done) if key else [Span(kind, None, None)]
+        parallel = settings.parallelism or int(self._session().sparkContext.defaultParallelism)
+        plan = chunks.plan_chunks(extent, info.estimated_rows, settings.chunk_rows, parallel,
+                                  kind, todo)
+        url, props = chunks.jdbc_target(self.pg.dsn)
+        init = chunks.session_init(created.snapshot_name)
+        progress = CopyProgress(source, info.estimated_rows)
+        gauge = metrics.COPY_PROGRESS.labels(source)
+        rows = dead = 0
+        for n, chunk in enumerate(plan):
+            started = time.monotonic()
+            df = jdbc.read_text(self._session(), url, props,
+                                [chunks.text_query(info, part, key) for part in chunk.parts],
+                                init, settings.fetch_size)
+            last = n == len(plan) - 1
+            marks = {COPY_PREFIX + "point": str(point), COPY_PREFIX + "key": key or "",
+                     COPY_PREFIX + "span": chunk.span.encode()}
+            first = not done and n == 0
+            if first:
+                marks[COPY_PREFIX + "first"] = "true"
+            if last and catchup is not None:
+                marks[COPY_PREFIX + "catchup"] = str(catchup)
+            added, bad = self.sink.load_chunk(
+                target, info.columns, df, point, marks, first=first, done=last,
+                dead_span=(key, chunk.span.lo, chunk.span.hi) if key else None)
+            crash_point("chunk")
+            rows, dead = rows + added, dead + bad
+            progress.update(rows)
+            if info.estimated_rows:
+                gauge.set(min(rows / info.estimated_rows, 0.99))
+            log.info("initial copy of %s: chunk %d of %d (%s) -> %d rows in %.1f s", source,
+                     n + 1, len(plan), chunk.span.encode(), added, time.monotonic() - started)
+        progress.done(rows)
+        gauge.set(1)
+        count_dead(self.sink, source, target, dead)
+        if catchup is not None:
+            self.state.set_catchup(source, catchup)
+        return rows, point
+
+    def catchup_after_resume(self, source: str) -> None:
+        """A table whose copy was resumed merges the stream's inserts by key until the stream
+        passes the snapshot the copy finished in (see ``_copy_chunked``)."""
+        if self.pg.initial_copy.method != "jdbc":
+            return
+        marks = self.sink.copy_marks(self.tables.targets[source])
+        value = marks[-1].get(COPY_PREFIX + "catchup") if marks else None
+        committed = self.state.committed_at(source)
+        if value is not None and committed is not None and Lsn.parse(value) > committed:
+            self.state.set_catchup(source, Lsn.parse(value))
+
+    def _copy_to_parquet(self, info: pg.TableInfo, workdir: Path, snapshot: str,
+                         parquet: Path, dead: tuple[DeadLetters, int]) -> int:
+        """COPY the table through a named pipe into the Parquet writer: Postgres renders rows
+        while pyarrow parses them, and no CSV file ever lands on disk."""
+        fifo = workdir / f"{info.qualified_name}.csv"
+        os.mkfifo(fifo, 0o600)
+        result: list[int] = []
+        failure: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                result.append(copy_table(self.pg.dsn, info, fifo, snapshot))
+            except BaseException as exc:
+                failure.append(exc)
+                # Unblock the reader side if the writer never opened the pipe.
+                with open(fifo, "wb"):
+                    pass
+
+        producer = threading.Thread(target=produce, name=f"copy-{info.qualified_name}")
+        producer.start()
+        try:
+            progress = CopyProgress(info.qualified_name, info.estimated_rows)
+            gauge = metrics.COPY_PROGRESS.labels(info.qualified_name)
+            gauge.set(0)
+
+            def copied(rows: int) -> None:
+                progress.update(rows)
+                if info.estimated_rows:
+                    gauge.set(min(rows / info.estimated_rows, 0.99))
+
+            rows = csv_to_parquet(fifo, len(info.columns), parquet,
+                                  self.tables.prep(info.qualified_name, info.columns), dead,
+                                  copied)
+            progress.done(rows)
+            gauge.set(1)
+        finally:
+            producer.join()
+            fifo.unlink(missing_ok=True)
+        if failure:
+            raise failure[0]
+        return result[0]

@@ -1,0 +1,78 @@
+"""The Kafka reader: the configured topics read from the offsets the lake holds (never from
+the consumer group's committed offsets) into segment files, one frame per record. It runs in
+the pipeline's main thread, beside the applier."""
+
+from __future__ import annotations
+
+import logging
+
+from walberg import metrics
+from walberg.buffer.store import SegmentStore
+from walberg.config import Config
+from walberg.runtime.applier import Partition
+from walberg.runtime.kafka_stager import FRAME_KAFKA
+from walberg.runtime.state import RunState
+from walberg.source import kafka
+
+log = logging.getLogger("walberg")
+
+
+class KafkaReader:
+    """Reads Kafka topics into segment files."""
+
+    def __init__(self, config: Config, store: SegmentStore, state: RunState,
+                 consumer: kafka.Consumer) -> None:
+        assert config.source.kafka is not None
+        self.config = config
+        self.topics = list(config.source.kafka.topics)
+        self.store = store
+        self.state = state
+        self.consumer = consumer
+        self._read: dict[Partition, int] = {}  # next offset read from the broker
+        self._source = config.source_name or "kafka"  # the gauges' label
+
+    def read(self, once: bool) -> None:
+        """Read until stopped; with ``once``, until every partition is read up to its end as
+        it was at the start."""
+        consumer, store, state = self.consumer, self.store, self.state
+        applied = state.applied_offsets()
+        partitions = consumer.partitions(self.topics)
+        start = {tp: applied.get(tp, kafka.BEGINNING) for tp in partitions}
+        ends = {tp: consumer.high_watermark(*tp) for tp in partitions} if once else {}
+        consumer.assign(start)
+        log.info("reading %s from the lake's offsets: %s", ", ".join(self.topics),
+                 ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
+                           for (t, p), o in sorted(start.items())) or "-")
+        interval = self.config.buffer.max_interval_seconds
+        backlog_limit = 4 * self.config.buffer.max_batch_bytes
+        while not state.stop.is_set() and state.error is None:
+            if once and all(self._read.get(tp, applied.get(tp, 0)) >= end
+                            for tp, end in ends.items()):
+                break
+            if store.pending_bytes() > backlog_limit:
+                # Spark is behind: stop reading for a moment.
+                state.progress.wait(0.2)
+                state.progress.clear()
+                continue
+            for record in consumer.poll(min(interval, 0.5)):
+                store.append(record.offset, FRAME_KAFKA, kafka.encode(record))
+                self._read[(record.topic, record.partition)] = record.offset + 1
+                if store.should_seal():
+                    self.seal()
+            if store.active_age_seconds() >= interval:
+                self.seal()
+        self.seal()
+
+    def seal(self) -> None:
+        if self.store.seal() is not None:
+            metrics.SEGMENTS_SEALED.inc()
+            self.state.wake.set()
+        metrics.PENDING_BYTES.labels(self._source).set(self.store.pending_bytes())
+
+    def drain(self) -> None:
+        """Wait until the applier has applied every sealed segment (or failed, or was
+        stopped)."""
+        while self.store.sealed() and self.state.error is None and not self.state.stop.is_set():
+            self.state.wake.set()
+            self.state.progress.wait(0.2)
+            self.state.progress.clear()

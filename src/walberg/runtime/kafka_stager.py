@@ -1,0 +1,425 @@
+"""A Kafka batch: the Debezium records of sealed segments staged as changes per table, and
+what a table needs before its commit (created from the records' shape). Commits of a Kafka
+batch are marked with the next offset of every partition of the table's topic that the batch
+read (``walberg.offset.<topic>.<partition>``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from walberg import metrics
+from walberg.apply import evolution
+from walberg.apply.batch import BatchBuilder, StagedTable
+from walberg.apply.iceberg import OFFSET_PROPERTY, IcebergSink
+from walberg.apply.types import TypeMap, pg_type_for
+from walberg.buffer.store import SegmentInfo, SegmentStore
+from walberg.config import Config, KafkaTopic
+from walberg.errors import ConfigError
+from walberg.model import Column, Op
+from walberg.runtime.applier import Batch, Partition
+from walberg.runtime.state import RunState
+from walberg.source import debezium as dbz
+from walberg.source import kafka
+
+log = logging.getLogger("walberg")
+
+FRAME_KAFKA = 2  # one consumed Kafka record (source.kafka.encode)
+
+DEAD_LETTER_SCHEMA = pa.schema([
+    pa.field("topic", pa.string()), pa.field("partition", pa.int32()),
+    pa.field("offset", pa.int64()), pa.field("timestamp_ms", pa.int64()),
+    pa.field("key", pa.binary()), pa.field("value", pa.binary()),
+    pa.field("table", pa.string()), pa.field("_dlq_reason", pa.string())])
+
+
+@dataclass
+class KafkaReport:
+    batches: int = 0
+    records: int = 0  # changes staged for Iceberg
+    dead_letters: int = 0
+    offsets: dict[Partition, int] = field(default_factory=dict)  # next offset applied
+
+
+@dataclass
+class _Shape:
+    """A topic's table as walberg stages it: columns (with keys) and their value types."""
+
+    columns: tuple[Column, ...]
+    types: tuple[dbz.FieldType, ...]
+
+
+def offsets_text(offsets: Mapping[Partition, int]) -> str:
+    return ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(offsets.items())) or "-"
+
+
+class OffsetMarks:
+    """A Kafka commit records the next offset of each partition of the table's topic."""
+
+    def __init__(self, state: RunState, topics: dict[str, str]) -> None:
+        self.state = state
+        self.topics = topics  # table name -> topic
+
+    def _of(self, table: str, batch: Batch) -> dict[Partition, int]:
+        topic = self.topics.get(table)
+        return {tp: o for tp, o in batch.offsets.items() if topic is None or tp[0] == topic}
+
+    def marks(self, table: str, batch: Batch) -> Optional[dict[str, str]]:
+        return {f"{OFFSET_PROPERTY}.{t}.{p}": str(o) for (t, p), o in self._of(table, batch).items()}
+
+    def landed(self, sink: IcebergSink, table: str, target: str, batch: Batch) -> bool:
+        held = sink.committed_offsets(target)
+        return all(held.get(tp, -1) >= o for tp, o in self._of(table, batch).items())
+
+    def upto(self, table: str, batch: Batch) -> str:
+        return f"offsets {offsets_text(self._of(table, batch) if table else batch.offsets)}"
+
+    def held(self, table: str) -> str:
+        topic = self.topics.get(table)
+        held = {tp: o for tp, o in self.state.lake_offsets().items() if tp[0] == topic}
+        return f"offsets {offsets_text(held)}"
+
+    def record(self, table: str, batch: Batch) -> None:
+        self.state.advance_offsets(self._of(table, batch), lake=True)
+
+
+class KafkaStager:
+    """Stages the Debezium records of sealed segments for the applier."""
+
+    def __init__(self, config: Config, store: SegmentStore, state: RunState, types: TypeMap,
+                 targets: dict[str, str], sink: Callable[[], IcebergSink],
+                 report: KafkaReport) -> None:
+        assert config.source.kafka is not None
+        self.config = config
+        self.kafka = config.source.kafka
+        self.store = store
+        self.state = state
+        self.types = types
+        self.topics = list(self.kafka.topics)
+        self.names = {t: self.kafka.table_for(t) for t in self.topics}  # topic -> table name
+        self.targets = targets  # topic -> Iceberg table
+        self._sink = sink
+        self.report = report
+        self.marks = OffsetMarks(state, {n: t for t, n in self.names.items()})
+        self._shapes: dict[str, _Shape] = {}
+
+    @property
+    def sink(self) -> IcebergSink:
+        return self._sink()
+
+    def _topic_of(self, name: str) -> str:
+        return next(t for t, n in self.names.items() if n == name)
+
+    def prepare_next(self, after: Optional[Batch]) -> Optional[Batch]:
+        """The sealed segments after ``after``'s, ``buffer.max_batch_bytes`` at a time,
+        staged."""
+        first = 0
+        floor = self.state.applied_offsets()
+        if after is not None:
+            first = after.segments[-1].seq + (0 if after.cut else 1)
+            for tp, o in after.offsets.items():
+                floor[tp] = max(floor.get(tp, 0), o)
+        batch: list[SegmentInfo] = []
+        size = 0
+        for info in self.store.sealed():
+            if info.seq < first:
+                continue
+            if batch and size + info.size_bytes > self.config.buffer.max_batch_bytes:
+                break
+            batch.append(info)
+            size += info.size_bytes
+        return self._stage(batch, floor) if batch else None
+
+    def _stage(self, segments: list[SegmentInfo], floor: dict[Partition, int]) -> Batch:
+        """Turn the segments' records into staged changes per table, the next offset of each
+        partition read, and the records that cannot be applied (dead letters). Records below
+        ``floor`` (the batch before, not yet committed) are left out. A record that adds
+        columns to a table this batch has rows of ends the batch before it."""
+        started = time.monotonic()
+        workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
+        builder = BatchBuilder(workdir, prep=lambda name, columns: self.types.prep(
+            columns, self.targets[self._topic_of(name)]))
+        seq = 0
+        upto: dict[Partition, int] = {}
+        dead: list[tuple[kafka.Record, str]] = []
+        by_seq: dict[int, kafka.Record] = {}
+        read: list[SegmentInfo] = []
+        cut = False
+        try:
+            for info in segments:
+                read.append(info)
+                for _, kind, payload in self.store.read(info):
+                    if kind != FRAME_KAFKA:
+                        continue
+                    record = kafka.decode(payload)
+                    tp = (record.topic, record.partition)
+                    if record.offset < max(floor.get(tp, 0), self.state.lake_offset(tp)):
+                        continue  # held already (a replay after a crash) or in the batch before
+                    try:
+                        if self._stage_record(builder, record, seq + 2):
+                            seq += 2  # room for the delete half of a key change
+                            by_seq[seq] = record
+                    except dbz.BadRecord as exc:
+                        dead.append((record, str(exc)))
+                    except _NewColumns:
+                        cut = True  # this record starts the next batch, with the new columns
+                        break
+                    upto[tp] = max(upto.get(tp, 0), record.offset + 1)
+                if cut:
+                    break
+            staged = builder.finish()
+            dead += _refused(staged, by_seq)
+        except BaseException:
+            builder.discard()
+            raise
+        tables = [self.names[t] for t in self.topics
+                  if (st := staged.get(self.names[t])) is not None and (st.rows or st.truncates)]
+        return Batch(read, builder, staged, tables, seq,
+                     sum(st.rows for st in staged.values()), time.monotonic() - started,
+                     offsets=upto, dead=dead, cut=cut)
+
+    def _stage_record(self, builder: BatchBuilder, record: kafka.Record, seq: int) -> bool:
+        """Stage one record's change(s) at ``seq``; False if it holds none (a tombstone, or a
+        topic no longer in the pipeline file)."""
+        if record.topic not in self.names:
+            return False  # a topic taken out of the pipeline file since it was read
+        if record.value is None:
+            return False  # a tombstone: Kafka's compaction marker, not a change
+        event = dbz.parse_event(record.value)
+        key = dbz.parse_key(record.key)
+        shape = self._shape(record.topic, event, key)
+        name, target = self.names[record.topic], self.targets[record.topic]
+        if event.fields is not None:
+            shape = self._widened(record.topic, shape, event.fields, builder)
+        types = shape.types
+        if event.fields is not None:
+            dbz.check_fields(event.fields, shape.columns,
+                             lambda t, c: self._same_type(t, c, target))
+            # The record's own encoding (e.g. microseconds or milliseconds) reads its values.
+            given = dict(event.fields)
+            types = tuple(given.get(c.name, t) for c, t in zip(shape.columns, types, strict=True))
+        lsn = event.lsn or 0
+        if event.op == "t":
+            builder.truncate(name, shape.columns, seq, lsn)
+            return True
+        staged = dbz.changes(event, key, shape.columns, types)
+        for i, (op, row) in enumerate(staged):
+            builder.add(name, shape.columns, Op(op), seq - len(staged) + 1 + i, lsn, row)
+        return True
+
+    def _widened(self, topic: str, shape: _Shape, fields: tuple[tuple[str, dbz.FieldType], ...],
+                 builder: BatchBuilder) -> _Shape:
+        """Additive schema evolution: fields of the record's schema the table lacks become new
+        (nullable) columns at its end, unless the pipeline file gives the columns or
+        ``sink.schema_evolution`` is strict. Raises _NewColumns when this batch already has
+        rows of the table with the old columns."""
+        names = {c.name for c in shape.columns}
+        new = [(n, t) for n, t in fields if n not in names]
+        chosen = self.kafka.tables.get(topic)
+        table = self.names[topic]
+        if not new or (chosen is not None and chosen.columns) or \
+                self.config.layout_for(table).schema_evolution == "strict":
+            return shape  # (a field the table lacks is then a dead letter)
+        if builder.columns_of(table) is not None:
+            raise _NewColumns(topic)
+        target = self.targets[topic]
+        columns = shape.columns + tuple(Column(n, t.oid, t.modifier, False) for n, t in new)
+        for c in columns:
+            self.types.spark_type(c, target)
+        widened = self._shapes[topic] = _Shape(columns, shape.types + tuple(t for _, t in new))
+        log.info("%s: the records' schema adds %s; %s follows", topic,
+                 ", ".join(n for n, _ in new), target)
+        return widened
+
+    def _same_type(self, t: dbz.FieldType, col: Column, target: str) -> bool:
+        mine = self.types.spark_type(Column(col.name, t.oid, t.modifier), target).describe()
+        return mine == self.types.spark_type(col, target).describe()
+
+    def _fields(self, topic: str, event: dbz.Event) -> list[tuple[str, dbz.FieldType]]:
+        """The table's columns: from the pipeline file, else the existing Iceberg table, else
+        the record's schema, else its JSON values."""
+        chosen = self.kafka.tables.get(topic) or KafkaTopic.model_validate({})
+        target = self.targets[topic]
+        if chosen.columns:
+            try:
+                return [(n, dbz.type_from_name(t)) for n, t in chosen.columns.items()]
+            except ValueError as exc:
+                raise ConfigError(f"source.kafka.tables.{topic}.columns: {exc}") from None
+        if self.sink.table_exists(target):
+            return [(n, dbz.FieldType(*pg_type_for(t, f"{target}.{n}")))
+                    for n, t in self.sink.schema(target)]
+        if event.fields is not None:
+            return list(event.fields)
+        image = event.after if event.after is not None else event.before
+        if image is None:
+            raise dbz.BadRecord("no columns to learn the table from: the table does not "
+                                "exist yet and this first record has no row and no schema")
+        return [(n, dbz.infer_type(v)) for n, v in image.items()]
+
+    def _shape(self, topic: str, event: dbz.Event, key: Optional[Mapping[str, Any]]) -> _Shape:
+        """The table's columns and key, settled by the first record of a run."""
+        shape = self._shapes.get(topic)
+        if shape is not None:
+            return shape
+        chosen = self.kafka.tables.get(topic) or KafkaTopic.model_validate({})
+        target = self.targets[topic]
+        where = f"source.kafka.tables.{topic}"
+        fields = self._fields(topic, event)
+        names = [n for n, _ in fields]
+        keys = list(chosen.key)
+        if keys:
+            missing = [k for k in keys if k not in names]
+            if missing:
+                raise ConfigError(f"{where}.key names {', '.join(missing)}, which the table "
+                                  f"{target} does not have ({', '.join(names)})")
+        elif key:
+            keys = [k for k in key if k in names]
+            if len(keys) != len(key):
+                raise dbz.BadRecord(f"missing key: the message key's fields {', '.join(key)} "
+                                    f"are not all columns of {target}")
+        if not keys:
+            raise dbz.BadRecord(f"missing key: the record has no message key and {where}.key "
+                                "is not set")
+        columns = tuple(Column(n, t.oid, t.modifier, n in keys) for n, t in fields)
+        for c in columns:
+            self.types.spark_type(c, target)
+        shape = self._shapes[topic] = _Shape(columns, tuple(t for _, t in fields))
+        log.info("%s -> %s: columns %s, key %s", topic, target,
+                 ", ".join(f"{c.name} {self.types.spark_type(c, target).describe()}"
+                           for c in columns), ", ".join(keys))
+        return shape
+
+    # ---- before and after the commits --------------------------------------------------------
+
+    def follow(self, table: str, staged: StagedTable, batch: Batch) -> None:
+        topic = self._topic_of(table)
+        target = self.targets[topic]
+        layout = self.config.layout_for(table)
+        ensure = self.sink.ensure_changelog if layout.mode == "append" else self.sink.ensure_table
+        if ensure(target, staged.columns, layout):
+            log.info("created %s", target)
+        elif not self.sink.columns_match(target, staged.columns):
+            current = self.sink.schema(target)
+            wanted = [(c.name, self.types.spark_type(c, target).describe())
+                      for c in staged.columns]
+            try:
+                steps = evolution.plan(current, wanted)
+            except evolution.NotEvolvable:
+                steps = []
+            if not steps or any(s.kind != "add" for s in steps):
+                raise ConfigError(f"{target} has columns {current}, not those walberg staged "
+                                  f"for topic {topic}; give the table's columns in "
+                                  f"source.kafka.tables.{topic}.columns")
+            after = {n: (wanted[i - 1][0] if i else "") for i, (n, _) in enumerate(wanted)}
+            self.sink.evolve(target, steps, after)
+            log.info("evolved the schema of %s to follow topic %s: %s", target, topic,
+                     "; ".join(s.describe() for s in steps))
+
+    def replays_inserts(self, table: str) -> bool:
+        # A connector that crashed sends its last events again, creates included: a `c`
+        # whose key the table holds already must not add a second row.
+        return True
+
+    def dead_letters(self, table: str, staged: StagedTable, batch: Batch) -> None:
+        pass  # gathered with the batch's records: written by before_commit
+
+    def before_commit(self, batch: Batch) -> None:
+        """One Parquet file per partition and batch, ``<dir>/<topic>/<partition>/<first>-
+        <last>.parquet`` (offsets). A file holds every dead letter of its partition between its
+        two offsets, so a replay skips the records an earlier file covers: a crash between
+        these files and the table's commit never writes a record twice."""
+        root = self.config.dead_letter_dir
+        by_partition: dict[Partition, list[tuple[kafka.Record, str]]] = {}
+        for record, reason in batch.dead:
+            by_partition.setdefault((record.topic, record.partition), []).append((record, reason))
+        for (topic, partition), items in sorted(by_partition.items()):
+            directory = root / topic / str(partition)
+            covered = _covered(directory)
+            fresh = [(r, why) for r, why in items
+                     if not any(lo <= r.offset <= hi for lo, hi in covered)]
+            if not fresh:
+                continue
+            fresh.sort(key=lambda item: item[0].offset)
+            first, last = fresh[0][0].offset, fresh[-1][0].offset
+            table = pa.Table.from_pylist([
+                {"topic": r.topic, "partition": r.partition, "offset": r.offset,
+                 "timestamp_ms": r.timestamp, "key": r.key, "value": r.value,
+                 "table": self.targets.get(r.topic), "_dlq_reason": why} for r, why in fresh],
+                schema=DEAD_LETTER_SCHEMA)
+            _write_atomically(table, directory / f"{first:020d}-{last:020d}.parquet")
+            name = self.names.get(topic, topic)
+            metrics.DEAD_LETTERS.labels(name).inc(len(fresh))
+            self.report.dead_letters += len(fresh)
+            log.warning("%d record(s) of %s partition %d (offsets %d..%d) could not be applied "
+                        "and went to %s with the reason in _dlq_reason; the first: offset %d: %s",
+                        len(fresh), topic, partition, first, last, directory, first, fresh[0][1])
+
+    def applied(self, batch: Batch) -> None:
+        self.state.advance_offsets(batch.offsets, lake=False)
+        self.report.batches += 1
+        self.report.records += batch.changes
+
+    def done_with(self, batch: Batch) -> list[SegmentInfo]:
+        # A batch cut before new columns leaves its last segment to the next one.
+        return batch.segments[:-1] if batch.cut else batch.segments
+
+
+class _NewColumns(Exception):
+    """A record adds columns to a table the batch has rows of: the batch ends before it."""
+
+
+def _refused(staged: Mapping[str, StagedTable],
+             by_seq: Mapping[int, kafka.Record]) -> list[tuple[kafka.Record, str]]:
+    """Rows the staging refused (a value the Iceberg type cannot hold exactly), back to the
+    records they came from."""
+    out: list[tuple[kafka.Record, str]] = []
+    for st in staged.values():
+        if st.dead_letters is None:
+            continue
+        rows = pq.read_table(st.dead_letters, columns=["_wb_seq", "_dlq_reason"]).to_pylist()
+        seen: set[int] = set()
+        for r in rows:
+            seq = r["_wb_seq"]
+            record = by_seq.get(seq) or by_seq.get(seq + 1)
+            if record is not None and id(record) not in seen:
+                seen.add(id(record))
+                out.append((record, r["_dlq_reason"]))
+    return out
+
+
+def _covered(directory: Path) -> list[tuple[int, int]]:
+    """The offset ranges of the dead-letter files already in a partition's directory."""
+    out = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        stem, _, ext = name.partition(".")
+        lo, _, hi = stem.partition("-")
+        if ext == "parquet" and lo.isdigit() and hi.isdigit():
+            out.append((int(lo), int(hi)))
+    return out
+
+
+def _write_atomically(table: pa.Table, path: Path) -> None:
+    """Write, fsync, rename, fsync the directory: the file is there whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, temp)
+    with open(temp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,450 @@
+"""The Postgres reader: start-up (the source checked, the slot created or waited for, the tables
+made and copied where owed) and the replication stream written to segment files, reconnecting
+when the connection is lost. It runs in the pipeline's main thread, beside the applier."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from walberg import metrics
+from walberg.buffer import spill
+from walberg.buffer.spill import TxnSpill
+from walberg.buffer.store import SegmentStore
+from walberg.config import Config
+from walberg.errors import SourceError, Terminal, Transient, WalbergError
+from walberg.faults import crash_point
+from walberg.model import Lsn
+from walberg.runtime.initial_copy import InitialCopy
+from walberg.runtime.pg_stager import FRAME_PGOUTPUT, FRAME_PREAMBLE
+from walberg.runtime.state import RunState, SegmentMeta
+from walberg.runtime.tables import PgTables
+from walberg.source import postgres as pg
+from walberg.source.framing import (
+    Committed,
+    StreamedTransactions,
+    begin_final_lsn,
+    commit_end_lsn,
+    relation_oid,
+)
+from walberg.source.pgoutput import Tag
+from walberg.source.stream import ReplicationStream
+
+log = logging.getLogger("walberg")
+
+
+@dataclass
+class Relations:
+    """The last Relation message of each relation, repeated at the start of every segment so
+    that each segment file can be decoded on its own."""
+
+    raw: dict[int, bytes] = field(default_factory=dict)
+
+    def preamble(self) -> list[tuple[int, int, bytes]]:
+        return [(0, FRAME_PREAMBLE, raw) for raw in self.raw.values()]
+
+
+@dataclass
+class _Cursor:
+    """Where the reader is in the stream."""
+
+    skip_before: Lsn  # transactions committing before this are in the segments already
+    received: Lsn  # end of the last transaction written to a segment
+    in_txn: bool = False
+    skipping: bool = False  # inside a transaction the segments hold already
+
+
+class PgReader:
+    """Reads a Postgres source into segment files."""
+
+    def __init__(self, config: Config, store: SegmentStore, state: RunState, tables: PgTables,
+                 copier: InitialCopy, relations: Relations, recopy: set[str],
+                 slot_wait_seconds: float) -> None:
+        self.config = config
+        self.pg = config.postgres
+        self.store = store
+        self.state = state
+        self.tables = tables
+        self.copier = copier
+        self.relations = relations
+        self.recopy = recopy  # tables `resync` copies again
+        self.slot_wait_seconds = slot_wait_seconds
+        self.reached_source = False  # the source answered once: later failures are retried
+        self._active_commit: Optional[Lsn] = None  # end of the last transaction in the active seg
+        self._streamed_since_start = False
+        self._gauge_conn: Any = None
+        self._oldest_unapplied_ts: Optional[float] = None  # when the oldest pending change came
+        self._source = config.source_name or "postgres"  # the gauges' label
+
+    def close(self) -> None:
+        if self._gauge_conn is not None:
+            self._gauge_conn.close()
+            self._gauge_conn = None
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def start_with_retries(self, once: bool
+                           ) -> Optional[tuple[ReplicationStream, Optional[Lsn]]]:
+        """Connect, check, create what is missing and copy what is owed. A source lost on the
+        way (restarting, say) is tried again with backoff (0.5 s doubling to 30 s) for up to
+        reconnect_max_seconds; one never reached fails at once (a wrong DSN should not wait).
+        None if stopped meanwhile."""
+        first_failure: Optional[float] = None
+        delay = 0.5
+        while True:
+            try:
+                return self._start(once)
+            except Exception as exc:
+                if not (isinstance(exc, Transient) or pg.is_connection_error(exc)):
+                    raise
+                if not self.reached_source:
+                    # Never reached: a wrong DSN or a server that is down, said at once (a
+                    # configuration problem: exit code 2).
+                    if isinstance(exc, Transient):
+                        raise SourceError(str(exc)) from None
+                    raise
+                now = time.monotonic()
+                first_failure = first_failure or now
+                reason = " ".join(str(exc).split())
+                if now - first_failure > self.pg.reconnect_max_seconds:
+                    raise Terminal(
+                        f"cannot start: {reason} Gave up after "
+                        f"{self.pg.reconnect_max_seconds:.0f} s of trying "
+                        "(source.postgres.reconnect_max_seconds); run walberg again once the "
+                        "server is reachable: nothing is lost.") from None
+                log.warning("cannot start (%s); trying again in %.1f s", reason, delay)
+                if self.state.stop.wait(delay):
+                    return None
+                delay = min(delay * 2, 30.0)
+
+    def _describe(self, conn: Any) -> dict[str, pg.TableInfo]:
+        """The configured tables (and, with follow_publication, the publication's), checked."""
+        infos = {t: pg.describe_table(conn, t) for t in self.tables.tables}
+        for info in infos.values():
+            pg.require_key(info)
+        pg.ensure_publication(conn, self.pg.publication, self.tables.tables)
+        # The tables as the publication publishes them: its column lists and row filters.
+        infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in infos}
+        if self.pg.follow_publication:
+            for t in pg.published_tables(conn, self.pg.publication):
+                if self.tables.add(t):
+                    infos[t] = pg.describe_table(conn, t, self.pg.publications)
+                    pg.require_key(infos[t])
+        self.tables.learn_types(conn, infos)
+        return infos
+
+    def _start(self, once: bool) -> tuple[ReplicationStream, Optional[Lsn]]:
+        """Check the source, open the stream (creating the slot if missing), make the Iceberg
+        tables and copy the tables owed a copy; returns the open stream and, with ``once``, the
+        WAL position to stop at."""
+        opened: list[ReplicationStream] = []
+        conn = pg.connect(self.pg.dsn)
+        self.reached_source = True
+        try:
+            pg.check_wal_level(conn)
+            infos = self._describe(conn)
+            slot = pg.slot_state(conn, self.pg.slot)
+            if slot is not None and slot.active_pid is not None:
+                slot = self._wait_for_free_slot(conn, slot)
+            stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
+                                       self.pg.status_interval_seconds)
+            opened.append(stream)
+            stream.open()
+            created = stream.create_slot() if slot is None else None
+            if created:
+                log.info("created replication slot %s at %s", created.name,
+                         created.consistent_point)
+            sink = self.tables.sink
+            for t, info in infos.items():
+                self.tables.ensure(t, info)
+                lsn = sink.committed_lsn(self.tables.targets[t])
+                if lsn is not None:
+                    self.state.set_committed(t, lsn)
+            if created is not None:
+                # A new slot streams only what commits after its consistent point; a table whose
+                # lake copy is older than that would miss changes, so it is copied again.
+                for t, lsn in self.state.committed().items():
+                    if lsn < created.consistent_point:
+                        log.warning("%s holds data up to LSN %s but the replication slot is new "
+                                    "(starts at %s): copying it again", t, lsn,
+                                    created.consistent_point)
+                        self.state.forget_committed(t)
+            for t in self.recopy:
+                self.state.forget_committed(t)
+            committed = self.state.committed()
+            owed = [t for t in self.tables.tables if t not in committed]
+            for t in committed:
+                self.copier.catchup_after_resume(t)
+            if owed:
+                self.copier.copy([infos[t] for t in owed], created,
+                                 None if slot is None else slot.confirmed_flush)
+            target = pg.current_wal_lsn(conn) if once else None
+            return stream, target
+        except BaseException:
+            for each in opened:
+                each.close()
+            raise
+        finally:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def _wait_for_free_slot(self, conn: Any, slot: pg.SlotState) -> Optional[pg.SlotState]:
+        """Another process streams from our slot. A walberg that just died leaves its server
+        process behind for a moment, so wait a little; then refuse, naming the other side."""
+        deadline = time.monotonic() + self.slot_wait_seconds
+        state: Optional[pg.SlotState] = slot
+        while state is not None and state.active_pid is not None:
+            if time.monotonic() > deadline:
+                who = pg.describe_backend(conn, state.active_pid)
+                raise Terminal(
+                    f"replication slot {self.pg.slot} is in use by another process: {who}. "
+                    "Another walberg may be running this pipeline already; stop it first, or "
+                    "give this pipeline its own slot (source.postgres.slot). If that process "
+                    "died, the server frees the slot within wal_sender_timeout; run again then."
+                )
+            time.sleep(0.2)
+            state = pg.slot_state(conn, self.pg.slot)
+        return state
+
+    # ---- streaming ---------------------------------------------------------------------------
+
+    def stream_with_reconnect(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
+        """Stream until stopped (or, with a target, done). A lost connection is re-opened with
+        exponential backoff and streaming resumes from the slot; what is already in segments is
+        not written twice, and a transaction cut off mid-way is sent again whole and replaces its
+        partial copy. Gives up after ``reconnect_max_seconds`` without a working connection."""
+        give_up_after = self.pg.reconnect_max_seconds
+        failing_since: Optional[float] = None
+        delay = 0.5
+        try:
+            while True:
+                try:
+                    if not stream.is_open:
+                        stream.open()
+                    self._stream_loop(stream, target)
+                    if self.state.error is None:
+                        # Report the final position while the connection is still open.
+                        stream.confirm(self.state.confirmable())
+                        stream.keepalive(force=True)
+                        self._await_slot_confirmation()
+                    return
+                except Transient as exc:
+                    gone = self._slot_gone()
+                    if gone is not None:
+                        raise gone from None
+                    now = time.monotonic()
+                    if failing_since is None or self._streamed_since_start:
+                        failing_since, delay = now, 0.5
+                    if now - failing_since > give_up_after:
+                        raise Terminal(
+                            f"{exc} Gave up after {give_up_after:.0f} s of reconnecting "
+                            "(source.postgres.reconnect_max_seconds); run walberg again once the "
+                            "server is reachable: nothing is lost.") from None
+                    log.warning("%s; reconnecting in %.1f s", exc, delay)
+                    stream.close()
+                    if self.state.stop.wait(delay):
+                        return
+                    delay = min(delay * 2, 30.0)
+                    stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
+                                               self.pg.status_interval_seconds)
+        finally:
+            stream.close()
+
+    def _slot_gone(self) -> Optional[Terminal]:
+        """After a lost connection: a slot the server invalidated or someone dropped will not
+        come back by reconnecting, so say so instead of retrying."""
+        try:
+            conn = pg.connect(self.pg.dsn)
+        except WalbergError:
+            return None  # the server is unreachable: reconnecting is the right thing
+        try:
+            if pg.slot_state(conn, self.pg.slot) is None:
+                return Terminal(
+                    f"replication slot {self.pg.slot} was dropped while walberg streamed from it: "
+                    "the changes since the lake's last commit cannot be read any more. Run "
+                    "`walberg resync -c <pipeline.yaml>` to copy the tables again.")
+            return None
+        except SourceError as exc:
+            return exc
+        except WalbergError:
+            return None
+        finally:
+            conn.close()
+
+    def _await_slot_confirmation(self, timeout: float = 10.0) -> None:
+        """The server takes our last status update asynchronously; wait (briefly) until the slot
+        shows it, so that a finished run leaves the slot exactly where the lake is."""
+        conn = pg.connect(self.pg.dsn)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                state = pg.slot_state(conn, self.pg.slot)
+                if state is None or state.confirmed_flush >= self.state.confirmable():
+                    return
+                if time.monotonic() > deadline:
+                    log.warning("slot %s still confirms %s, not %s; the next run resumes from "
+                                "there and skips what the lake already holds", self.pg.slot,
+                                state.confirmed_flush, self.state.confirmable())
+                    return
+                time.sleep(0.05)
+        finally:
+            conn.close()
+
+    def _stream_loop(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
+        store, state = self.store, self.state
+        self._streamed_since_start = False
+        # Transactions already in segments are not written twice.
+        at = _Cursor(skip_before=state.received, received=state.received)
+        stream.confirm(state.confirmable())
+        in_progress = self.pg.stream_in_progress and stream.server_version() >= 140000
+        stream.start(state.confirmable(), in_progress=in_progress)
+        spill_dir = self.config.segment_dir / "spill"
+        spill.clear(spill_dir)  # an unfinished streamed transaction is streamed again
+        streamed = StreamedTransactions(lambda xid: TxnSpill(spill_dir, xid), at.skip_before)
+        interval = self.config.buffer.max_interval_seconds
+        backlog_limit = 4 * self.config.buffer.max_batch_bytes
+        last_ask = last_gauges = 0.0
+        while not state.stop.is_set():
+            if state.error is not None:
+                return
+            if store.pending_bytes() > backlog_limit:
+                # Spark is behind: stop reading for a moment (status updates keep flowing).
+                stream.confirm(state.confirmable())
+                stream.keepalive()
+                self._await_progress()
+                continue
+            # --once: what committed after the target is left for the next run, so a source
+            # that never stops writing cannot keep this run from ending.
+            reached = target is not None and not at.in_txn and at.received >= target
+            if reached:
+                stream.keepalive()
+                self._await_progress()
+            for wal_start, payload in () if reached else stream.messages(timeout=0.2):
+                if self._message(payload, wal_start, streamed, at, target):
+                    break
+
+            caught_up = target is not None and not at.in_txn and (
+                at.received >= target or stream.wal_end >= target)
+            if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
+                self.seal(clean=not at.in_txn)
+            idle = not at.in_txn and not streamed.pending and store.pending_bytes() == 0
+            # (past the target, messages may wait unread: the server's WAL end says nothing then)
+            reached = target is not None and not at.in_txn and at.received >= target
+            if idle and not reached and stream.wal_end > state.applied:
+                # Nothing of ours is pending: positions up to the server's WAL end hold no
+                # change for our tables, so the slot may move on (keeps retained WAL bounded).
+                state.advance_applied(stream.wal_end)
+            stream.confirm(state.confirmable(), written=at.received)
+            self._note_pending()
+            if time.monotonic() - last_gauges >= self.pg.status_interval_seconds:
+                self._update_slot_gauges()
+                last_gauges = time.monotonic()
+            if target is not None and idle and state.applied >= target:
+                stream.keepalive(force=True)
+                return
+            if idle and time.monotonic() - last_ask >= (0.2 if target is not None else 1.0):
+                # Ask for a keepalive: its WAL end tells how far the server has looked.
+                stream.keepalive(force=True, reply=True)
+                last_ask = time.monotonic()
+
+    def _message(self, payload: bytes, wal_start: int, streamed: StreamedTransactions,
+                 at: "_Cursor", target: Optional[Lsn]) -> bool:
+        """One message from the server into the segments; True once the ``--once`` target's
+        transaction is written (read no further)."""
+        store = self.store
+        tag = payload[0]
+        if streamed.takes(tag):
+            done = streamed.message(tag, payload, wal_start)
+            if done is not None:
+                at.received = self._write_streamed(done)
+            return False
+        if tag == Tag.RELATION:
+            self.relations.raw[relation_oid(payload)] = bytes(payload)
+        elif tag == Tag.BEGIN:
+            at.in_txn = True
+            at.skipping = begin_final_lsn(payload) < at.skip_before
+        if at.skipping:
+            if tag == Tag.COMMIT:
+                at.skipping = at.in_txn = False
+            return False
+        if tag == Tag.COMMIT:
+            end = commit_end_lsn(payload)
+            store.append(end, FRAME_PGOUTPUT, payload)
+            at.in_txn = False
+            self._active_commit = at.received = end
+            self.state.set_received(end)
+            self._streamed_since_start = True
+            if store.should_seal():
+                self.seal(clean=True)
+            return target is not None and end >= target
+        store.append(wal_start, FRAME_PGOUTPUT, payload)
+        crash_point("segment-write")
+        if store.should_seal():
+            self.seal(clean=False)
+        return False
+
+    def _write_streamed(self, done: Committed) -> Lsn:
+        """A streamed transaction that committed, written to the segments as an ordinary one;
+        returns its end."""
+        store = self.store
+        for lsn, frame in done.frames:
+            tag = frame[0]
+            if tag == Tag.RELATION:
+                self.relations.raw[relation_oid(frame)] = frame
+            store.append(lsn, FRAME_PGOUTPUT, frame)
+            if tag == Tag.COMMIT:
+                self._active_commit = done.end
+                self.state.set_received(done.end)
+                self._streamed_since_start = True
+                if store.should_seal():
+                    self.seal(clean=True)
+            elif tag != Tag.BEGIN and store.should_seal():
+                self.seal(clean=False)
+        return done.end
+
+    def _await_progress(self) -> None:
+        """Wait (at most 0.2 s) for the applier to finish a batch. Waiting on an event of its
+        own, not on ``wake`` (which stays set while the applier is busy): the reader must not
+        spin, taking a core and the GIL from the staging and Spark."""
+        self.state.progress.wait(0.2)
+        self.state.progress.clear()
+
+    def _note_pending(self) -> None:
+        pending = self.store.pending_bytes()
+        metrics.PENDING_BYTES.labels(self._source).set(pending)
+        if pending == 0:
+            self._oldest_unapplied_ts = None
+        elif self._oldest_unapplied_ts is None:
+            self._oldest_unapplied_ts = time.time()
+
+    def _update_slot_gauges(self) -> None:
+        """Lag and retained WAL as the server sees them; a failed look is tried next time."""
+        try:
+            if self._gauge_conn is None or self._gauge_conn.closed:
+                self._gauge_conn = pg.connect(self.pg.dsn)
+            slot = pg.slot_state(self._gauge_conn, self.pg.slot)
+            now = pg.current_wal_lsn(self._gauge_conn)
+        except Exception as exc:  # metrics must never stop the stream
+            log.debug("slot metrics not updated: %s", exc)
+            self._gauge_conn = None
+            return
+        if slot is not None:
+            metrics.LAG_BYTES.labels(self._source).set(max(int(now) - int(slot.confirmed_flush), 0))
+            metrics.RETAINED_WAL_BYTES.labels(self._source).set(
+                max(int(now) - int(slot.restart_lsn), 0))
+        oldest = self._oldest_unapplied_ts
+        metrics.LAG_SECONDS.labels(self._source).set(
+            0.0 if oldest is None else max(time.time() - oldest, 0.0))
+
+    def seal(self, clean: bool) -> None:
+        info = self.store.seal()
+        if info is not None:
+            crash_point("seal")
+            metrics.SEGMENTS_SEALED.inc()
+            self.state.sealed(info.seq, SegmentMeta(self._active_commit, clean))
+            self._active_commit = None
+            self.state.wake.set()

@@ -1,0 +1,332 @@
+"""A Postgres batch: which sealed segments it takes, and their transactions decoded into
+staged changes per table (the applier then commits them). Commits of a Postgres batch are
+marked with the end LSN of its last transaction (``walberg.lsn``)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from walberg import metrics
+from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, seq_filter
+from walberg.apply.iceberg import IcebergSink
+from walberg.buffer.store import SegmentInfo, SegmentStore
+from walberg.config import Config
+from walberg.model import Begin, Commit, Lsn, Relation, Truncate
+from walberg.runtime.applier import Batch
+from walberg.runtime.pg_decode import Chunk, Chunks
+from walberg.runtime.state import RunState, SegmentMeta
+from walberg.runtime.tables import PgTables, count_dead
+from walberg.source.framing import CHANGE_TAGS, relation_oid
+from walberg.source.pgoutput import Decoder, Tag
+
+log = logging.getLogger("walberg")
+
+FRAME_PGOUTPUT = 0  # a pgoutput message as the server sent it
+FRAME_PREAMBLE = 1  # a Relation message repeated at the start of a segment (self-contained files)
+
+# Grows a batch that reached its end: more segments and a later end, or None.
+Grow = Callable[[list[SegmentInfo]], Optional[tuple[list[SegmentInfo], Lsn]]]
+
+
+class LsnMarks:
+    """A Postgres commit records the end LSN of the batch's last transaction."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+
+    def marks(self, table: str, batch: Batch) -> Optional[dict[str, str]]:
+        return None  # the sink's own walberg.lsn[.<source>]
+
+    def landed(self, sink: IcebergSink, table: str, target: str, batch: Batch) -> bool:
+        held = sink.committed_lsn(target)
+        return held is not None and held >= batch.lsn
+
+    def upto(self, table: str, batch: Batch) -> str:
+        return f"LSN {batch.lsn}" if not table else f"LSN {batch.start}..{batch.lsn}"
+
+    def held(self, table: str) -> str:
+        return f"LSN {self.state.committed_at(table) or '-'}"
+
+    def record(self, table: str, batch: Batch) -> None:
+        metrics.COMMITTED_LSN.labels(table).set(int(batch.lsn))
+        self.state.set_committed(table, batch.lsn)
+
+
+class PgStager:
+    """Stages the transactions of sealed pgoutput segments for the applier."""
+
+    def __init__(self, config: Config, store: SegmentStore, state: RunState, tables: PgTables,
+                 sink: Callable[[], IcebergSink], adopt: Callable[[Relation], None],
+                 report: Any) -> None:
+        self.config = config
+        self.store = store
+        self.state = state
+        self.tables = tables
+        self._sink = sink
+        self._adopt = adopt
+        self.report = report
+        self.marks = LsnMarks(state)
+
+    # ---- which segments ----------------------------------------------------------------------
+
+    def scan(self, info: SegmentInfo) -> SegmentMeta:
+        """What a segment left by an earlier run holds: its last commit, whether it ends clean."""
+        last: Optional[Lsn] = None
+        clean = False
+        for lsn, kind, payload in self.store.read(info):
+            if kind != FRAME_PGOUTPUT:
+                continue
+            if payload[0] == Tag.COMMIT:
+                last, clean = Lsn(lsn), True
+            else:
+                clean = False
+        return SegmentMeta(last, clean)
+
+    def prepare_next(self, after: Optional[Batch]) -> Optional[Batch]:
+        """Choose the sealed segments of the next batch (those holding commits after what the
+        lake holds) and decode them into staged Parquet. ``after`` is the batch before it, not
+        yet committed: its segments are left out, except a last one that a transaction runs on
+        from. The batch grows by the segments sealed while it is decoded, and while ``after``
+        commits it waits for more (up to ``buffer.max_batch_bytes`` in all): when the source
+        outpaces Spark, batches grow and the lake gets fewer, larger commits instead of falling
+        further behind."""
+        floor = after.lsn if after is not None else self.state.applied
+        first_seq = 0
+        if after is not None and after.cut:
+            first_seq = after.segments[0].seq  # what it left is skipped by LSN
+        elif after is not None:
+            last = after.segments[-1]
+            meta = self.state.segment(last.seq)
+            first_seq = last.seq if meta is None or not meta.clean_end else last.seq + 1
+        batch, end = self._segments_after(first_seq - 1, 0)
+        if end is None or end <= floor:
+            return None
+        committed = after.committed if after is not None else None
+        limit = self.config.buffer.max_batch_bytes
+
+        def grow(staged: list[SegmentInfo]) -> Optional[tuple[list[SegmentInfo], Lsn]]:
+            size = sum(info.size_bytes for info in staged)
+            while not self.state.stop.is_set() and size < limit:
+                more, more_end = self._segments_after(staged[-1].seq, size)
+                if more and more_end is not None:
+                    return more, more_end
+                if committed is None or committed.is_set():
+                    return None
+                committed.wait(0.05)
+            return None
+
+        return self.stage(batch, end, floor, grow)
+
+    def _segments_after(self, seq: int, size: int) -> tuple[list[SegmentInfo], Optional[Lsn]]:
+        """The sealed segments after ``seq`` up to the last one that ends a transaction, and that
+        transaction's end; no more than reach ``buffer.max_batch_bytes`` with ``size``."""
+        batch: list[SegmentInfo] = []
+        end: Optional[Lsn] = None
+        for info in self.store.sealed():
+            if info.seq <= seq:
+                continue
+            batch.append(info)
+            size += info.size_bytes
+            meta = self.state.segment(info.seq)  # (none yet: sealed this instant)
+            if meta is not None and meta.last_commit_end is not None:
+                end = meta.last_commit_end
+                if size >= self.config.buffer.max_batch_bytes:
+                    break
+        # Segments after the one holding the last commit wait for their commits.
+        while batch and (self.state.segment(batch[-1].seq) or SegmentMeta(None, False)
+                         ).last_commit_end != end:
+            batch.pop()
+        return batch, end
+
+    # ---- staging -----------------------------------------------------------------------------
+
+    def stage(self, segments: list[SegmentInfo], end: Lsn, floor: Lsn,
+              grow: Optional[Grow] = None) -> Batch:
+        """Decode the segments' transactions up to ``end`` into staged Parquet, per table.
+        Having reached ``end``, ``grow`` may hand more segments and a later end to go on to.
+
+        Control messages go through the scalar decoder; Insert/Update/Delete messages are only
+        routed here (a byte and a relation id per message) and decoded in columnar chunks."""
+        started = time.monotonic()
+        workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
+        builder = BatchBuilder(workdir, prep=self.tables.prep)
+        run = _Staging(self, builder, floor)
+        try:
+            end = run.read(segments, end, grow)
+            run.chunks.flush_all()
+            staged = builder.finish((run.last_seq if run.cut else run.seq, run.void),
+                                    self.tables.nettable())
+        except SchemaChanged as exc:
+            builder.discard()
+            rel = next(r for r in run.decoder.relations.values()
+                       if r.qualified_name == exc.source)
+            raise self.tables.schema_error(
+                exc.source, rel.columns, run.txn.final_lsn if run.txn else end) from None
+        except BaseException:
+            builder.discard()
+            raise
+        return Batch(segments, builder, staged, sorted(run.live),
+                     run.last_seq if run.cut else run.seq, run.changes,
+                     time.monotonic() - started, lsn=end, start=floor, void=run.void,
+                     txns=[(lsn, *t) for lsn, t in run.txns.items()],
+                     last_commit_ts=run.last_commit_ts, cut=run.cut)
+
+    def wanted(self, rel: Relation, txn: Begin) -> bool:
+        if rel.qualified_name not in self.tables.targets and self.config.postgres.follow_publication:
+            self._adopt(rel)
+        if self.state.is_halted(rel.qualified_name):
+            return False
+        committed = self.state.committed_at(rel.qualified_name)
+        return committed is not None and txn.final_lsn >= committed
+
+    # ---- before and after the commits --------------------------------------------------------
+
+    def follow(self, table: str, staged: StagedTable, batch: Batch) -> None:
+        self.tables.follow(table, staged.columns, batch.lsn)
+
+    def dead_letters(self, table: str, staged: StagedTable, batch: Batch) -> None:
+        assert staged.dead_letters is not None
+        target = self.tables.targets[table]
+        sink = self._sink()
+        dropped = sink.write_dead_letters(target, staged.columns, staged.dead_letters, batch.lsn,
+                                          where=seq_filter(batch.max_seq, batch.void, []))
+        count_dead(sink, table, target, dropped)
+
+    def before_commit(self, batch: Batch) -> None:
+        pass
+
+    def replays_inserts(self, table: str) -> bool:
+        return False  # a transaction is applied once: the slot's replays are skipped by LSN
+
+    def applied(self, batch: Batch) -> None:
+        self.state.advance_applied(batch.lsn)
+        self.report.batches += 1
+        self.report.changes += batch.changes
+
+    def done_with(self, batch: Batch) -> list[SegmentInfo]:
+        if batch.cut:
+            return []  # the next batch reads them again, from after this one's end
+        last = self.state.segment(batch.segments[-1].seq)
+        return batch.segments if last is not None and last.clean_end else batch.segments[:-1]
+
+
+class _Staging:
+    """One batch being read: the transaction it is in, what it has staged so far."""
+
+    def __init__(self, stager: PgStager, builder: BatchBuilder, floor: Lsn) -> None:
+        self.stager = stager
+        self.builder = builder
+        self.floor = floor
+        self.chunks = Chunks(builder)
+        self.decoder = Decoder()
+        self.seq = 0
+        self.txn: Optional[Begin] = None
+        self.txn_first_seq = 0
+        self.wanted: dict[int, Chunk] = {}  # relations this transaction applies to
+        self.touched: set[str] = set()
+        self.live: set[str] = set()  # tables with changes from committed transactions
+        self.void: list[tuple[int, int]] = []
+        self.changes = 0
+        self.cut = False
+        self.last_commit_ts: Optional[int] = None
+        self.last_end: Optional[Lsn] = None  # end of the last transaction staged whole
+        self.last_seq = 0  # ... and its last seq
+        self.txn_lsn = 0
+        self.txns: dict[int, tuple[int, int, int]] = {}  # commit LSN: xid, commit time, seq
+
+    def read(self, segments: list[SegmentInfo], end: Lsn, grow: Optional[Grow]) -> Lsn:
+        """Stage the segments' transactions up to ``end`` (or a later end ``grow`` hands);
+        returns the end reached."""
+        store = self.stager.store
+        for info in segments:  # (grows while read)
+            for lsn, _kind, payload in store.read(info):
+                tag = payload[0]
+                if tag in CHANGE_TAGS:
+                    self._change(payload, lsn)
+                    continue
+                msg = self.decoder.decode(payload, lsn)
+                if isinstance(msg, Relation):
+                    if self._relation(msg):
+                        assert self.last_end is not None
+                        return self.last_end
+                elif isinstance(msg, Begin):
+                    self._begin(msg)
+                elif self.txn is None:
+                    continue
+                elif isinstance(msg, Commit):
+                    self.live |= self.touched
+                    self.txn = None
+                    self.last_commit_ts = msg.commit_ts
+                    self.last_end, self.last_seq = msg.end_lsn, self.seq
+                    if msg.end_lsn >= end:
+                        more = grow(segments) if grow is not None else None
+                        if more is None:
+                            return end
+                        segments.extend(more[0])  # read on by this loop, in order
+                        end = more[1]
+                elif isinstance(msg, Truncate):
+                    self._truncate(msg)
+        return end
+
+    def _change(self, payload: bytes, lsn: int) -> None:
+        if self.txn is None:
+            return  # the tail of a transaction applied in an earlier batch
+        chunk = self.wanted.get(relation_oid(payload))
+        if chunk is None:
+            if relation_oid(payload) not in self.decoder.relations:
+                # A change for a relation nobody described is a broken stream: the scalar
+                # decoder says so, with the LSN.
+                self.decoder.decode(payload, lsn)
+            return
+        self.seq += 2  # room for the delete half of a key-changing update
+        chunk.add(payload, self.seq, self.txn_lsn)
+        self.touched.add(chunk.relation.qualified_name)
+        self.changes += 1
+
+    def _relation(self, msg: Relation) -> bool:
+        """A relation (re)described; True if the batch ends before it (new columns)."""
+        self.chunks.relation_changed(msg)
+        if self.txn is None:
+            return False
+        before = self.builder.columns_of(msg.qualified_name)
+        if before is not None and before != msg.columns and self.stager.wanted(msg, self.txn):
+            if self.last_end is None:  # ALTER amid this transaction's changes
+                raise SchemaChanged(msg.qualified_name)
+            # The table's columns changed (ALTER TABLE): this batch ends with the
+            # transaction before; the next one starts with the new columns, after the
+            # Iceberg schema has followed.
+            self.cut = True
+            return True
+        self.stager.tables.learn_relation(msg)
+        self.wanted = self._wanted_chunks(self.txn)
+        return False
+
+    def _begin(self, msg: Begin) -> None:
+        if self.txn is not None and self.seq >= self.txn_first_seq:
+            # A transaction cut off by a crash and sent again in full.
+            self.void.append((self.txn_first_seq, self.seq))
+        self.txn, self.txn_first_seq, self.touched = msg, self.seq + 1, set()
+        # (a transaction sent again after a crash: its last sending counts)
+        self.txns[int(msg.final_lsn)] = (msg.xid, msg.commit_ts, self.seq + 1)
+        self.txn_lsn = int(msg.final_lsn)  # _walberg_lsn: the commit LSN
+        if msg.final_lsn < self.floor:
+            self.txn = None  # already in the batch before this one
+        else:
+            self.wanted = self._wanted_chunks(msg)
+
+    def _truncate(self, msg: Truncate) -> None:
+        for oid in msg.relation_oids:
+            if oid in self.wanted:
+                self.seq += 2
+                rel = self.wanted[oid].relation
+                self.builder.truncate(rel.qualified_name, rel.columns, self.seq, self.txn_lsn)
+                self.touched.add(rel.qualified_name)
+                self.changes += 1
+
+    def _wanted_chunks(self, txn: Begin) -> dict[int, Chunk]:
+        return {oid: self.chunks.for_relation(rel) for oid, rel in self.decoder.relations.items()
+                if self.stager.wanted(rel, txn)}

@@ -1,0 +1,219 @@
+"""A Postgres pipeline's Iceberg tables: which source table goes where (mirror, changelog or
+both), creating them, making their schema follow the source (ALTER TABLE), and learning the
+source's column types."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from walberg import metrics
+from walberg.apply import evolution
+from walberg.apply.iceberg import IcebergSink
+from walberg.apply.types import TextPrep, TypeMap, parse_array, sql_string
+from walberg.config import Config
+from walberg.errors import Terminal, WalbergError
+from walberg.model import Column, Lsn, Relation
+from walberg.source import postgres as pg
+
+log = logging.getLogger("walberg")
+
+# Table property holding the default of a column added in Postgres, until the lake's existing
+# rows have it.
+FILL_PROPERTY = "walberg.fill."
+
+
+class SchemaStop(Terminal):
+    """A table's columns changed in a way its Iceberg table cannot follow."""
+
+
+class Tables:
+    """Where each source table goes in the lake: its mirror and, with a changelog mode, its
+    changelog; what the changelog already holds. The applier commits through this."""
+
+    def __init__(self, targets: dict[str, str], changelogs: dict[str, str]) -> None:
+        self.tables = list(targets)
+        self.targets = targets
+        # Changelog tables (sink mode append or both); in append mode it is the target itself.
+        self.changelogs = changelogs
+        # The changelog of a table in mode both: what it holds (the mirror may hold more).
+        self.changelog_held: dict[str, Optional[Lsn]] = {}
+
+    def nettable(self) -> frozenset[str]:
+        """Tables whose batches may be netted while staging: not those with a changelog, which
+        records every change."""
+        return frozenset(t for t in self.tables if t not in self.changelogs)
+
+
+class PgTables(Tables):
+    """The Iceberg tables of a Postgres source's tables."""
+
+    def __init__(self, config: Config, sink: Callable[[], IcebergSink], types: TypeMap) -> None:
+        pg_cfg = config.postgres
+        super().__init__({t: config.target_for(t) for t in pg_cfg.tables},
+                         {t: config.changelog_for(t) for t in pg_cfg.tables
+                          if config.layout_for(t).mode in ("append", "both")})
+        self.config = config
+        self.pg = pg_cfg
+        self.types = types
+        self._sink = sink
+
+    @property
+    def sink(self) -> IcebergSink:
+        return self._sink()
+
+    def add(self, table: str) -> bool:
+        """Take a table of the publication into the pipeline (follow_publication)."""
+        if table in self.targets:
+            return False
+        self.tables.append(table)
+        self.targets[table] = self.config.target_for(table)
+        return True
+
+    def ensure(self, source: str, info: pg.TableInfo) -> None:
+        """Create the source's Iceberg table(s) (mirror, changelog, or both) or bring them to
+        their layout."""
+        layout = self.config.layout_for(source)
+        made: list[tuple[str, bool]] = []
+        if layout.mode != "append":
+            made.append((self.targets[source],
+                         self.sink.ensure_table(self.targets[source], info.columns, layout)))
+        changelog = self.changelogs.get(source)
+        if changelog is not None:
+            made.append((changelog, self.sink.ensure_changelog(changelog, info.columns, layout)))
+        for target, created in made:
+            if not created:
+                changed = self.sink.align(target, layout)
+                if changed:
+                    log.info("%s follows its layout in the pipeline file: %s", target,
+                             "; ".join(changed))
+        if layout.mode != "append" and not made[0][1]:
+            self.finish_fills(source)
+        if layout.mode == "both" and changelog is not None:
+            self.changelog_held[source] = self.sink.committed_lsn(changelog)
+
+    def follow(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> None:
+        """Before a commit: the table (and its changelog) take the staged columns."""
+        target, changelog = self.targets[source], self.changelogs.get(source)
+        for t in ([target] if changelog in (None, target) else [changelog, target]):
+            if not self.sink.columns_match(t, columns):
+                self.evolve(source, columns, lsn, t)
+
+    def evolve(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
+               target: Optional[str] = None) -> None:
+        """Make the Iceberg table's schema follow the source's columns (after ALTER TABLE),
+        as far as ``sink.schema_evolution`` allows; otherwise stop with what to do."""
+        target = target or self.targets[source]
+        wanted = [(c.name, self.types.spark_type(c, target).describe()) for c in columns]
+        current = self.sink.schema(target)
+        mode = self.config.layout_for(source).schema_evolution
+        try:
+            steps = evolution.plan(current, wanted)
+            refused = [s for s in steps if mode == "strict"
+                       or (mode == "add_columns" and s.kind != "add")]
+            if refused:
+                raise evolution.NotEvolvable(
+                    f"{'; '.join(s.describe() for s in refused)} is not allowed by "
+                    f"sink.schema_evolution: {mode}")
+        except evolution.NotEvolvable as exc:
+            raise self.schema_error(source, columns, lsn, str(exc)) from None
+        after = {name: (wanted[i - 1][0] if i else "") for i, (name, _) in enumerate(wanted)}
+        conn = pg.connect(self.pg.dsn)
+        try:
+            for step in steps:
+                if step.kind == "add":
+                    self._record_fill(conn, source, target, columns, step.name)
+        finally:
+            conn.close()
+        self.sink.evolve(target, steps, after)
+        log.info("evolved the schema of %s to follow %s (before LSN %s): %s", target, source,
+                 lsn, "; ".join(s.describe() for s in steps))
+        if target == self.targets[source] and target not in self.changelogs.values():
+            self.finish_fills(source)
+        else:  # a changelog records changes; its old rows keep what they were
+            for key in self.sink.properties(target, FILL_PROPERTY):
+                self.sink.set_property(target, key, None)
+
+    def _record_fill(self, conn: Any, source: str, target: str, columns: tuple[Column, ...],
+                     name: str) -> None:
+        """A column added with a default: record, before the column exists, the value the
+        lake's existing rows get (so a crash part-way is finished on start)."""
+        has_default, value = pg.column_default(conn, source, name)
+        if has_default and value is None:
+            log.warning(
+                "column %s of %s was added with a volatile default (or an identity): "
+                "Postgres gave the existing rows values that the replication stream "
+                "does not carry, so those rows have NULL there in %s. To get the "
+                "values, copy the table again (drop %s in Spark SQL and run walberg).",
+                name, source, target, target)
+        elif value is not None:
+            parsed = parse_array(value)  # attmissingval is a one-element array
+            if not parsed or isinstance(parsed[0], list) or parsed[0] is None:
+                return
+            col = next(c for c in columns if c.name == name)
+            expr = self.types.spark_type(col, target).convert.format(sql_string(parsed[0]))
+            self.sink.set_property(target, FILL_PROPERTY + name, expr)
+
+    def finish_fills(self, source: str) -> None:
+        """Columns added in Postgres with a default: existing rows get the default in the lake
+        too (Postgres keeps it in pg_attribute.attmissingval and never streams it). Pending
+        fills are table properties, so one cut short by a crash is finished on the next start."""
+        target = self.targets[source]
+        names = {name for name, _ in self.sink.schema(target)}
+        for key, expr in self.sink.properties(target, FILL_PROPERTY).items():
+            name = key[len(FILL_PROPERTY):]
+            if name in names:
+                self.sink.fill(target, name, expr)
+            self.sink.set_property(target, key, None)
+
+    def schema_error(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
+                     reason: str = "") -> SchemaStop:
+        target = self.targets[source]
+        now = ", ".join(f"{c.name} {self.types.spark_type(c, target).describe()}" for c in columns)
+        why = (f"{reason}." if reason else
+               "The ALTER TABLE ran inside a transaction that changed rows of the table before "
+               "it, so no commit separates the old columns from the new.")
+        return SchemaStop(
+            f"{source} changed its columns in Postgres (ALTER TABLE) before LSN {lsn}; it now "
+            f"has ({now}), and {target} cannot follow: {why} To go on, either set "
+            f"sink.schema_evolution to allow the change (if it is allowed by Iceberg), or copy "
+            f"the table afresh: drop the Iceberg table (DROP TABLE {target} in Spark SQL) and "
+            "run walberg again; it copies the table and streams on from there. Nothing after "
+            "the last commit was confirmed to the slot, so nothing is lost meanwhile."
+        )
+
+    def learn_relation(self, rel: Relation) -> None:
+        """A relation description with types the type map has not seen (a column added with a
+        new type): ask the source catalog about them, and about the table's array dimensions."""
+        if rel.qualified_name not in self.targets or \
+                all(c.type_oid in self.types.types for c in rel.columns):
+            return
+        conn = pg.connect(self.pg.dsn)
+        try:
+            try:
+                dims = pg.describe_table(conn, rel.qualified_name).dims
+            except WalbergError:
+                dims = {}  # dropped or renamed since: the OIDs still tell the types
+            found = pg.describe_types(conn, {c.type_oid for c in rel.columns})
+            self.types.learn(found, self.targets[rel.qualified_name], dims)
+        finally:
+            conn.close()
+
+    def learn_types(self, conn: Any, infos: dict[str, pg.TableInfo]) -> None:
+        """Tell the type map what the source catalog says about the tables' column types, and
+        refuse, before anything runs, a column whose type walberg cannot map."""
+        found = pg.describe_types(conn, {c.type_oid for i in infos.values() for c in i.columns})
+        for t, info in infos.items():
+            self.types.learn(found, self.targets[t], info.dims)
+            for c in info.columns:
+                self.types.spark_type(c, self.targets[t])
+
+    def prep(self, source: str, columns: tuple[Column, ...]) -> TextPrep:
+        return self.types.prep(columns, self.targets[source])
+
+
+def count_dead(sink: IcebergSink, source: str, target: str, rows: int) -> None:
+    if rows:
+        metrics.DEAD_LETTERS.labels(source).inc(rows)
+        log.warning("%d row(s) of %s could not be written exactly and went to %s with the "
+                    "reason in _dlq_reason", rows, source, sink.dead_letter_target(target))
