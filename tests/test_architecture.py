@@ -29,7 +29,8 @@ STAGES = ("walberg.source", "walberg.buffer", "walberg.apply")
 # crash points, none of which knows a stage. Today the stages import walberg.errors and
 # walberg.model only; the others are leaves of the same kind (each imports only shared modules,
 # see test_shared_modules_import_only_each_other), so a stage may use them as well.
-SHARED = frozenset({"walberg.errors", "walberg.model", "walberg.config", "walberg.metrics",
+SHARED = frozenset({"walberg.errors", "walberg.model", "walberg.config", "walberg.config_sink",
+                    "walberg.metrics",
                     "walberg.progress", "walberg.faults"})
 # Each third-party driver and the only places that may import it. (embedded_pg.py runs
 # PostgreSQL's own binaries and needs no driver.)

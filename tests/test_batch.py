@@ -20,7 +20,7 @@ from walberg.apply.batch import (
     seq_filter,
 )
 from walberg.apply.iceberg import IcebergSink
-from walberg.config import Catalog, Sink
+from walberg.config_sink import Catalog, Sink
 from walberg.lakeside import commit_with_retries
 from walberg.model import UNCHANGED, Column, Lsn, Op
 

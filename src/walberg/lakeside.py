@@ -13,7 +13,8 @@ from walberg.apply import catalogs, jdbc, storage
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.spark import build_session, stop_session
 from walberg.buffer.store import SegmentStore
-from walberg.config import Config, Sink
+from walberg.config import Config
+from walberg.config_sink import Sink
 from walberg.errors import ApplyError, WalbergError
 
 log = logging.getLogger("walberg")

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NoReturn, Optional
 
+from walberg.buffer.files import LOCK_NAME, Mapped, os_reason, read_pid, write_all
 from walberg.buffer.segment import (
     KIND_PREAMBLE_END,
     MAGIC,
@@ -54,7 +55,6 @@ Preamble = Callable[[], Iterable[tuple[int, int, bytes]]]
 # per megabyte instead of one per change.
 WRITE_CHUNK = 1 << 20
 
-LOCK_NAME = "LOCK"
 _NAME = re.compile(r"^(\d{16})\.(active|sealed)$")
 _TEMP_SUFFIX = ".tmp"
 
@@ -163,7 +163,7 @@ class SegmentStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = _read_pid(fd)
+            holder = read_pid(fd)
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise Terminal(
@@ -232,6 +232,39 @@ class SegmentStore:
         self._check_open()
         if self._recovered:
             raise RuntimeError("recover() has already run on this SegmentStore")
+        sealed, active, removed = self._list_directory()
+        infos: dict[int, SegmentInfo] = {}
+        max_lsn = -1
+        for seq, path in sorted(sealed.items()):
+            stats = self._validate(path, sealed=True)
+            max_lsn = max(max_lsn, stats.max_lsn)
+            info = stats.info(path, seq)
+            if info is None:
+                # Nothing but a preamble: no change to apply, so nothing to keep.
+                self._unlink(path)
+                removed.append(path)
+            else:
+                infos[seq] = info
+        dropped, recovered_active, max_lsn = self._seal_leftovers(active, infos, removed, max_lsn)
+        if removed or active:
+            self._sync_dir()
+
+        self._sealed = [infos[seq] for seq in sorted(infos)]
+        self._sealed_bytes = sum(info.size_bytes for info in self._sealed)
+        self._next_seq = max([*sealed, *active, 0]) + 1
+        self._recovered = True
+        return RecoveryReport(
+            sealed_segments=len(self._sealed),
+            frames=sum(info.frames for info in self._sealed),
+            dropped_bytes=dropped,
+            max_lsn=None if max_lsn < 0 else Lsn(max_lsn),
+            recovered_active=recovered_active,
+            removed_files=tuple(removed),
+        )
+
+    def _list_directory(self) -> tuple[dict[int, Path], dict[int, Path], list[Path]]:
+        """The sealed and active segments by sequence number; temp files of state changes
+        that crashed before their rename are removed (the originals are intact)."""
         sealed: dict[int, Path] = {}
         active: dict[int, Path] = {}
         removed: list[Path] = []
@@ -254,20 +287,13 @@ class SegmentStore:
                 "some other process changed this directory. Move the directory away and "
                 "restart walberg; it re-reads the changes from the replication slot"
             )
+        return sealed, active, removed
 
-        infos: dict[int, SegmentInfo] = {}
-        max_lsn = -1
-        for seq, path in sorted(sealed.items()):
-            stats = self._validate(path, sealed=True)
-            max_lsn = max(max_lsn, stats.max_lsn)
-            info = stats.info(path, seq)
-            if info is None:
-                # Nothing but a preamble: no change to apply, so nothing to keep.
-                self._unlink(path)
-                removed.append(path)
-            else:
-                infos[seq] = info
-
+    def _seal_leftovers(self, active: dict[int, Path], infos: dict[int, SegmentInfo],
+                        removed: list[Path], max_lsn: int) -> tuple[int, Optional[Path], int]:
+        """Active segments a stop or crash left: a torn tail truncated, then sealed (or
+        removed when no change was appended). Returns the bytes dropped, the segment sealed
+        last and the highest LSN seen."""
         dropped = 0
         recovered_active: Optional[Path] = None
         for seq, path in sorted(active.items()):
@@ -290,26 +316,12 @@ class SegmentStore:
                     recovered_active = target
             except OSError as exc:
                 self._fail("recover", exc)
-        if removed or active:
-            self._sync_dir()
-
-        self._sealed = [infos[seq] for seq in sorted(infos)]
-        self._sealed_bytes = sum(info.size_bytes for info in self._sealed)
-        self._next_seq = max([*sealed, *active, 0]) + 1
-        self._recovered = True
-        return RecoveryReport(
-            sealed_segments=len(self._sealed),
-            frames=sum(info.frames for info in self._sealed),
-            dropped_bytes=dropped,
-            max_lsn=None if max_lsn < 0 else Lsn(max_lsn),
-            recovered_active=recovered_active,
-            removed_files=tuple(removed),
-        )
+        return dropped, recovered_active, max_lsn
 
     def _validate(self, path: Path, *, sealed: bool) -> _Stats:
         stats = _Stats()
         try:
-            with _Mapped(path) as data:
+            with Mapped(path) as data:
                 stats.size = len(data)
                 if not sealed and len(data) < len(MAGIC) and bytes(data) == MAGIC[: len(data)]:
                     # Cut short before its magic was complete: nothing in it yet.
@@ -413,7 +425,7 @@ class SegmentStore:
         fd = -1
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            _write_all(fd, head)
+            write_all(fd, head)
             _datasync(fd)
             os.replace(temp, path)
         except OSError as exc:
@@ -437,7 +449,7 @@ class SegmentStore:
         if not buf:
             return
         try:
-            _write_all(self._fd, buf)
+            write_all(self._fd, buf)
         except OSError as exc:
             # Part of buf may be in the file; recover() will cut it off as a torn tail.
             self._fail("write a segment in", exc)
@@ -459,7 +471,7 @@ class SegmentStore:
         ``SegmentCorrupt`` naming the file, the offset and what to do.
         """
         try:
-            with _Mapped(info.path) as data:
+            with Mapped(info.path) as data:
                 if len(data) < len(MAGIC):
                     raise FrameCorrupt(0, "sealed segment is shorter than its magic")
                 check_magic(data)
@@ -480,7 +492,7 @@ class SegmentStore:
             raise self._corrupt(info.path, exc) from exc
         except OSError as exc:
             raise Terminal(
-                f"cannot read the segment {info.path}: {_reason(exc)}. Check that the "
+                f"cannot read the segment {info.path}: {os_reason(exc)}. Check that the "
                 f"directory {self.directory} is intact and readable by walberg"
             ) from exc
 
@@ -561,7 +573,7 @@ class SegmentStore:
 
     def _io_error(self, action: str, exc: OSError) -> Terminal:
         return Terminal(
-            f"cannot {action} the segment directory {self.directory}: {_reason(exc)}. "
+            f"cannot {action} the segment directory {self.directory}: {os_reason(exc)}. "
             "Make sure it is a directory on a disk with free space, writable by the user "
             "walberg runs as, then restart walberg; changes not yet flushed are re-read from "
             "the replication slot"
@@ -622,80 +634,3 @@ class _Stats:
             last_lsn=Lsn(self.last_lsn),
             frames=self.frames,
         )
-
-
-class _Mapped:
-    """A read-only memory map of a file, or plain bytes for a file too small to map."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._map: Optional[mmap.mmap] = None
-
-    def __enter__(self) -> bytes | mmap.mmap:
-        with open(self._path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < len(MAGIC):
-                return f.read()
-            # The map keeps its own reference to the file; closing f does not unmap it.
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
-            self._map.madvise(mmap.MADV_SEQUENTIAL)
-        return self._map
-
-    def __exit__(self, *exc: object) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-
-
-def _write_all(fd: int, data: bytearray) -> None:
-    n = os.write(fd, data)
-    if n < len(data):
-        # Rare (a signal, a nearly full disk): finish without copying the rest.
-        with memoryview(data) as view:
-            while n < len(view):
-                n += os.write(fd, view[n:])
-
-
-def _read_pid(fd: int) -> str:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        text = ""
-    return text if text.isdigit() else "unknown"
-
-
-def _reason(exc: OSError) -> str:
-    if exc.errno is not None:
-        name = errno.errorcode.get(exc.errno, exc.errno)
-        return f"{exc.strerror or os.strerror(exc.errno)} ({name})"
-    return str(exc)
-
-
-@dataclass(frozen=True)
-class DirectoryState:
-    """What a segment directory holds, seen from outside (no lock taken, nothing changed)."""
-
-    sealed_segments: int
-    sealed_bytes: int
-    active_bytes: int
-    holder_pid: Optional[str]  # the walberg process holding the directory, if any
-
-
-def inspect_directory(directory: Path) -> DirectoryState:
-    """Look at a segment directory without taking it: for `walberg status`."""
-    sealed = [p for p in directory.glob("*.sealed")] if directory.is_dir() else []
-    active = [p for p in directory.glob("*.active")] if directory.is_dir() else []
-    holder: Optional[str] = None
-    lock = directory / LOCK_NAME
-    if lock.exists():
-        fd = os.open(lock, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        except OSError:
-            holder = _read_pid(fd)
-        finally:
-            os.close(fd)
-    return DirectoryState(len(sealed), sum(p.stat().st_size for p in sealed),
-                          sum(p.stat().st_size for p in active), holder)

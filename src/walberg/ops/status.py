@@ -11,7 +11,7 @@ from typing import Optional
 
 from walberg.apply.iceberg import LSN_PROPERTY
 from walberg.apply.metadata import TableSummary, read_hadoop_table
-from walberg.buffer.store import inspect_directory
+from walberg.buffer.files import inspect_directory
 from walberg.errors import Transient, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.source import kafka

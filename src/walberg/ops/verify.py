@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from walberg import verify as digest
-from walberg.buffer.store import inspect_directory
+from walberg.buffer.files import inspect_directory
 from walberg.errors import Terminal
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.model import Lsn
