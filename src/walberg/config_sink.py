@@ -9,6 +9,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from walberg.model import Evolution, Mode, WriteMode
+
 _IDENT = r"[A-Za-z_][A-Za-z0-9_$]*"
 
 
@@ -67,9 +69,6 @@ _SPLIT_TAIL = re.compile(r"^\s*\w+\s*\)\s*$")
 # package on PyPI ships).
 _CODECS = {"none": "uncompressed", "uncompressed": "uncompressed", "snappy": "snappy",
            "gzip": "gzip", "lz4": "lz4", "zstd": "zstd"}
-WriteMode = Literal["merge-on-read", "copy-on-write"]
-Mode = Literal["upsert", "append", "both"]
-Evolution = Literal["strict", "add_columns", "full"]
 
 
 def _check_properties(props: dict[str, str]) -> dict[str, str]:

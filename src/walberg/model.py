@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Final, Optional, Union
+from typing import Final, Literal, Optional, Union
 
 
 class Lsn(int):
@@ -218,6 +218,14 @@ class TableState:
     committed_lsn: Lsn = field(default_factory=lambda: Lsn(0))
 
 
+# A table's write mode: a mirror (upsert), a changelog of every change (append), or both.
+Mode = Literal["upsert", "append", "both"]
+# How far the Iceberg schema follows ALTER TABLE in the source.
+Evolution = Literal["strict", "add_columns", "full"]
+# How updates and deletes are written: delete files, or rewritten data files.
+WriteMode = Literal["merge-on-read", "copy-on-write"]
+
+
 @dataclass(frozen=True)
 class Layout:
     """How one Iceberg table is laid out: the pipeline file's sink.tables entry with the sink's
@@ -226,6 +234,6 @@ class Layout:
     partition_by: tuple[str, ...] = ()
     properties: dict[str, str] = field(default_factory=dict)
     format_version: int = 2
-    write_mode: str = "merge-on-read"
-    schema_evolution: str = "full"
-    mode: str = "upsert"  # upsert, append (a changelog), both
+    write_mode: WriteMode = "merge-on-read"
+    schema_evolution: Evolution = "full"
+    mode: Mode = "upsert"
