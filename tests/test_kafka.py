@@ -15,13 +15,12 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import yaml
 from prometheus_client import REGISTRY
 
 from conftest import CATALOG, run_once, running, walberg_cli
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
-from lake import iceberg_rows
+from lake import hadoop_table, iceberg_rows
 from walberg.config import Config, parse_config
 from walberg.kafka_pipeline import KafkaPipeline
 from walberg.lake.changes import changes_sql
@@ -51,10 +50,10 @@ def _config(raw: dict[str, Any], tmp: Path) -> Config:
     return parse_config(raw, tmp, "test config")
 
 
-def _dead(tmp: Path) -> list[dict[str, Any]]:
-    files = sorted((tmp / "segments" / "dead-letters").rglob("*.parquet"))
-    return sorted((r for f in files for r in pq.read_table(f).to_pylist()),
-                  key=lambda r: (r["partition"], r["offset"]))
+def _dead(warehouse: Path, target: str) -> list[dict[str, Any]]:
+    """The dead letters of a table: its ``__dlq`` Iceberg table, read by PyIceberg."""
+    rows = hadoop_table(warehouse, target + "__dlq").scan().to_arrow().to_pylist()
+    return sorted(rows, key=lambda r: (r["partition"], r["offset"]))
 
 
 def _dec(unscaled: int) -> str:
@@ -141,7 +140,7 @@ def test_events_without_schema_and_dead_letters(
     target = f"{CATALOG}.ns_{unique}.{unique}"
     assert iceberg_rows(warehouse, target) == [{"id": 1, "v": "A", "n": 10},
                                                {"id": 5, "v": "e", "n": 5}]
-    dead = _dead(tmp_path)
+    dead = _dead(warehouse, target)
     assert [(d["offset"], d["_dlq_reason"].split(":")[0]) for d in dead] == [
         (1, "the value is not JSON"), (2, "the envelope has no op"),
         (3, "schema mismatch"), (4, "column n"),
@@ -153,7 +152,8 @@ def test_events_without_schema_and_dead_letters(
     # Run again: the last record is read again (no table commit covers it), and it does not
     # become a dead letter twice.
     again = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
-    assert (again.records, again.dead_letters, len(_dead(tmp_path))) == (0, 0, 5)
+    assert (again.records, again.dead_letters, len(_dead(warehouse, target))) == (0, 0, 5)
+    assert {d["table"] for d in dead} == {target}
 
 
 def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(

@@ -153,9 +153,6 @@ class KafkaSource(_Model):
         "debezium-json", description="record format: debezium-json (with or without schema)")
     tables: dict[str, KafkaTopic] = Field(
         default_factory=dict, description="per topic: table, key, columns")
-    dead_letter_dir: Optional[str] = Field(
-        None, description="where records that cannot be applied go, as Parquet with "
-                          "_dlq_reason; default: <buffer.dir>/dead-letters")
     properties: dict[str, str] = Field(
         default_factory=dict, description="extra librdkafka consumer settings (e.g. "
                                           "security.protocol, sasl.*)", repr=False)
@@ -299,14 +296,6 @@ class Config(_Model):
             raise ConfigError("this command needs a Postgres source (source.postgres); this "
                               "pipeline file reads Debezium events from Kafka (source.kafka)")
         return self.source.postgres
-
-    @property
-    def dead_letter_dir(self) -> Path:
-        """Where a Kafka source's dead letters go."""
-        kafka = self.source.kafka
-        if kafka is not None and kafka.dead_letter_dir:
-            return self.path(kafka.dead_letter_dir)
-        return self.segment_dir / "dead-letters"
 
     @property
     def source_name(self) -> Optional[str]:

@@ -147,6 +147,10 @@ class IcebergSink:
                            where: str = "true", snapshot: bool = False) -> int:
         return self.writes.write_dead_letters(target, columns, path, lsn, where, snapshot)
 
+    def write_record_dead_letters(self, target: str, path: Path,
+                                  marks: Mapping[str, str]) -> int:
+        return self.writes.write_record_dead_letters(target, path, marks)
+
     # Progress marks and history (apply.snapshots).
 
     def committed_lsn(self, target: str) -> Optional[Lsn]:

@@ -289,6 +289,30 @@ class Writes:
             self._dead_lsn[dlq] = lsn
         return count
 
+    def write_record_dead_letters(self, target: str, path: Path,
+                                  marks: Mapping[str, str]) -> int:
+        """Append raw source records that could not be applied (a Kafka source's: topic,
+        partition, offset, timestamp, key, value, the table meant, ``_dlq_reason``; Parquet at
+        ``path``) to ``<target>__dlq`` in one commit carrying ``marks`` (the next offset of
+        each partition they come from). Records at offsets the dead-letter table holds already
+        (a replay after a crash) are left out. Returns the records written."""
+        dlq = self.dead_letter_target(target)
+        if not self.lake.table_exists(dlq):
+            self.tables.create(dlq, f"topic STRING, `partition` INT, `offset` BIGINT, "
+                                    f"timestamp_ms BIGINT, `key` BINARY, `value` BINARY, "
+                                    f"`table` STRING, {quote(DLQ_REASON)} STRING")
+        held = self.snapshots.committed_offsets(dlq)
+        df = self.lake.spark.read.parquet(str(path))
+        if held:
+            seen = " OR ".join(f"(topic = {sql_string(t)} AND `partition` = {int(p)} AND "
+                               f"`offset` < {int(o)})" for (t, p), o in sorted(held.items()))
+            df = df.where(f"NOT ({seen})")
+        count = int(spark_call(f"counting dead letters for {target}", df.count))
+        if count:
+            spark_call(f"writing dead letters to {dlq}",
+                       lambda: self.lake.writer(df, dlq, Lsn(0), marks).append())
+        return count
+
     def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
               void: Sequence[tuple[int, int]] = (),
               marks: Optional[Mapping[str, str]] = None, upsert: bool = False) -> None:

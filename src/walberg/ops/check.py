@@ -1,6 +1,6 @@
 """`walberg check`: everything a pipeline needs, checked without changing anything, one result
-per item: the source (Postgres: server, role, tables, publication, slot; Kafka: broker, topics,
-the dead-letter directory), then this machine and the lake (segment space, Java, the Iceberg
+per item: the source (Postgres: server, role, tables, publication, slot; Kafka: broker,
+topics), then this machine and the lake (segment space, Java, the Iceberg
 jar, catalog and warehouse). Each item is one function; the lists below say which run."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from walberg.apply import catalogs
 from walberg.apply.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
-from walberg.errors import ConfigError, Terminal, WalbergError
+from walberg.errors import Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.source import kafka
 from walberg.source import postgres as pg
@@ -63,7 +63,6 @@ def _check_source(lake: Lake, source: LakeSource) -> list[CheckResult]:
             results = _run(KAFKA_REACH, probe)
             if results[-1].ok:
                 results += _run(_topic_items(source), probe)
-            results += _run(KAFKA_ITEMS, probe)
     finally:
         for thing in probe.opened:
             thing.close()
@@ -175,21 +174,7 @@ def _topic_items(source: LakeSource) -> list[Item]:
             for table, topic in source.topics.items()]
 
 
-def dead_letters(p: Probe) -> str:
-    root = p.source.config.dead_letter_dir
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / ".walberg-check"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"cannot write to {root} (source.kafka.dead_letter_dir): "
-                          f"{exc.strerror}") from None
-    return f"{root} is writable"
-
-
 KAFKA_REACH: list[Item] = [("broker", broker)]
-KAFKA_ITEMS: list[Item] = [("dead letters", dead_letters)]
 
 
 # ---- this machine and the lake -------------------------------------------------------------

@@ -6,7 +6,6 @@ read (``walberg.offset.<topic>.<partition>``)."""
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -332,35 +331,39 @@ class KafkaStager:
         pass  # gathered with the batch's records: written by before_commit
 
     def before_commit(self, batch: Batch) -> None:
-        """One Parquet file per partition and batch, ``<dir>/<topic>/<partition>/<first>-
-        <last>.parquet`` (offsets). A file holds every dead letter of its partition between its
-        two offsets, so a replay skips the records an earlier file covers: a crash between
-        these files and the table's commit never writes a record twice."""
-        root = self.config.dead_letter_dir
-        by_partition: dict[Partition, list[tuple[kafka.Record, str]]] = {}
+        """The batch's dead letters, before any table's commit: into ``<table>__dlq``, an
+        Iceberg table like a Postgres source's dead-letter table (one place to look), in one
+        commit per table carrying the next offset of each partition they come from. A replay
+        after a crash leaves out the records that table holds already, so none is written
+        twice."""
+        by_target: dict[str, list[tuple[kafka.Record, str]]] = {}
         for record, reason in batch.dead:
-            by_partition.setdefault((record.topic, record.partition), []).append((record, reason))
-        for (topic, partition), items in sorted(by_partition.items()):
-            directory = root / topic / str(partition)
-            covered = _covered(directory)
-            fresh = [(r, why) for r, why in items
-                     if not any(lo <= r.offset <= hi for lo, hi in covered)]
-            if not fresh:
-                continue
-            fresh.sort(key=lambda item: item[0].offset)
-            first, last = fresh[0][0].offset, fresh[-1][0].offset
+            by_target.setdefault(self.targets[record.topic], []).append((record, reason))
+        for target, items in sorted(by_target.items()):
+            items.sort(key=lambda item: (item[0].partition, item[0].offset))
+            marks: dict[str, str] = {}
+            for record, _ in items:
+                marks[f"{OFFSET_PROPERTY}.{record.topic}.{record.partition}"] = \
+                    str(record.offset + 1)
             table = pa.Table.from_pylist([
                 {"topic": r.topic, "partition": r.partition, "offset": r.offset,
                  "timestamp_ms": r.timestamp, "key": r.key, "value": r.value,
-                 "table": self.targets.get(r.topic), "_dlq_reason": why} for r, why in fresh],
+                 "table": target, "_dlq_reason": why} for r, why in items],
                 schema=DEAD_LETTER_SCHEMA)
-            _write_atomically(table, directory / f"{first:020d}-{last:020d}.parquet")
-            name = self.names.get(topic, topic)
-            metrics.DEAD_LETTERS.labels(name).inc(len(fresh))
-            self.report.dead_letters += len(fresh)
-            log.warning("%d record(s) of %s partition %d (offsets %d..%d) could not be applied "
-                        "and went to %s with the reason in _dlq_reason; the first: offset %d: %s",
-                        len(fresh), topic, partition, first, last, directory, first, fresh[0][1])
+            with tempfile.TemporaryDirectory(prefix="walberg-dlq-",
+                                             dir=self.config.segment_dir) as work:
+                staged = Path(work) / "dead.parquet"
+                pq.write_table(table, staged)
+                written = self.sink.write_record_dead_letters(target, staged, marks)
+            if not written:
+                continue
+            topic, first = items[0][0].topic, items[0]
+            metrics.DEAD_LETTERS.labels(self.names.get(topic, topic)).inc(written)
+            self.report.dead_letters += written
+            log.warning("%d record(s) of topic %s could not be applied and went to %s with the "
+                        "reason in _dlq_reason; the first: partition %d offset %d: %s", written,
+                        topic, self.sink.dead_letter_target(target), first[0].partition,
+                        first[0].offset, first[1])
 
     def applied(self, batch: Batch) -> None:
         self.state.advance_offsets(batch.offsets, lake=False)
@@ -393,33 +396,3 @@ def _refused(staged: Mapping[str, StagedTable],
                 seen.add(id(record))
                 out.append((record, r["_dlq_reason"]))
     return out
-
-
-def _covered(directory: Path) -> list[tuple[int, int]]:
-    """The offset ranges of the dead-letter files already in a partition's directory."""
-    out = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        stem, _, ext = name.partition(".")
-        lo, _, hi = stem.partition("-")
-        if ext == "parquet" and lo.isdigit() and hi.isdigit():
-            out.append((int(lo), int(hi)))
-    return out
-
-
-def _write_atomically(table: pa.Table, path: Path) -> None:
-    """Write, fsync, rename, fsync the directory: the file is there whole or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, temp)
-    with open(temp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
