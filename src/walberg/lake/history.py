@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Optional
 
 from walberg.apply.metadata import read_hadoop_history
-from walberg.apply.session import LSN_PROPERTY
 from walberg.lake.services import Lake
 
 
@@ -29,13 +27,10 @@ def history(lake: Lake, table: str) -> list[Snapshot]:
     catalog in a local warehouse is read from its metadata file, with no Spark session to
     start (well under a second instead of several); other catalogs go through Spark."""
     source, target = lake.find(table)
-    config = source.config
-    if config.sink.catalog.type == "hadoop" and "://" not in config.warehouse:
-        _, namespace, name = target.split(".")
-        prop = LSN_PROPERTY + (f".{source.tag}" if source.tag else "")
-        found = read_hadoop_history(Path(config.warehouse), namespace, name, prop)
-        if found is not None:
-            return [_snapshot(h) for h in found]
+    local = source.local_metadata(target)
+    found = None if local is None else read_hadoop_history(*local, source.lsn_property)
+    if found is not None:
+        return [_snapshot(h) for h in found]
     return [_snapshot(h) for h in lake.sink(source).history(target)]
 
 

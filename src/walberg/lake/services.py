@@ -9,10 +9,12 @@ The Postgres / several sources / Kafka branching of the commands is here, once: 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Optional
 
 from walberg.apply.iceberg import IcebergSink
+from walberg.apply.session import LSN_PROPERTY
 from walberg.apply.spark import stop_session
 from walberg.apply.types import TypeMap
 from walberg.config import Config, PostgresSource
@@ -37,6 +39,21 @@ class LakeSource:
     def tag(self) -> Optional[str]:
         """What its rows and commits carry in tables shared with other sources (fan-in)."""
         return self.name if self.config.sink.fan_in else None
+
+    @property
+    def lsn_property(self) -> str:
+        """The snapshot-summary key of its LSN mark (``walberg.lsn.<source>`` in a shared
+        table)."""
+        return LSN_PROPERTY + (f".{self.tag}" if self.tag else "")
+
+    def local_metadata(self, target: str) -> Optional[tuple[Path, str, str]]:
+        """(warehouse, namespace, table) of ``target`` when a hadoop catalog keeps it in a
+        local warehouse, so its metadata file can be read without Spark; else None."""
+        config = self.config
+        if config.sink.catalog.type != "hadoop" or "://" in config.warehouse:
+            return None
+        _, namespace, table = target.split(".")
+        return Path(config.warehouse), namespace, table
 
     @property
     def postgres(self) -> PostgresSource:

@@ -9,7 +9,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from walberg.apply.iceberg import LSN_PROPERTY
 from walberg.apply.metadata import TableSummary, read_hadoop_table
 from walberg.buffer.files import inspect_directory
 from walberg.errors import Transient, WalbergError
@@ -105,12 +104,8 @@ def _buffer(directory: Path) -> BufferStatus:
 
 def _summary(source: LakeSource, target: str) -> Optional[TableSummary]:
     """The table's metadata, when the catalog keeps it in a local hadoop warehouse."""
-    config = source.config
-    if config.sink.catalog.type != "hadoop" or "://" in config.warehouse:
-        return None
-    _, namespace, table = target.split(".")
-    prop = LSN_PROPERTY + (f".{source.tag}" if source.tag else "")
-    return read_hadoop_table(Path(config.warehouse), namespace, table, prop)
+    local = source.local_metadata(target)
+    return None if local is None else read_hadoop_table(*local, source.lsn_property)
 
 
 def _table(target: str, summary: Optional[TableSummary]) -> TableStatus:
