@@ -121,12 +121,14 @@ class PgReader:
 
     def _describe(self, conn: Any) -> dict[str, pg.TableInfo]:
         """The configured tables (and, with follow_publication, the publication's), checked."""
-        infos = {t: pg.describe_table(conn, t) for t in self.tables.tables}
+        # The tables as the publication publishes them (its column lists and row filters),
+        # read before ensure_publication so that a missing table is named as missing. A
+        # publication walberg creates below publishes every row and column, which is what a
+        # table no publication has yet is described with.
+        infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in self.tables.tables}
         for info in infos.values():
             pg.require_key(info)
         pg.ensure_publication(conn, self.pg.publication, self.tables.tables)
-        # The tables as the publication publishes them: its column lists and row filters.
-        infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in infos}
         if self.pg.follow_publication:
             for t in pg.published_tables(conn, self.pg.publication):
                 if self.tables.add(t):
