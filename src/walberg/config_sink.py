@@ -159,6 +159,10 @@ class Sink(_Model):
     write_mode: WriteMode = Field(
         "merge-on-read", description="updates and deletes: merge-on-read (delete files, fast "
                                      "writes) or copy-on-write (rewritten data files, fast reads)")
+    apply_by_position: bool = Field(
+        True, description="apply a batch to a table with one integer key as one row delta "
+                          "found through a key index in buffer.dir (cost follows the changes); "
+                          "false: always MERGE (cost follows the table)")
     properties: dict[str, str] = Field(
         default_factory=dict, description="Iceberg table properties for every table")
     tables: dict[str, TableLayout] = Field(
@@ -221,6 +225,13 @@ class AzureStorage(_Model):
 class Storage(_Model):
     """Where an object-store warehouse lives (sink.catalog.warehouse: s3a://bucket/path)."""
 
+    timeout_seconds: float = Field(
+        60.0, gt=0, description="how long a read or write of an object-store warehouse may "
+                                "wait for a store that does not answer (or refuses the "
+                                "credentials) before it fails with a message naming the "
+                                "endpoint: `run --once` then stops, `run` tries the commit "
+                                "again (sink.commit_max_attempts); also bounds the s3a "
+                                "connector's own timeouts and retries")
     s3: Optional[S3Storage] = Field(None, description="S3 or S3-compatible storage")
     gcs: Optional[GcsStorage] = Field(None, description="Google Cloud Storage (gs://)")
     azure: Optional[AzureStorage] = Field(None, description="Azure Data Lake Storage (abfss://)")

@@ -144,15 +144,15 @@ def source_row_hashes(conn: Any, table: str, columns: Sequence[Column],
 
 
 def differing_keys(spark: Any, target: str, columns: Sequence[Column],
-                   types: Sequence[SparkType], source_hashes: Path,
+                   types: Sequence[SparkType], source: Any,
                    limit: int, where: str = "true") -> list[dict[str, Any]]:
-    """The first ``limit`` keys whose rows differ between the source hashes and the lake."""
+    """The first ``limit`` keys whose rows differ between the source hashes (``source``: a
+    DataFrame of what ``source_row_hashes`` wrote) and the lake."""
     keys = [(c, t) for c, t in zip(columns, types, strict=True) if c.is_key]
     row = f"concat_ws('{SEP}', " + ", ".join(spark_render(c, t) for c, t in
                                               zip(columns, types, strict=True)) + ")"
     lake = spark.table(quote_target(target)).where(where).selectExpr(
         *[f"{spark_render(c, t)} AS k{i}" for i, (c, t) in enumerate(keys)], f"md5({row}) AS h")
-    source = spark.read.parquet(str(source_hashes))
     # Rows are counted per key and hash, so duplicates (tables without a key) show up too.
     s = source.groupBy(*source.columns).count().withColumnRenamed("count", "s_n")
     lk = lake.groupBy(*lake.columns).count().withColumnRenamed("count", "l_n")

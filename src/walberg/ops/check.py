@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from walberg.apply import catalogs
+from walberg.apply import catalogs, staging, storage
 from walberg.apply.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
 from walberg.errors import Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource
@@ -217,6 +217,14 @@ def catalog_and_warehouse(p: Probe) -> str:
                                         config.spark.conf.get("spark.jars", ""))
     reached = _catalog_database(p)
     if not wh or ("://" in wh and not wh.startswith("file:")):
+        s3 = config.storage.s3
+        store = storage.probe_for(None if s3 is None else s3.model_dump(), wh or "")
+        if store is not None:  # the question `run` asks first (see lakeside.check_storage)
+            problem = store.check(config.storage.timeout_seconds)
+            if problem is not None:
+                raise Terminal(store.describe(problem, config.storage.timeout_seconds))
+            return (f"{cat.type} catalog {cat.name}: warehouse {wh} on S3 at {store.endpoint} "
+                    f"answers and takes the credentials{reached}")
         return (f"{cat.type} catalog {cat.name}: {wh or 'warehouse from the catalog'} "
                 f"not checked (remote){reached}")
     root = Path(wh.removeprefix("file:"))
@@ -228,6 +236,30 @@ def catalog_and_warehouse(p: Probe) -> str:
     state = "is writable" if existing == root else f"will be created under {existing}"
     return (f"{cat.type} catalog {cat.name}: warehouse {root} {state}"
             + (f"; driver {jars[0]}" if jars else "") + reached)
+
+
+def executor_staging(p: Probe) -> str:
+    """How staged batches and copies reach Spark's executors (see apply.staging)."""
+    config = p.source.config
+    master, configured = config.spark.master, config.buffer.stage_uri
+    area = staging.stage_uri(master, configured, config.warehouse)
+    where = "buffer.stage_uri" if configured else "under the warehouse, the default on a cluster"
+    if area is not None:
+        return (f"the driver uploads each staged batch and copy to {area}/ ({where}); "
+                "executors read them there, and they are removed after each commit")
+    if staging.is_local_master(master):
+        return f"local mode: executors read staged batches from {config.segment_dir}"
+    if configured == staging.LOCAL:
+        return (f"executors of {master} read staged batches from {config.segment_dir} "
+                "(buffer.stage_uri: local): every executor must mount it at that path")
+    raise Terminal(
+        f"spark.master {master} runs executors on other machines, and they would read each "
+        f"staged batch from buffer.dir ({config.segment_dir}) on this machine, which they "
+        "cannot see unless it is mounted at that path on every executor; the warehouse "
+        f"({config.warehouse or 'set by the catalog'}) is no object storage or HDFS to stage "
+        "through. Set buffer.stage_uri to a location every executor reads (s3a://bucket/"
+        "walberg-staging, gs://..., abfs://..., hdfs://...), or to local if buffer.dir is "
+        "such a shared mount.")
 
 
 def _catalog_database(p: Probe) -> str:
@@ -248,4 +280,5 @@ MACHINE_ITEMS: list[Item] = [
     ("java", java),
     ("iceberg jar", jar),
     ("catalog and warehouse", catalog_and_warehouse),
+    ("staging for executors", executor_staging),
 ]

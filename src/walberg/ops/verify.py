@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 from walberg import verify as digest
+from walberg.apply import staging
 from walberg.buffer.files import inspect_directory
 from walberg.errors import Terminal
 from walberg.lake.services import Lake, LakeSource, qualified
@@ -80,6 +82,16 @@ def verify_source(lake: Lake, source: LakeSource, tables: Optional[list[str]] = 
     return verdicts
 
 
+def _stage_area(lake: Lake, source: LakeSource) -> staging.StageArea:
+    """Where a cluster's executors read the source's row hashes from: a folder of this command's
+    own in the pipeline's stage area (a running pipeline owns its folder there)."""
+    config, session = source.config, lake.session()
+    area = staging.stage_uri(session.sparkContext.master, config.buffer.stage_uri,
+                             config.warehouse)
+    return staging.StageArea(session, area and f"{area}/verify-{uuid.uuid4().hex[:12]}",
+                             owner=False)
+
+
 def _source_snapshot(conn: Any) -> Lsn:
     """Start the repeatable-read snapshot the source is read in; its WAL position."""
     conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
@@ -121,8 +133,13 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
                                              dir=source.config.segment_dir.parent) as work:
                 hashes = Path(work) / "source.parquet"
                 digest.source_row_hashes(conn, table, info.columns, types, hashes)
-                verdict.differences = digest.differing_keys(
-                    lake.session(), target, info.columns, types, hashes, limit, own)
+                stage = _stage_area(lake, source)
+                try:
+                    verdict.differences = digest.differing_keys(
+                        lake.session(), target, info.columns, types, stage.read([hashes]),
+                        limit, own)
+                finally:
+                    stage.release(Path(work))
         return verdict
     finally:
         conn.rollback()

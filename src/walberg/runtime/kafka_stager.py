@@ -23,7 +23,7 @@ from walberg.apply.types import TypeMap, pg_type_for
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config, KafkaTopic
 from walberg.errors import ConfigError
-from walberg.model import Column, Op
+from walberg.model import Column, Layout, Lsn
 from walberg.runtime.applier import Batch, Partition
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
@@ -66,6 +66,9 @@ class OffsetMarks:
     def __init__(self, state: RunState, topics: dict[str, str]) -> None:
         self.state = state
         self.topics = topics  # table name -> topic
+        # The changelog beside a table in mode both: the next offset of each partition it
+        # holds (it commits before its table, so it may hold more than the table).
+        self.changelog: dict[str, dict[Partition, int]] = {}
 
     def _of(self, table: str, batch: Batch) -> dict[Partition, int]:
         topic = self.topics.get(table)
@@ -88,6 +91,33 @@ class OffsetMarks:
 
     def record(self, table: str, batch: Batch) -> None:
         self.state.advance_offsets(self._of(table, batch), lake=True)
+
+    def in_changelog(self, table: str, batch: Batch) -> tuple[Optional[Lsn], list[tuple[int, int]]]:
+        """The seq ranges of the batch's records below the offsets the changelog holds: a
+        replay after its commit landed and the table's did not (they are a run of records at
+        the batch's start, so mostly one range)."""
+        held = self.changelog.get(table)
+        if not held:
+            return None, []
+        topic = self.topics.get(table)
+        skip: list[tuple[int, int]] = []
+        before = False  # whether the record before (of this topic) is skipped too
+        for seq, t, p, o in batch.records:
+            if t != topic:
+                continue
+            if o >= held.get((t, p), 0):
+                before = False
+            elif before:
+                skip[-1] = (skip[-1][0], seq)
+            else:
+                skip.append((seq - 1, seq))  # a record's changes take seq - 1 and seq
+                before = True
+        return None, skip
+
+    def changelog_holds(self, table: str, batch: Batch) -> None:
+        held = self.changelog.setdefault(table, {})
+        for tp, o in self._of(table, batch).items():
+            held[tp] = max(held.get(tp, 0), o)
 
 
 class KafkaStager:
@@ -150,6 +180,7 @@ class KafkaStager:
         upto: dict[Partition, int] = {}
         dead: list[tuple[kafka.Record, str]] = []
         by_seq: dict[int, kafka.Record] = {}
+        positions: list[tuple[int, str, int, int]] = []
         read: list[SegmentInfo] = []
         cut = False
         try:
@@ -166,6 +197,7 @@ class KafkaStager:
                         if self._stage_record(builder, record, seq + 2):
                             seq += 2  # room for the delete half of a key change
                             by_seq[seq] = record
+                            positions.append((seq, *tp, record.offset))
                     except dbz.BadRecord as exc:
                         dead.append((record, str(exc)))
                     except _NewColumns:
@@ -183,7 +215,7 @@ class KafkaStager:
                   if (st := staged.get(self.names[t])) is not None and (st.rows or st.truncates)]
         return Batch(read, builder, staged, tables, seq,
                      sum(st.rows for st in staged.values()), time.monotonic() - started,
-                     offsets=upto, dead=dead, cut=cut)
+                     offsets=upto, dead=dead, cut=cut, records=positions)
 
     def _stage_record(self, builder: BatchBuilder, record: kafka.Record, seq: int) -> bool:
         """Stage one record's change(s) at ``seq``; False if it holds none (a tombstone, or a
@@ -206,12 +238,12 @@ class KafkaStager:
             given = dict(event.fields)
             types = tuple(given.get(c.name, t) for c, t in zip(shape.columns, types, strict=True))
         lsn = event.lsn or 0
-        if event.op == "t":
+        if event.truncates:
             builder.truncate(name, shape.columns, seq, lsn)
             return True
         staged = dbz.changes(event, key, shape.columns, types)
         for i, (op, row) in enumerate(staged):
-            builder.add(name, shape.columns, Op(op), seq - len(staged) + 1 + i, lsn, row)
+            builder.add(name, shape.columns, op, seq - len(staged) + 1 + i, lsn, row)
         return True
 
     def _widened(self, topic: str, shape: _Shape, fields: tuple[tuple[str, dbz.FieldType], ...],
@@ -299,11 +331,21 @@ class KafkaStager:
     # ---- before and after the commits --------------------------------------------------------
 
     def follow(self, table: str, staged: StagedTable, batch: Batch) -> None:
+        """The topic's table (and in mode both its changelog) exists and takes the staged
+        columns."""
         topic = self._topic_of(table)
-        target = self.targets[topic]
         layout = self.config.layout_for(table)
-        ensure = self.sink.ensure_changelog if layout.mode == "append" else self.sink.ensure_table
-        if ensure(target, staged.columns, layout):
+        if layout.mode == "append":
+            self._follow(topic, self.targets[topic], staged, self.sink.ensure_changelog)
+            return
+        if layout.mode == "both":
+            self._follow(topic, self.config.changelog_for_topic(topic), staged,
+                         self.sink.ensure_changelog)
+        self._follow(topic, self.targets[topic], staged, self.sink.ensure_table)
+
+    def _follow(self, topic: str, target: str, staged: StagedTable,
+                ensure: Callable[[str, tuple[Column, ...], Layout], bool]) -> None:
+        if ensure(target, staged.columns, self.config.layout_for(self.names[topic])):
             log.info("created %s", target)
         elif not self.sink.columns_match(target, staged.columns):
             current = self.sink.schema(target)

@@ -5,6 +5,7 @@ marked with the end LSN of its last transaction (``walberg.lsn``)."""
 from __future__ import annotations
 
 import logging
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ log = logging.getLogger("walberg")
 FRAME_PGOUTPUT = 0  # a pgoutput message as the server sent it
 FRAME_PREAMBLE = 1  # a Relation message repeated at the start of a segment (self-contained files)
 
+_oid = struct.Struct(">I").unpack_from  # a change's relation, at offset 1
+
 # Grows a batch that reached its end: more segments and a later end, or None.
 Grow = Callable[[list[SegmentInfo]], Optional[tuple[list[SegmentInfo], Lsn]]]
 
@@ -35,8 +38,9 @@ Grow = Callable[[list[SegmentInfo]], Optional[tuple[list[SegmentInfo], Lsn]]]
 class LsnMarks:
     """A Postgres commit records the end LSN of the batch's last transaction."""
 
-    def __init__(self, state: RunState) -> None:
+    def __init__(self, state: RunState, tables: PgTables) -> None:
         self.state = state
+        self.tables = tables
 
     def marks(self, table: str, batch: Batch) -> Optional[dict[str, str]]:
         return None  # the sink's own walberg.lsn[.<source>]
@@ -55,6 +59,13 @@ class LsnMarks:
         metrics.COMMITTED_LSN.labels(table).set(int(batch.lsn))
         self.state.set_committed(table, batch.lsn)
 
+    def in_changelog(self, table: str, batch: Batch) -> tuple[Optional[Lsn], list[tuple[int, int]]]:
+        # Whole transactions: those up to the LSN its last commit carries.
+        return self.tables.changelog_held.get(table), []
+
+    def changelog_holds(self, table: str, batch: Batch) -> None:
+        self.tables.changelog_held[table] = batch.lsn
+
 
 class PgStager:
     """Stages the transactions of sealed pgoutput segments for the applier."""
@@ -69,7 +80,7 @@ class PgStager:
         self._sink = sink
         self._adopt = adopt
         self.report = report
-        self.marks = LsnMarks(state)
+        self.marks = LsnMarks(state, tables)
 
     # ---- which segments ----------------------------------------------------------------------
 
@@ -246,7 +257,17 @@ class _Staging:
             for lsn, _kind, payload in store.read(info):
                 tag = payload[0]
                 if tag in CHANGE_TAGS:
-                    self._change(payload, lsn)
+                    if self.txn is None:
+                        continue  # the tail of a transaction applied in an earlier batch
+                    chunk = self.wanted.get(_oid(payload, 1)[0])
+                    if chunk is None:
+                        self._unwanted(payload, lsn)
+                        continue
+                    # (inline: this runs once per change)
+                    self.seq += 2  # room for the delete half of a key-changing update
+                    chunk.add(payload, self.seq, self.txn_lsn)
+                    self.touched.add(chunk.name)
+                    self.changes += 1
                     continue
                 msg = self.decoder.decode(payload, lsn)
                 if isinstance(msg, Relation):
@@ -272,20 +293,12 @@ class _Staging:
                     self._truncate(msg)
         return end
 
-    def _change(self, payload: bytes, lsn: int) -> None:
-        if self.txn is None:
-            return  # the tail of a transaction applied in an earlier batch
-        chunk = self.wanted.get(relation_oid(payload))
-        if chunk is None:
-            if relation_oid(payload) not in self.decoder.relations:
-                # A change for a relation nobody described is a broken stream: the scalar
-                # decoder says so, with the LSN.
-                self.decoder.decode(payload, lsn)
-            return
-        self.seq += 2  # room for the delete half of a key-changing update
-        chunk.add(payload, self.seq, self.txn_lsn)
-        self.touched.add(chunk.relation.qualified_name)
-        self.changes += 1
+    def _unwanted(self, payload: bytes, lsn: int) -> None:
+        """A change of a relation this transaction does not apply to."""
+        if relation_oid(payload) not in self.decoder.relations:
+            # A change for a relation nobody described is a broken stream: the scalar
+            # decoder says so, with the LSN.
+            self.decoder.decode(payload, lsn)
 
     def _relation(self, msg: Relation) -> bool:
         """A relation (re)described; True if the batch ends before it (new columns)."""
