@@ -3,6 +3,7 @@ PostgreSQL, read back with PyIceberg's SQL catalog, which shares its layout)."""
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import yaml
 
 from conftest import make_config, walberg_ok
 from lake import postgres_rows
-from walberg.apply import catalogs
+from walberg.apply import catalog_reads, catalogs
 from walberg.config import parse_config
 from walberg.errors import ConfigError, EnvironmentProblem
 
@@ -59,6 +60,16 @@ def test_each_catalog_type_gets_its_spark_settings() -> None:
         with pytest.raises(ConfigError, match=message):
             _catalog(**bad)
     assert "secret" not in repr(_catalog(type="rest", uri="u", credential="id:secret"))
+
+
+def test_jdbc_uri_as_pyiceberg_reads_it() -> None:
+    url = catalog_reads.sqlalchemy_url
+    assert url("jdbc:postgresql://db:5432/lake", "walberg", "p@ss") == \
+        "postgresql+psycopg2://walberg:p%40ss@db:5432/lake"
+    assert url("jdbc:postgresql://db/lake?user=u&password=pw&ssl=true", None, None) == \
+        "postgresql+psycopg2://u:pw@db/lake"
+    assert url("jdbc:sqlite:/var/lake.db", None, None) == "sqlite:////var/lake.db"
+    assert url("jdbc:mysql://db/lake", "u", None) is None
 
 
 def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
@@ -108,3 +119,51 @@ def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, t
     rows = sorted(({k: v for k, v in r.items() if not k.startswith("_walberg_")} for r in rows),
                   key=lambda r: r["id"])
     assert rows == postgres_rows(pg_conn, table)
+
+
+def test_jdbc_fan_in_first_run_and_status(pg_conn: Any, postgres: Any, warehouse: Path,
+                                          tmp_path: Path, unique: str) -> None:
+    """Two sources fanning in to one table on a jdbc catalog: their first run creates the
+    namespace and the shared table once (the catalog's check-then-insert would otherwise race
+    between the two sources), and `status` reads LSN and rows through the catalog, no JVM."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 30) g")
+    one = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
+        mode="json", exclude={"base_dir"})
+    source = one.pop("source")
+    sources = {}
+    for name in ("east", "west"):
+        pg = dict(source["postgres"], slot=f"slot_{unique}_{name}",
+                  publication=f"pub_{unique}_{name}")
+        sources[name] = {"postgres": pg}
+    raw = {**one, "sources": sources}
+    wh = tmp_path / "jdbc-warehouse"
+    raw["sink"]["catalog"] = {"name": "lake", "type": "jdbc", "warehouse": str(wh),
+                              "uri": f"jdbc:postgresql://127.0.0.1:{postgres.port}/"
+                                     f"{postgres.database}", "user": postgres.user}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+
+    walberg_ok("-q", "run", "--once", "-c", str(path))
+
+    namespace = raw["sink"]["namespace"]
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    catalog = SqlCatalog("lake", uri=f"postgresql+psycopg2://{postgres.user}@127.0.0.1:"
+                                     f"{postgres.port}/{postgres.database}")
+    lake = catalog.load_table(f"{namespace}.{unique}")
+    rows = lake.scan().to_arrow().to_pylist()
+    assert sorted((r["_walberg_source"], r["id"], r["v"]) for r in rows) == sorted(
+        (s, r["id"], r["v"]) for s in ("east", "west") for r in postgres_rows(pg_conn, table))
+    by_source = json.loads(walberg_ok("status", "--json", "-c", str(path)))
+    assert set(by_source) == {"east", "west"}
+    for name, s in by_source.items():
+        mine = s["tables"][table]
+        assert mine["iceberg_table"] == f"lake.{namespace}.{unique}"
+        assert mine["rows"] == 60 and mine["data_files"] >= 2
+        assert mine["last_lsn"] is not None and mine["last_commit_at"] is not None
+        marks = [snap.summary.additional_properties.get(f"walberg.lsn.{name}")
+                 for snap in lake.snapshots()]
+        assert mine["last_lsn"] == [m for m in marks if m][-1]

@@ -54,3 +54,9 @@ class EnvironmentProblem(Terminal):
     """Something walberg needs on this machine (JVM, jar) is missing or broken."""
 
     exit_code = 2
+
+
+class StorageUnavailable(ApplyError):
+    """The warehouse's object store did not answer, or refused walberg's credentials, within
+    storage.timeout_seconds. ``retryable``: walberg is to keep trying (``walberg run``), not
+    to give up (``--once``, or refused credentials)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Optional
 
+from walberg.apply import catalog_reads
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.session import LSN_PROPERTY
 from walberg.apply.spark import stop_session
@@ -54,6 +55,19 @@ class LakeSource:
             return None
         _, namespace, table = target.split(".")
         return Path(config.warehouse), namespace, table
+
+    def catalog_metadata(self, target: str) -> Optional[dict[str, Any]]:
+        """The current metadata of ``target`` read through its catalog from Python (jdbc,
+        rest, or a hadoop warehouse on object storage; see apply.catalog_reads), or None when
+        the table does not exist or its catalog type is not read that way."""
+        config = self.config
+        cat = config.sink.catalog
+        s3 = config.storage.s3
+        io = catalog_reads.io_properties(None if s3 is None else s3.model_dump(),
+                                         config.storage.timeout_seconds)
+        _, namespace, table = target.split(".")
+        return catalog_reads.table_metadata(cat.type, cat.name, config.warehouse, cat.uri,
+                                            cat.options(), io, namespace, table)
 
     @property
     def postgres(self) -> PostgresSource:

@@ -4,17 +4,20 @@ starts no Spark and changes nothing."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from walberg.apply.metadata import TableSummary, read_hadoop_table
+from walberg.apply.metadata import TableSummary, read_hadoop_table, summarize
 from walberg.buffer.files import inspect_directory
 from walberg.errors import Transient, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.source import kafka
 from walberg.source import postgres as pg
+
+log = logging.getLogger("walberg")
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,19 @@ def _buffer(directory: Path) -> BufferStatus:
 
 
 def _summary(source: LakeSource, target: str) -> Optional[TableSummary]:
-    """The table's metadata, when the catalog keeps it in a local hadoop warehouse."""
+    """The table's metadata: the files of a local hadoop warehouse, else read through the
+    catalog (None: the table does not exist yet, or the catalog could not be read, with a
+    warning saying why)."""
     local = source.local_metadata(target)
-    return None if local is None else read_hadoop_table(*local, source.lsn_property)
+    if local is not None:
+        return read_hadoop_table(*local, source.lsn_property)
+    try:
+        meta = source.catalog_metadata(target)
+    except Exception as exc:  # status reports what it can; a catalog it cannot read is a line
+        log.warning("could not read %s through the catalog (%s): %s", target,
+                    source.config.sink.catalog.type, " ".join(str(exc).split())[:300])
+        return None
+    return None if meta is None else summarize(meta, source.lsn_property)
 
 
 def _table(target: str, summary: Optional[TableSummary]) -> TableStatus:
