@@ -39,6 +39,7 @@ DRIVERS = {
     "confluent_kafka": ("walberg.source",),
     "pyspark": ("walberg.apply",),
     "py4j": ("walberg.apply",),
+    "pyiceberg": ("walberg.apply",),
 }
 
 

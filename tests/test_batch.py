@@ -45,7 +45,7 @@ def test_builder_writes_text_nulls_and_unchanged_marks_in_chunks(tmp_path: Path)
     for i, r in enumerate(rows):
         b.add("public.t", COLUMNS, Op.UPDATE if i == 2 else Op.INSERT, i + 1, 100 + i, r)
     staged = b.finish()["public.t"]
-    assert staged.rows == 5 and staged.ops == {"I": 4, "U": 1, "D": 0}
+    assert staged.rows == 5 and staged.ops == {Op.INSERT: 4, Op.UPDATE: 1, Op.DELETE: 0}
     assert staged.unchanged_columns == {1, 2}
     table = pq.read_table(staged.files)
     assert pq.ParquetFile(staged.files[0]).num_row_groups == 2  # flushed every 3 rows

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from walberg.model import UNCHANGED, Column
+from walberg.model import UNCHANGED, Column, Op
 from walberg.source import debezium as dbz
 from walberg.source import kafka
 
@@ -109,16 +109,16 @@ def _event(op: str, before: object, after: object) -> dbz.Event:
 
 def test_ops_become_staged_changes() -> None:
     assert dbz.changes(_event("c", None, {"id": 1, "v": "a"}), None, COLUMNS, TYPES) == \
-        [("I", (b"1", b"a"))]
+        [(Op.INSERT, (b"1", b"a"))]
     assert dbz.changes(_event("r", None, {"id": 1, "v": "a"}), None, COLUMNS, TYPES) == \
-        [("U", (b"1", b"a"))]
+        [(Op.UPDATE, (b"1", b"a"))]
     assert dbz.changes(_event("u", {"id": 1, "v": "a"}, {"id": 1, "v": "b"}), None, COLUMNS,
-                       TYPES) == [("U", (b"1", b"b"))]
+                       TYPES) == [(Op.UPDATE, (b"1", b"b"))]
     # A changed key: the old row goes, the new one comes.
     assert dbz.changes(_event("u", {"id": 1, "v": "a"}, {"id": 2, "v": "a"}), None, COLUMNS,
-                       TYPES) == [("D", (b"1", b"a")), ("I", (b"2", b"a"))]
+                       TYPES) == [(Op.DELETE, (b"1", b"a")), (Op.INSERT, (b"2", b"a"))]
     # A delete without a before image takes its key from the message key.
-    assert dbz.changes(_event("d", None, None), {"id": 7}, COLUMNS, TYPES) == [("D", (b"7", None))]
+    assert dbz.changes(_event("d", None, None), {"id": 7}, COLUMNS, TYPES) == [(Op.DELETE, (b"7", None))]
     with pytest.raises(dbz.BadRecord, match="missing key"):
         dbz.changes(_event("d", None, None), None, COLUMNS, TYPES)
     with pytest.raises(dbz.BadRecord, match="schema mismatch"):

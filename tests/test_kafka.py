@@ -7,6 +7,7 @@ import base64
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from prometheus_client import REGISTRY
 
@@ -22,6 +24,7 @@ from conftest import CATALOG, run_once, running, walberg_cli
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import hadoop_table, iceberg_rows
 from walberg.config import Config, parse_config
+from walberg.errors import ApplyError
 from walberg.kafka_pipeline import KafkaPipeline
 from walberg.lake.changes import changes_sql
 from walberg.lake.history import history
@@ -157,7 +160,8 @@ def test_events_without_schema_and_dead_letters(
 
 
 def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
-        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: Any) -> None:
     topic = f"srv.public.{unique}"
     create_topic(kafka_broker, topic, partitions=2)
     p = Producer(kafka_broker)
@@ -173,10 +177,9 @@ def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
     target = f"{CATALOG}.ns_{unique}.{unique}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
 
-    # First: a first batch commits, then updates arrive and a later commit is killed inside.
-    first = subprocess.run([sys.executable, "-m", "walberg.cli", "run", "-c", str(path), "--once"],
-                           env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stdout + first.stderr
+    # First: a first batch commits (in this process), then updates arrive and a later commit
+    # is killed inside (a process of its own: only the crash needs one).
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)
     for i in range(1, 121):
         if i % 3 == 0:
             p.send(topic, {"id": i}, envelope("d", {"id": i, "v": expected.pop(i)}, None),
@@ -196,11 +199,10 @@ def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
 
     # A new consumer group: the broker knows no offsets for it, so only the lake's count.
     raw["source"]["kafka"]["group_id"] = f"other_{unique}"
-    path.write_text(yaml.safe_dump(raw))
-    done = subprocess.run([sys.executable, "-m", "walberg.cli", "run", "-c", str(path), "--once"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "reading " in done.stderr and "@earliest" not in done.stderr, done.stderr
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    reading = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reading ")]
+    assert reading and "@earliest" not in reading[0], reading
     rows = iceberg_rows(warehouse, target)
     assert len(rows) == len({r["id"] for r in rows})  # no duplicates
     assert {r["id"]: r["v"] for r in rows} == expected  # nothing lost
@@ -252,7 +254,9 @@ def test_lake_commands_on_a_kafka_pipeline_file(
     assert run_once(config, spark, KafkaPipeline).records == 0
     assert iceberg_rows(warehouse, target) == [{"id": 1, "v": "v1"}, {"id": 2, "v": "two"}]
 
-    # The same through the command line (status without Spark, query with it).
+    # The same through the command line, which opens the lake for a Kafka pipeline file as for
+    # a Postgres one (status needs no Spark; `query` through the command line is
+    # test_reading's: one JVM fewer to start here).
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
     done = walberg_cli("status", "-c", str(path), "--json", timeout=120)
@@ -261,9 +265,6 @@ def test_lake_commands_on_a_kafka_pipeline_file(
     assert said["tables"][table]["rows"] == 2
     assert said["partitions"] == [{"topic": topic, "partition": 0, "lake_offset": 5,
                                    "end_offset": 5, "lag": 0}]
-    done = walberg_cli("query", "-c", str(path), f"SELECT id, v FROM {target} ORDER BY id")
-    assert done.returncode == 0, done.stderr
-    assert "two" in done.stdout and "(2 rows)" in done.stdout
 
 
 def _wide_records(p: Producer, topic: str, ids: range, v: str) -> None:
@@ -302,7 +303,7 @@ def test_maintenance_runs_on_schedule_between_kafka_batches(
     pipeline = KafkaPipeline(_config(raw, tmp_path), session=spark)
     target = f"{CATALOG}.ns_{unique}.{unique}"
     with running(pipeline) as failures:
-        for i in range(1, 7):
+        for i in range(1, 4):  # batches before and after the first maintenance
             p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": "x"}))
             p.send(topic, {"id": i}, envelope("u", None, {"id": i, "v": "y"}))
             deadline = time.monotonic() + 120
@@ -320,7 +321,7 @@ def test_maintenance_runs_on_schedule_between_kafka_batches(
         assert "replace" in [h["operation"] for h in pipeline.sink.history(target)]
     assert not failures, failures
     rows = iceberg_rows(warehouse, target)
-    assert [(r["id"], r["v"]) for r in rows] == [(i, "y") for i in range(1, 7)]
+    assert [(r["id"], r["v"]) for r in rows] == [(i, "y") for i in range(1, 4)]
 
 
 def test_a_replayed_create_is_not_a_duplicate_in_an_upsert_table(
@@ -368,6 +369,71 @@ def test_append_mode_keeps_every_event_once_with_its_offsets(
     summary = spark.sql(f"SELECT summary FROM {target}.snapshots ORDER BY committed_at DESC"
                         ).collect()[0]["summary"]
     assert summary[f"walberg.offset.{topic}.0"] == "4"
+
+
+def test_mode_both_keeps_table_and_changelog_exact_through_replays(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        immutable: Any) -> None:
+    """``sink.mode: both`` on a Kafka source: the upsert table and ``<table>_changelog``
+    beside it, as a Postgres source lands them (see test_changelog). The changelog's commit
+    carries the offsets too, so a run that reads again what the changelog holds (its table's
+    commit failed after it) adds no row to it twice, and a replay of segments both tables hold
+    adds nothing to either."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic, partitions=2)
+    p = Producer(kafka_broker)
+    p.send(topic, {"id": 1}, envelope("c", None, {"id": 1, "v": "a"}, lsn=10), partition=1)
+    p.send(topic, {"id": 1}, envelope("u", {"id": 1, "v": "a"}, {"id": 1, "v": "b"}, lsn=20),
+           partition=1)
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "v": "c"}, lsn=30), partition=0)
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    raw["sink"]["mode"] = "both"
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    changelog = target + "_changelog"
+
+    def changes() -> list[tuple[Any, ...]]:
+        rows = iceberg_rows(warehouse, changelog, keep_own=True)
+        return sorted((r["_walberg_lsn"], r["_walberg_op"], r["id"], r["v"]) for r in rows)
+
+    assert changes() == [(10, "insert", 1, "a"), (20, "update", 1, "b"), (30, "insert", 2, "c")]
+    assert [(r["id"], r["v"]) for r in iceberg_rows(warehouse, target)] == [(1, "b"), (2, "c")]
+
+    # The table's commit fails after the changelog's: the changelog has the batch, the table
+    # and its offsets do not.
+    p.send(topic, {"id": 2}, envelope("d", {"id": 2, "v": "c"}, None, lsn=40), partition=0)
+    p.send(topic, {"id": 3}, envelope("c", None, {"id": 3, "v": "d"}, lsn=50), partition=1)
+    p.send(topic, {"id": 1}, envelope("u", {"id": 1, "v": "b"}, {"id": 1, "v": "e"}, lsn=60),
+           partition=1)
+    failing = dict(raw, sink=dict(raw["sink"], commit_max_attempts=1))
+    immutable(warehouse / f"ns_{unique}" / unique / "metadata")
+    with pytest.raises(ApplyError, match="could not commit"):
+        run_once(_config(failing, tmp_path), spark, KafkaPipeline)
+    expected = [(10, "insert", 1, "a"), (20, "update", 1, "b"), (30, "insert", 2, "c"),
+                (40, "delete", 2, "c"), (50, "insert", 3, "d"), (60, "update", 1, "e")]
+    assert changes() == expected
+    immutable.release()
+    segments = tmp_path / "segments"
+    kept = tmp_path / "kept"
+    shutil.copytree(segments, kept)  # the batch the table does not hold yet
+
+    # The next run reads it again: into the table, not a second time into the changelog.
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.records == 3
+    assert changes() == expected
+    assert [(r["id"], r["v"]) for r in iceberg_rows(warehouse, target)] == [(1, "e"), (3, "d")]
+    summary = spark.sql(f"SELECT summary FROM {changelog}.snapshots ORDER BY committed_at DESC"
+                        ).collect()[0]["summary"]
+    assert (summary[f"walberg.offset.{topic}.0"], summary[f"walberg.offset.{topic}.1"]) == \
+        ("2", "4")
+
+    # Segments both tables hold, left as a kill -9 after the commits leaves them: nothing new.
+    shutil.rmtree(segments)
+    shutil.copytree(kept, segments)
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.records == 0
+    assert changes() == expected
+    assert [(r["id"], r["v"]) for r in iceberg_rows(warehouse, target)] == [(1, "e"), (3, "d")]
 
 
 def test_a_new_optional_field_in_the_schema_adds_a_column(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import insert_lsn, make_config, run_once, running, writing
+from conftest import insert_lsn, make_config, run_once, running
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.config import Config
 from walberg.errors import Terminal
@@ -183,55 +183,6 @@ def _walberg(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 
 
-def test_kill_9_while_applying_then_rerun_is_exact(pg_conn: Any, postgres: Any, warehouse: Path,
-                                                   tmp_path: Path, unique: str) -> None:
-    """kill -9 of `walberg run` in the middle of applying a batch; the next run ends equal."""
-    table = f"public.{unique}"
-    with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
-        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 20000) g")
-    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table],
-                         max_segment_bytes=65536)
-    cfg_path = _write_config(config, tmp_path / "pipeline.yaml")
-    target = config.target_for(table)
-
-    # A writer keeps changing rows while walberg runs and gets killed.
-    def step(cur: Any, i: int) -> None:
-        cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id %% 97 = %s", (i % 97,))
-        cur.execute(f"INSERT INTO {table} VALUES (%s, 0, 'new')", (100000 + i,))
-        cur.execute(f"DELETE FROM {table} WHERE id = %s", (i * 7,))
-
-    kills = 0
-    with writing(postgres, step, pause=0.005):
-        for _ in range(3):
-            proc = _walberg(["run", "-c", str(cfg_path)])
-            assert proc.stdout is not None
-            # Never hang the suite: a run that does not get to applying is killed anyway.
-            watchdog = threading.Timer(180, proc.kill)
-            watchdog.start()
-            seen_apply = 0
-            for line in proc.stdout:
-                if "applying" in line:
-                    seen_apply += 1
-                    # Past the first batch (the initial copy is done by then), die mid-apply.
-                    if seen_apply >= 2:
-                        time.sleep(0.3 + 0.4 * kills)
-                        proc.send_signal(signal.SIGKILL)
-                        kills += 1
-                        break
-            watchdog.cancel()
-            assert seen_apply >= 2, "walberg never got to applying a batch"
-            proc.wait(timeout=60)
-            assert proc.returncode == -signal.SIGKILL
-    assert kills == 3
-    final = _walberg(["run", "-c", str(cfg_path), "--once"])
-    out, _ = final.communicate(timeout=600)
-    assert final.returncode == 0, out
-    assert_lake_equals(pg_conn, warehouse, table, target)
-    lsns = [Lsn.parse(x) for x in snapshot_lsns(warehouse, target) if x]
-    assert lsns == sorted(lsns), "a commit went backwards"
-
-
 def test_reconnects_after_the_replication_connection_is_killed(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
         caplog: Any) -> None:
@@ -349,8 +300,8 @@ def test_a_second_walberg_on_the_same_slot_is_refused(pg_conn: Any, postgres: An
     assert not failures, failures
 
 
-def test_sigterm_stops_cleanly_with_exit_0(pg_conn: Any, postgres: Any, warehouse: Path,
-                                           tmp_path: Path, unique: str) -> None:
+def test_sigterm_stops_cleanly_with_exit_0(pg_conn: Any, postgres: Any, spark: Any,
+                                           warehouse: Path, tmp_path: Path, unique: str) -> None:
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
@@ -374,9 +325,7 @@ def test_sigterm_stops_cleanly_with_exit_0(pg_conn: Any, postgres: Any, warehous
     assert proc.returncode == 0, out
     assert time.monotonic() - started < 60
     assert "stopping after the current step" in out
-    final = _walberg(["run", "-c", str(cfg_path), "--once"])
-    out, _ = final.communicate(timeout=600)
-    assert final.returncode == 0, out
+    run_once(config, spark)  # (in this process: no second JVM to start)
     assert_lake_equals(pg_conn, warehouse, table, config.target_for(table))
 
 

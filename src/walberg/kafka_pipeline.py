@@ -24,13 +24,14 @@ import threading
 from typing import Any, Optional
 
 from walberg import metrics
+from walberg.apply import staging
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.types import TypeMap
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.errors import ConfigError
 from walberg.lake.maintain import maintain_tables
-from walberg.lakeside import open_session, release
+from walberg.lakeside import open_session, ready_storage, release, stage_root
 from walberg.runtime.applier import Applier
 from walberg.runtime.kafka_reader import KafkaReader
 from walberg.runtime.kafka_stager import KafkaReport, KafkaStager
@@ -68,7 +69,9 @@ class KafkaPipeline:
         if self._session is None:
             self._session = open_session(self.config)
         if self._sink is None:
-            self._sink = IcebergSink(self._session, self.types)
+            self._sink = IcebergSink(self._session, self.types, None,
+                                     stage_root(self.config, self._session),
+                                     self.config.index_dir)
         return self._sink
 
     def stop(self) -> None:
@@ -97,19 +100,27 @@ class KafkaPipeline:
         if self.config.metrics.port:
             metrics.serve(self.config.metrics.port, self.config.metrics.host)
         state = self._state
+        ready_storage(self.config, once, state.stop)
         store = SegmentStore(self.config.segment_dir, self.config.buffer.max_segment_bytes)
         self._store = store
         log.info("segments: %s", store.recover().summary())
+        staging.remove_local_leftovers(self.config.segment_dir)
         for topic in self.topics:
             held = self.sink.committed_offsets(self.targets[topic])
             state.advance_offsets({tp: o for tp, o in held.items() if tp[0] == topic},
                                   lake=True)
         stager = KafkaStager(self.config, store, state, self.types, self.targets,
                              lambda: self.sink, self.report)
-        # In append mode a topic's table is its changelog: every event, one row each.
+        # In append mode a topic's table is its changelog (every event, one row each); in
+        # mode both the changelog is a table of its own beside it, with offsets of its own.
         tables = Tables({self.names[t]: self.targets[t] for t in self.topics},
-                        {self.names[t]: self.targets[t] for t in self.topics
-                         if self.config.layout_for(self.names[t]).mode == "append"})
+                        {self.names[t]: self.config.changelog_for_topic(t) for t in self.topics
+                         if self.config.layout_for(self.names[t]).mode != "upsert"})
+        for t in self.topics:
+            if self.config.layout_for(self.names[t]).mode == "both":
+                held = self.sink.committed_offsets(self.config.changelog_for_topic(t))
+                stager.marks.changelog[self.names[t]] = {
+                    tp: o for tp, o in held.items() if tp[0] == t}
         applier = Applier(self.config, store, state, stager, tables, lambda: self.sink,
                           lambda: maintain_tables(self.sink, self.config.maintenance,
                                                   self.targets.values()))

@@ -53,10 +53,22 @@ Row = tuple[Value, ...]
 
 
 class Op(str, Enum):
+    """A change's kind. Its value is the one-letter code in a staged file's ``_wb_op``."""
+
     INSERT = "I"
     UPDATE = "U"
     DELETE = "D"
     TRUNCATE = "T"
+    SNAPSHOT = "S"  # a row of the initial copy (its dead letters)
+
+    @property
+    def label(self) -> str:
+        """The name in a changelog's ``_walberg_op`` and in metrics: ``insert``, ..."""
+        return self.name.lower()
+
+
+# The kinds of change a row of a staged batch holds (TRUNCATE is staged apart, as a seq).
+ROW_OPS: Final = (Op.INSERT, Op.UPDATE, Op.DELETE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from walberg.apply.types import TextPrep
-from walberg.model import UNCHANGED, Column, Op, Row
+from walberg.model import ROW_OPS, UNCHANGED, Column, Op, Row
 
 META = ("_wb_seq", "_wb_op", "_wb_lsn", "_wb_unchanged")
 # Key types whose Postgres text is one-to-one with the value (int2, int4, int8, text, varchar,
@@ -39,6 +39,11 @@ _KEY_TRACK_LIMIT = 5_000_000
 # (no compression, no dictionaries), which costs a third of the CPU of snappy with dictionaries.
 _BATCH_FILES = {"compression": "none", "use_dictionary": False}
 DLQ_REASON = "_dlq_reason"
+
+
+# A staged row's ``_wb_op`` (Op's code) as its name (Op.label), in Spark SQL.
+OP_LABEL_SQL = ("CASE _wb_op " + " ".join(f"WHEN '{op.value}' THEN '{op.label}'" for op in Op)
+                + " END")
 
 
 def value_column(i: int) -> str:
@@ -91,7 +96,7 @@ class StagedTable:
     columns: tuple[Column, ...]
     files: list[Path] = field(default_factory=list)
     rows: int = 0
-    ops: dict[str, int] = field(default_factory=lambda: {"I": 0, "U": 0, "D": 0})
+    ops: dict[Op, int] = field(default_factory=lambda: dict.fromkeys(ROW_OPS, 0))
     truncates: list[int] = field(default_factory=list)  # seq of each TRUNCATE in the batch
     truncate_lsns: dict[int, int] = field(default_factory=dict)  # its transaction's LSN, by seq
     unchanged_columns: set[int] = field(default_factory=set)
@@ -105,7 +110,7 @@ class StagedTable:
 
     @property
     def insert_only(self) -> bool:
-        return not self.truncates and self.ops["U"] == 0 and self.ops["D"] == 0
+        return not self.truncates and self.ops[Op.UPDATE] == 0 and self.ops[Op.DELETE] == 0
 
 
 class _TableStage:
@@ -163,7 +168,7 @@ class _TableStage:
                 continue
             for r in np.flatnonzero(flags).tolist():
                 marks[r] = f"{marks[r] or ','}{i},"
-                if op_array[r] == "I":  # only the insert half of a key-changing update
+                if op_array[r] == Op.INSERT.value:  # only the insert half of a key-changing update
                     self.staged.moved_unchanged = True
             self.staged.unchanged_columns.add(i)
         raw = [v.cast(pa.string()) for v in values]
@@ -189,8 +194,8 @@ class _TableStage:
                     is_int = self.staged.columns[i].type_oid in _INT_KEYS
                     slot.append(key.cast(pa.int64()) if is_int else key)
                 self.seqs.append(table.column("_wb_seq").to_numpy())
-        for op in ("I", "U", "D"):
-            self.staged.ops[op] += int(np.count_nonzero(op_array == op))
+        for op in ROW_OPS:
+            self.staged.ops[op] += int(np.count_nonzero(op_array == op.value))
         self.staged.rows += n
 
     def truncate(self, seq: int, lsn: int) -> None:
@@ -421,7 +426,7 @@ def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
                     if dead is not None and reasons is not None:
                         n = len(reasons)
                         keep = dead[0].split(raw, reasons, pa.array(np.zeros(n, np.int64)),
-                                             pa.array(["S"] * n), pa.array(np.full(n, dead[1])))
+                                             pa.array([Op.SNAPSHOT.value] * n), pa.array(np.full(n, dead[1])))
                         if keep is not None:
                             table = table.filter(keep)
                     writer.write_table(table)

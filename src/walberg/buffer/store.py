@@ -18,7 +18,8 @@ frame that marks where the preamble ends, then the appended frames. ``read()`` y
 preamble frames and the appended frames, not the marker.
 
 A ``LOCK`` file held with ``flock`` keeps a second walberg from writing to the same
-directory.
+directory. Reading what a directory holds at start (names, validation, torn tails) is
+``walberg.buffer.recovery``'s; low-level file work is ``walberg.buffer.files``'s.
 """
 
 from __future__ import annotations
@@ -27,16 +28,23 @@ import errno
 import fcntl
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import NoReturn, Optional
 
 from walberg.buffer.files import LOCK_NAME, Mapped, os_reason, read_pid, write_all
+from walberg.buffer.recovery import (
+    TEMP_SUFFIX,
+    RecoveryReport,
+    SegmentInfo,
+    Stats,
+    corrupt,
+    list_directory,
+    validate,
+)
 from walberg.buffer.segment import (
     KIND_PREAMBLE_END,
     MAGIC,
@@ -46,8 +54,10 @@ from walberg.buffer.segment import (
     append_frame,
     check_magic,
 )
-from walberg.errors import SegmentCorrupt, Terminal
+from walberg.errors import Terminal
 from walberg.model import Lsn
+
+__all__ = ["Preamble", "RecoveryReport", "SegmentInfo", "SegmentStore"]
 
 Preamble = Callable[[], Iterable[tuple[int, int, bytes]]]
 
@@ -55,61 +65,10 @@ Preamble = Callable[[], Iterable[tuple[int, int, bytes]]]
 # per megabyte instead of one per change.
 WRITE_CHUNK = 1 << 20
 
-_NAME = re.compile(r"^(\d{16})\.(active|sealed)$")
-_TEMP_SUFFIX = ".tmp"
-
-ADVICE = (
-    "delete this file and everything after it{after}; walberg re-reads those changes from "
-    "the replication slot, which has not advanced past them"
-)
 
 # fdatasync also persists the file size, which is all a reader needs; it skips the
 # timestamps that fsync would write.
 _datasync = getattr(os, "fdatasync", os.fsync)
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentInfo:
-    """A sealed segment. ``first_lsn``/``last_lsn`` are those of its first and last
-    appended frames (the preamble is not counted); ``frames`` counts the appended frames."""
-
-    path: Path
-    seq: int
-    size_bytes: int
-    first_lsn: Lsn
-    last_lsn: Lsn
-    frames: int
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveryReport:
-    """What ``recover()`` found.
-
-    ``sealed_segments`` and ``frames`` count what is now waiting to be applied, including a
-    segment sealed from a leftover active file (``recovered_active``); ``frames`` counts
-    appended frames only. ``dropped_bytes`` is the torn tail cut from the active file and
-    ``max_lsn`` the highest lsn in any frame, preamble included (None when there were no
-    frames at all).
-    """
-
-    sealed_segments: int
-    frames: int
-    dropped_bytes: int
-    max_lsn: Optional[Lsn]
-    recovered_active: Optional[Path] = None
-    removed_files: tuple[Path, ...] = ()
-
-    def summary(self) -> str:
-        lsn = "none" if self.max_lsn is None else str(self.max_lsn)
-        text = (
-            f"{self.sealed_segments} sealed segment(s) with {self.frames} change frame(s) "
-            f"pending, highest lsn {lsn}"
-        )
-        if self.recovered_active is not None:
-            text += f"; sealed the interrupted active segment {self.recovered_active.name}"
-        if self.dropped_bytes:
-            text += f"; dropped a torn tail of {self.dropped_bytes} byte(s)"
-        return text
 
 
 class SegmentStore:
@@ -232,7 +191,10 @@ class SegmentStore:
         self._check_open()
         if self._recovered:
             raise RuntimeError("recover() has already run on this SegmentStore")
-        sealed, active, removed = self._list_directory()
+        try:
+            sealed, active, removed = list_directory(self.directory)
+        except OSError as exc:
+            self._fail("recover", exc)
         infos: dict[int, SegmentInfo] = {}
         max_lsn = -1
         for seq, path in sorted(sealed.items()):
@@ -261,33 +223,6 @@ class SegmentStore:
             recovered_active=recovered_active,
             removed_files=tuple(removed),
         )
-
-    def _list_directory(self) -> tuple[dict[int, Path], dict[int, Path], list[Path]]:
-        """The sealed and active segments by sequence number; temp files of state changes
-        that crashed before their rename are removed (the originals are intact)."""
-        sealed: dict[int, Path] = {}
-        active: dict[int, Path] = {}
-        removed: list[Path] = []
-        try:
-            for entry in sorted(os.listdir(self.directory)):
-                path = self.directory / entry
-                match = _NAME.match(entry)
-                if match:
-                    (active if match.group(2) == "active" else sealed)[int(match.group(1))] = path
-                elif entry.endswith(_TEMP_SUFFIX):
-                    # A state change that crashed before its rename: the original is intact.
-                    path.unlink()
-                    removed.append(path)
-        except OSError as exc:
-            self._fail("recover", exc)
-        for seq in active.keys() & sealed.keys():
-            raise Terminal(
-                f"segment {seq:016d} exists both as {active[seq].name} and "
-                f"{sealed[seq].name} in {self.directory}, which walberg never does; "
-                "some other process changed this directory. Move the directory away and "
-                "restart walberg; it re-reads the changes from the replication slot"
-            )
-        return sealed, active, removed
 
     def _seal_leftovers(self, active: dict[int, Path], infos: dict[int, SegmentInfo],
                         removed: list[Path], max_lsn: int) -> tuple[int, Optional[Path], int]:
@@ -318,27 +253,11 @@ class SegmentStore:
                 self._fail("recover", exc)
         return dropped, recovered_active, max_lsn
 
-    def _validate(self, path: Path, *, sealed: bool) -> _Stats:
-        stats = _Stats()
+    def _validate(self, path: Path, *, sealed: bool) -> Stats:
         try:
-            with Mapped(path) as data:
-                stats.size = len(data)
-                if not sealed and len(data) < len(MAGIC) and bytes(data) == MAGIC[: len(data)]:
-                    # Cut short before its magic was complete: nothing in it yet.
-                    stats.dropped, stats.size = len(data), 0
-                    return stats
-                check_magic(data)
-                scanner = Scanner(data, sealed=sealed)
-                for lsn, kind, _ in scanner:
-                    stats.add(lsn, kind)
-                if scanner.torn:
-                    stats.dropped = len(data) - scanner.valid_end
-                    stats.size = scanner.valid_end
-        except FrameCorrupt as exc:
-            raise self._corrupt(path, exc) from exc
+            return validate(path, sealed=sealed)
         except OSError as exc:
             self._fail("read", exc)
-        return stats
 
     # ---- writing --------------------------------------------------------------------------
 
@@ -418,7 +337,7 @@ class SegmentStore:
                     )
                 append_frame(head, lsn, kind, payload)
         append_frame(head, 0, KIND_PREAMBLE_END, b"")
-        temp = self._path(seq, "active" + _TEMP_SUFFIX)
+        temp = self._path(seq, "active" + TEMP_SUFFIX)
         path = self._path(seq, "active")
         # Written in full under a temp name first, so an .active file always starts with a
         # complete preamble and its end marker.
@@ -489,7 +408,7 @@ class SegmentStore:
                             release(mmap.MADV_DONTNEED, 0, upto)
                             released = upto
         except FrameCorrupt as exc:
-            raise self._corrupt(info.path, exc) from exc
+            raise corrupt(info.path, exc) from exc
         except OSError as exc:
             raise Terminal(
                 f"cannot read the segment {info.path}: {os_reason(exc)}. Check that the "
@@ -586,51 +505,3 @@ class SegmentStore:
         self._failed = err
         self._buf = None  # so the next append() reaches the check in _open_active()
         raise err from exc
-
-    def _corrupt(self, path: Path, exc: FrameCorrupt) -> SegmentCorrupt:
-        match = _NAME.match(path.name)
-        after = ""
-        if match:
-            after = f" (every segment file in {path.parent} numbered above {match.group(1)})"
-        return SegmentCorrupt(
-            f"the segment file {path} is corrupt: {exc.reason} at byte offset {exc.offset}. "
-            f"To continue, {ADVICE.format(after=after)}"
-        )
-
-
-class _Stats:
-    """What validating one segment file found."""
-
-    __slots__ = ("size", "dropped", "frames", "first_lsn", "last_lsn", "max_lsn")
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.dropped = 0
-        self.frames = 0  # appended frames, after the preamble marker
-        self.first_lsn = 0
-        self.last_lsn = 0
-        self.max_lsn = -1
-
-    def add(self, lsn: int, kind: int) -> None:
-        if lsn > self.max_lsn:
-            self.max_lsn = lsn
-        if kind == KIND_PREAMBLE_END:
-            # Everything before the marker was preamble, not appended changes.
-            self.frames = 0
-            return
-        if not self.frames:
-            self.first_lsn = lsn
-        self.last_lsn = lsn
-        self.frames += 1
-
-    def info(self, path: Path, seq: int) -> Optional[SegmentInfo]:
-        if not self.frames:
-            return None
-        return SegmentInfo(
-            path=path,
-            seq=seq,
-            size_bytes=self.size,
-            first_lsn=Lsn(self.first_lsn),
-            last_lsn=Lsn(self.last_lsn),
-            frames=self.frames,
-        )

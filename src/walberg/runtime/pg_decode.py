@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 from walberg.apply.batch import BatchBuilder
 from walberg.errors import DecodeError
 from walberg.faults import crash_point
-from walberg.model import Lsn, Relation
+from walberg.model import Lsn, Op, Relation
 from walberg.source.columnar import Changes, Malformed, decode_changes
 from walberg.source.pgoutput import Decoder, Tag
 
@@ -21,6 +21,7 @@ class Chunk:
 
     def __init__(self, relation: Relation, builder: BatchBuilder, size: int) -> None:
         self.relation = relation
+        self.name = relation.qualified_name
         self.builder = builder
         self.size = size
         self.payloads: list[bytes] = []
@@ -104,7 +105,8 @@ def stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
     source, columns = rel.qualified_name, rel.columns
     new_rows = np.flatnonzero(~is_delete)
     if len(new_rows):
-        ops = np.where((tag[new_rows] == Tag.INSERT) | key_changed[new_rows], "I", "U")
+        ops = np.where((tag[new_rows] == Tag.INSERT) | key_changed[new_rows],
+                       Op.INSERT.value, Op.UPDATE.value)
         take = pa.array(new_rows)
         builder.add_columns(
             source, columns, ops, seq[new_rows], lsn[new_rows],
@@ -115,6 +117,6 @@ def stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
         assert changes.old is not None
         take = pa.array(old_rows)
         builder.add_columns(
-            source, columns, np.full(len(old_rows), "D"),
+            source, columns, np.full(len(old_rows), Op.DELETE.value),
             np.where(key_changed[old_rows], seq[old_rows] - 1, seq[old_rows]), lsn[old_rows],
             [v.take(take) for v in changes.old.values], [None] * len(columns))

@@ -23,6 +23,7 @@ from walberg.runtime.state import RunState, SegmentMeta
 from walberg.runtime.tables import PgTables
 from walberg.source import postgres as pg
 from walberg.source.framing import (
+    CHANGE_TAGS,
     Committed,
     StreamedTransactions,
     begin_final_lsn,
@@ -326,7 +327,14 @@ class PgReader:
                 stream.keepalive()
                 self._await_progress()
             for wal_start, payload in () if reached else stream.messages(timeout=0.2):
-                if self._message(payload, wal_start, streamed, at, target):
+                if payload[0] in CHANGE_TAGS and streamed.chunk_xid is None and not at.skipping:
+                    # The common case, without a call of its own (per change, it counts): a
+                    # change of the transaction being written.
+                    store.append(wal_start, FRAME_PGOUTPUT, payload)
+                    crash_point("segment-write")
+                    if store.should_seal():
+                        self.seal(clean=False)
+                elif self._message(payload, wal_start, streamed, at, target):
                     break
 
             caught_up = target is not None and not at.in_txn and (

@@ -21,9 +21,9 @@ import re
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
-from walberg.model import UNCHANGED, Column, Row, Value
+from walberg.model import UNCHANGED, Column, Op, Row, Value
 
 # Postgres type OIDs (pg_type.oid) the events map to; the same numbers apply.types uses.
 BOOL, BYTEA, INT8, INT2, INT4, TEXT = 16, 17, 20, 21, 23, 25
@@ -41,6 +41,10 @@ class BadRecord(ValueError):
     """A record that cannot be applied; ``str()`` is the reason stored with the dead letter."""
 
 
+# Debezium's op codes: create, read (snapshot), update, delete, truncate.
+DbzOp = Literal["c", "r", "u", "d", "t"]
+
+
 @dataclass(frozen=True, slots=True)
 class FieldType:
     """A column's type: the Postgres type it lands as, and how its JSON values are encoded
@@ -54,15 +58,19 @@ class FieldType:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    op: str  # c, r, u, d or t
+    op: DbzOp
     before: Optional[Mapping[str, Any]]
     after: Optional[Mapping[str, Any]]
     fields: Optional[tuple[tuple[str, FieldType], ...]]  # from the schema part, if any
     ts_ms: Optional[int]
     lsn: Optional[int]  # source.lsn (Debezium's Postgres connector)
 
+    @property
+    def truncates(self) -> bool:
+        return self.op == "t"
 
-_OPS = frozenset("crudt")
+
+_OPS: dict[str, DbzOp] = {"c": "c", "r": "r", "u": "u", "d": "d", "t": "t"}
 
 # Kafka Connect's primitive types.
 _PRIMITIVES = {"int8": INT2, "int16": INT2, "int32": INT4, "int64": INT8, "float32": FLOAT4,
@@ -174,11 +182,12 @@ def parse_event(value: bytes) -> Event:
     if not isinstance(doc, dict):
         raise BadRecord("the value is not a Debezium envelope (a JSON object with op, before, "
                         "after)")
-    op = doc.get("op")
-    if op is None:
+    given = doc.get("op")
+    if given is None:
         raise BadRecord("the envelope has no op")
-    if op not in _OPS:
-        raise BadRecord(f"unknown op {op!r} (expected c, r, u, d or t)")
+    op = _OPS.get(given) if isinstance(given, str) else None
+    if op is None:
+        raise BadRecord(f"unknown op {given!r} (expected c, r, u, d or t)")
     before, after = doc.get("before"), doc.get("after")
     for name, row in (("before", before), ("after", after)):
         if row is not None and not isinstance(row, dict):
@@ -364,8 +373,8 @@ def row(values: Optional[Mapping[str, Any]], columns: Sequence[Column],
 
 
 def changes(event: Event, key: Optional[Mapping[str, Any]], columns: Sequence[Column],
-            types: Sequence[FieldType]) -> list[tuple[str, Row]]:
-    """The staged changes of one event, in order: (op I/U/D, row). Key columns missing from
+            types: Sequence[FieldType]) -> list[tuple[Op, Row]]:
+    """The staged changes of one event, in order: (op, row). Key columns missing from
     the before/after image come from the message key."""
     keys = [c for c in columns if c.is_key]
     if event.op == "t":
@@ -384,16 +393,16 @@ def changes(event: Event, key: Optional[Mapping[str, Any]], columns: Sequence[Co
         return staged
 
     if event.op == "c":
-        return [("I", image(event.after))]
+        return [(Op.INSERT, image(event.after))]
     if event.op == "r":
-        return [("U", image(event.after))]
+        return [(Op.UPDATE, image(event.after))]
     if event.op == "d":
-        return [("D", image(event.before))]
+        return [(Op.DELETE, image(event.before))]
     new = image(event.after)
     if event.before is not None:
         old = image(event.before)
         at = [i for i, c in enumerate(columns) if c.is_key]
         if [old[i] for i in at] != [new[i] for i in at]:
             # A changed key: the old row goes, the new one comes (like pgoutput's key change).
-            return [("D", old), ("I", new)]
-    return [("U", new)]
+            return [(Op.DELETE, old), (Op.INSERT, new)]
+    return [(Op.UPDATE, new)]

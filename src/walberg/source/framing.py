@@ -83,7 +83,9 @@ class StreamedTransactions:
         self._open_spill = open_spill
         self._skip_before = skip_before
         self._spills: dict[int, Spill] = {}
-        self._chunk_xid: Optional[int] = None  # inside a Stream Start .. Stream Stop block
+        # Inside a Stream Start .. Stream Stop block: its transaction (read by the reader's
+        # fast path for ordinary changes, which must be None).
+        self.chunk_xid: Optional[int] = None
 
     @property
     def pending(self) -> bool:
@@ -92,7 +94,7 @@ class StreamedTransactions:
 
     def takes(self, tag: int) -> bool:
         """Whether a message with this tag belongs to in-progress streaming."""
-        return tag in STREAM_TAGS or self._chunk_xid is not None
+        return tag in STREAM_TAGS or self.chunk_xid is not None
 
     def message(self, tag: int, payload: Payload, wal_start: int) -> Optional[Committed]:
         """One message of in-progress streaming. Changes go to their transaction's spill;
@@ -104,9 +106,9 @@ class StreamedTransactions:
                 if xid in self._spills:
                     self._spills[xid].discard()
                 self._spills[xid] = self._open_spill(xid)
-            self._chunk_xid = xid
+            self.chunk_xid = xid
         elif tag == Tag.STREAM_STOP:
-            self._chunk_xid = None
+            self.chunk_xid = None
         elif tag == Tag.STREAM_ABORT:
             xid, subxid = _TWO_XIDS.unpack_from(payload, 1)
             if xid == subxid:
@@ -127,8 +129,8 @@ class StreamedTransactions:
         else:
             # A change (or relation, type, message) inside a streamed chunk: Int32 xid after
             # the tag.
-            assert self._chunk_xid is not None
-            spill = self._spills.get(self._chunk_xid)
+            assert self.chunk_xid is not None
+            spill = self._spills.get(self.chunk_xid)
             if spill is not None:
                 subxid = _XID.unpack_from(payload, 1)[0]
                 spill.add(subxid, wal_start, bytes(payload[:1]) + bytes(payload[5:]))
