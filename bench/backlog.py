@@ -13,10 +13,13 @@ For each table size N, in one run, on one embedded PostgreSQL:
    and two tenths deletes of keys drawn at random over the whole table, in transactions of
    10,000. `pg_recvlogical` drains them from a slot of its own (pgoutput, protocol 1): how
    fast the server can hand them out.
-4. `walberg run --once` applies the backlog, cold. Its time net of the no-op run is set
-   against pg_recvlogical's: the ratio is what issue 14 asks to keep at 0.70 or more whatever
-   N is; "growth" is each size's net apply time over the smallest size's (the target: under
+4. `walberg run --once` applies the backlog, cold (by position, see docs/how-it-works.md).
+   Its time net of the no-op run is set against pg_recvlogical's: the target is 0.70 or more
+   whatever N is; "growth" is each size's net apply time over the smallest size's (the target: under
    1.5x from 200k to 10M rows).
+
+5. With --compare-merge: a second backlog of the same kind on the same table, applied by
+   MERGE (`sink.apply_by_position: false`), the apply path before key indexes.
 
 These machines are shared and noisy: the figures that matter are the ratios within one run.
 """
@@ -46,26 +49,29 @@ from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 TXN = 10_000  # changes per source transaction
 
 
-def walberg_once(config: Path) -> float:
-    """Seconds one `walberg run --once` takes, as a command in a process of its own."""
+def walberg_once(config: Path, step: str) -> float:
+    """Seconds one `walberg run --once` takes, as a command in a process of its own. Its log
+    is kept beside the config (``<name>.<step>.log``): where the time went."""
     seconds, proc = timed(lambda: subprocess.run(
-        [sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(config), "--once"],
+        [sys.executable, "-m", "walberg.cli", "run", "-c", str(config), "--once"],
         capture_output=True, text=True, stdin=subprocess.DEVNULL))
+    config.with_suffix(f".{step}.log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"walberg run --once failed:\n{proc.stderr[-3000:]}")
     return seconds
 
 
-def write_config(dsn: str, work: Path, name: str) -> Path:
+def write_config(dsn: str, work: Path, name: str, by_position: bool = True) -> Path:
     raw = {
         "source": {"postgres": {"dsn": dsn, "slot": f"slot_{name}", "publication": f"pub_{name}",
                                 "tables": [f"public.{name}"]}},
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
-                             "warehouse": str(work / "warehouse")}, "namespace": "bench"},
+                             "warehouse": str(work / "warehouse")}, "namespace": "bench",
+                 "apply_by_position": by_position},
         "buffer": {"dir": str(work / f"segments_{name}")},
         "spark": {"master": "local[2]"},
     }
-    path = work / f"{name}.yaml"
+    path = work / f"{name}{'' if by_position else '-merge'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -81,15 +87,16 @@ def make_table(cur: Any, name: str, rows: int) -> float:
     return seconds
 
 
-def commit_backlog(cur: Any, name: str, rows: int, changes: int) -> int:
-    """Half inserts of new keys, 3/10 updates and 2/10 deletes of random keys; returns the
-    changes Postgres made (random draws may repeat a key)."""
+def commit_backlog(cur: Any, name: str, rows: int, changes: int, first_new: int) -> int:
+    """Half inserts of new keys (from ``first_new`` on), 3/10 updates and 2/10 deletes of
+    random keys up to ``rows``; returns the changes Postgres made (random draws may repeat a
+    key)."""
     made = 0
     inserts, updates = changes // 2, changes * 3 // 10
     deletes = changes - inserts - updates
     for lo in range(0, inserts, TXN):
         cur.execute(f"INSERT INTO {name} SELECT g, 'new ' || g, 1.00, 1 FROM generate_series(%s, %s) g",
-                    (rows + lo + 1, rows + min(lo + TXN, inserts)))
+                    (first_new + lo, first_new + min(lo + TXN, inserts) - 1))
         made += cur.rowcount
     for lo in range(0, updates, TXN):
         cur.execute(f"UPDATE {name} SET amount = amount + 1, n = n + 1 WHERE id IN (SELECT "
@@ -114,21 +121,29 @@ def recvlogical(server: EmbeddedPostgres, slot: str, publication: str, end_lsn: 
 
 
 def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
-             changes: int) -> dict[str, Any]:
+             changes: int, compare_merge: bool) -> dict[str, Any]:
     name = f"backlog_{rows}"
     copy_to_stdout_s = make_table(cur, name, rows)
     config = write_config(server.dsn, work, name)
-    copy_s = walberg_once(config)
-    noop_s = walberg_once(config)
+    copy_s = walberg_once(config, "copy")
+    noop_s = walberg_once(config, "noop")
     cur.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
     cur.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}', 'pgoutput')")
-    made = commit_backlog(cur, name, rows, changes)
+    made = commit_backlog(cur, name, rows, changes, rows + 1)
     cur.execute("SELECT pg_current_wal_insert_lsn()::text")
     end_lsn = cur.fetchone()[0]
     recv_s = recvlogical(server, f"recv_{name}", f"recv_{name}", end_lsn)
     cur.execute(f"SELECT pg_drop_replication_slot('recv_{name}')")
-    apply_s = walberg_once(config)
+    apply_s = walberg_once(config, "apply")
     net_s = max(apply_s - noop_s, 1e-3)
+    merge: dict[str, Any] = {}
+    if compare_merge:
+        # The same kind of backlog on the same table (a few percent larger now), applied by
+        # MERGE (sink.apply_by_position: false): what the apply cost before, in this run.
+        more = commit_backlog(cur, name, rows, changes, 2 * rows + 1)
+        merge_s = walberg_once(write_config(server.dsn, work, name, by_position=False), "merge")
+        merge = {"merge_run_once_s": merge_s, "merge_changes": more,
+                 "merge_net_s": max(merge_s - noop_s, 1e-3)}
     return {
         "rows": rows, "changes": made,
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
@@ -138,7 +153,7 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
         "apply_run_once_s": apply_s, "apply_net_s": net_s,
         "pg_recvlogical_s": recv_s,
         "walberg_changes_per_s": made / net_s, "pg_recvlogical_changes_per_s": made / recv_s,
-        "ratio": recv_s / net_s,
+        "ratio": recv_s / net_s, **merge,
     }
 
 
@@ -147,6 +162,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="200000,2000000,10000000")
     ap.add_argument("--changes", type=int, default=200_000)
+    ap.add_argument("--compare-merge", action="store_true",
+                    help="also apply a second backlog by MERGE (the apply before key indexes)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backlog.json"))
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -159,7 +176,8 @@ def main() -> int:
         conn.autocommit = True
         cur = conn.cursor()
         for rows in sizes:
-            results["sizes"].append(one_size(cur, server, work, rows, args.changes))
+            results["sizes"].append(one_size(cur, server, work, rows, args.changes,
+                                               args.compare_merge))
             print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
     finally:
         server.stop()
@@ -175,7 +193,13 @@ def main() -> int:
         print(f"{s['rows']:>12,} {s['noop_run_once_s']:>9.1f}s {s['apply_net_s']:>9.1f}s "
               f"{s['pg_recvlogical_s']:>11.1f}s {s['ratio']:>6.2f} {s['growth']:>6.2f}x "
               f"{s['copy']['walberg_rows_per_s']:>12,.0f} {s['copy']['ratio']:>11.2f}")
-    print(f"results: {out}")
+    if args.compare_merge:
+        print("\nthe same kind of backlog applied by MERGE (sink.apply_by_position: false):")
+        print(f"{'table rows':>12} {'by position':>12} {'by MERGE':>9} {'MERGE / position':>17}")
+        for s in results["sizes"]:
+            print(f"{s['rows']:>12,} {s['apply_net_s']:>11.1f}s {s['merge_net_s']:>8.1f}s "
+                  f"{s['merge_net_s'] / s['apply_net_s']:>17.2f}")
+    print(f"results: {out}; each run's log: {work}/*.log")
     return 0
 
 

@@ -210,6 +210,9 @@ def _setup_logging(quiet: bool, log_format: str = "text") -> None:
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
     for noisy in ("py4j", "pyspark"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    # py4j logs a failed Python callback (a MERGE run inside CommitMetadata) with both stack
+    # traces at ERROR; walberg raises that failure again itself, as a message.
+    logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
 
 
 def _fail(message: str, code: int) -> int:

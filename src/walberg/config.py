@@ -209,6 +209,14 @@ class Buffer(_Model):
                     "(a batch takes the segments sealed while it is staged and while the one "
                     "before it commits, up to this)",
     )
+    stage_uri: Optional[str] = Field(
+        None, pattern=r"^(local|[A-Za-z][A-Za-z0-9+.-]*://.+)$",
+        description="where a Spark cluster's executors read staged batches and copies from: "
+                    "a URI (s3a://, gs://, abfs://, hdfs://...) the driver uploads them to and "
+                    "removes them from after the commit; local: from buffer.dir itself (local "
+                    "mode, or buffer.dir mounted alike on every executor); default: local mode "
+                    "reads buffer.dir, a cluster stages under <warehouse>/_walberg_staging when "
+                    "the warehouse is object storage or HDFS")
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -327,6 +335,12 @@ class Config(_Model):
         return self.path(self.buffer.dir)
 
     @property
+    def index_dir(self) -> Optional[Path]:
+        """Where the key indexes of tables applied by position live (see apply.keyed); None
+        when ``sink.apply_by_position`` is off."""
+        return self.segment_dir / "keyindex" if self.sink.apply_by_position else None
+
+    @property
     def warehouse(self) -> str:
         wh = self.sink.catalog.warehouse or ""
         return wh if "://" in wh or not wh else str(self.path(wh))
@@ -361,6 +375,13 @@ class Config(_Model):
         target = self.target_for(source_table)
         return target if self.layout_for(source_table).mode == "append" else f"{target}_changelog"
 
+    def changelog_for_topic(self, topic: str) -> str:
+        """The changelog table of a topic's table, as ``changelog_for``."""
+        assert self.source.kafka is not None, "changelog_for_topic: a Kafka source's pipeline file"
+        target = self.target_for_topic(topic)
+        table = self.source.kafka.table_for(topic)
+        return target if self.layout_for(table).mode == "append" else f"{target}_changelog"
+
     def layout_for(self, source_table: str) -> Layout:
         t = self.sink.tables.get(source_table) or TableLayout.model_validate({})
         return Layout(tuple(t.partition_by), {**self.sink.properties, **t.properties},
@@ -381,11 +402,10 @@ class Config(_Model):
             if unknown:
                 raise ValueError(f"sink.tables names {', '.join(unknown)}, which no topic of "
                                  "source.kafka.topics lands in")
-            if any(self.layout_for(t).mode == "both" for t in every):
-                # (a changelog beside the mirror would need its own offsets to be exact)
-                raise ValueError("the Kafka source writes upsert or append tables, not both "
-                                 "(sink.mode, sink.tables.<table>.mode)")
-            if len(every) != len(kafka.topics):
+            targets = [self.target_for_topic(t) for t in kafka.topics]
+            targets += [self.changelog_for_topic(t) for t in kafka.topics
+                        if self.layout_for(kafka.table_for(t)).mode == "both"]
+            if len(every) != len(kafka.topics) or len(set(targets)) != len(targets):
                 raise ValueError("two topics land in the same table; give one of them a "
                                  "source.kafka.tables.<topic>.table")
             return self

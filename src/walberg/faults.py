@@ -7,8 +7,9 @@ each point is one comparison.
 
 Points: ``segment-write`` (a frame appended, not yet sealed), ``seal`` (a segment sealed, not
 yet applied), ``decode`` (a chunk of changes decoded while staging), ``commit`` (half a second
-into a table's Spark commit, on a timer), ``committed`` (a batch committed to Iceberg, its
-segments not yet removed and the slot not yet told).
+into a table's Spark commit, on a timer), ``staged`` (a staged file uploaded to the stage area
+for a cluster's executors, the commit that reads it not yet made), ``committed`` (a batch
+committed to Iceberg, its segments not yet removed and the slot not yet told).
 """
 
 from __future__ import annotations

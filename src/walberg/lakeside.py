@@ -9,13 +9,14 @@ import threading
 from typing import Any, Callable, Optional
 
 from walberg import metrics
-from walberg.apply import catalogs, jdbc, storage
+from walberg.apply import catalogs, jdbc, staging, storage
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.spark import build_session, stop_session
+from walberg.apply.spark import build_session, stop_session, storage_watch, watch_storage
+from walberg.apply.watch import StorageWatch
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.config_sink import Sink
-from walberg.errors import ApplyError, WalbergError
+from walberg.errors import ApplyError, StorageUnavailable, WalbergError
 
 log = logging.getLogger("walberg")
 
@@ -27,13 +28,84 @@ def open_session(config: Config) -> Any:
         cat.type, config.warehouse, cat.uri, cat.options(), cat.properties,
         config.spark.conf.get("spark.jars", ""))
     st = config.storage
-    storage_conf, storage_jars = storage.spark_settings(
-        *(None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure)))
+    s3, gcs, azure = (None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure))
+    storage_conf, storage_jars = storage.spark_settings(s3, gcs, azure,
+                                                        timeout=st.timeout_seconds)
     if any(src.postgres is not None and src.postgres.initial_copy.method == "jdbc"
            for src in [config.source, *config.sources.values()]):
         jars.append(jdbc.driver_jar())  # the parallel initial copy's readers need it
-    return build_session(config.spark.master, cat.name, config.warehouse, props,
-                         {**storage_conf, **config.spark.conf}, jars=jars + storage_jars)
+    session = build_session(config.spark.master, cat.name, config.warehouse, props,
+                            {**storage_conf, **config.spark.conf}, jars=jars + storage_jars)
+    probe = _probe(config)
+    watch = None if probe is None else StorageWatch(session._jvm, probe, st.timeout_seconds)
+    if watch is not None:
+        watch.patient = _patient
+    watch_storage(watch)
+    return session
+
+
+def _probe(config: Config) -> Optional[storage.S3Probe]:
+    s3 = config.storage.s3
+    return storage.probe_for(None if s3 is None else s3.model_dump(), config.warehouse)
+
+
+# Whether a storage outage is waited out (``walberg run``) or ends the run (``--once``):
+# what the storage watch of a session opened later is told.
+_patient = True
+
+
+def ready_storage(config: Config, once: bool, stop: threading.Event) -> None:
+    """At the start of a run: how the storage watch treats an outage (``once``: give up), and
+    whether the warehouse answers (``check_storage``)."""
+    global _patient
+    _patient = not once
+    watch = storage_watch()
+    if watch is not None:
+        watch.patient = _patient
+    check_storage(config, not once, stop)
+
+
+def check_storage(config: Config, patient: bool, stop: threading.Event) -> None:
+    """Before the first storage call of a run: the warehouse's object store answers and takes
+    walberg's credentials, else a StorageUnavailable that names the endpoint. ``patient``
+    (``walberg run``): an unreachable store is asked again, with the commit's backoff, up to
+    sink.commit_max_attempts times; otherwise (``--once``) it is given
+    storage.timeout_seconds. Refused credentials fail at once. Nothing to check for a local
+    warehouse."""
+    probe = _probe(config)
+    if probe is None:
+        return
+    timeout = config.storage.timeout_seconds
+    attempts = config.sink.commit_max_attempts if patient else 1
+    delay = 0.1
+    for attempt in range(1, attempts + 1):
+        problem = probe.check(timeout)
+        if problem is None:
+            return
+        text = probe.describe(problem, timeout)
+        if problem.kind != "unreachable" or attempt == attempts or stop.is_set():
+            raise StorageUnavailable(text)
+        log.warning("%s Trying again in %.1f s (attempt %d of %d, sink.commit_max_attempts).",
+                    text, delay, attempt + 1, attempts)
+        stop.wait(delay)
+        delay = min(delay * 2, config.sink.commit_max_backoff_seconds)
+
+
+def stage_root(config: Config, session: Any) -> Optional[str]:
+    """This pipeline's folder of the stage area its batches and copies reach the executors
+    through (None: they read buffer.dir; see ``apply.staging``), for the session's master."""
+    area = staging.stage_uri(session.sparkContext.master, config.buffer.stage_uri,
+                             config.warehouse)
+    if area is None:
+        return None
+    if config.source.kafka is not None:
+        kafka = config.source.kafka
+        name, identity = kafka.group_id, f"kafka|{kafka.bootstrap_servers}|{kafka.group_id}"
+    else:
+        pg = config.postgres
+        name, identity = pg.slot, f"postgres|{pg.dsn}|{pg.slot}"
+    folder = staging.pipeline_folder(name, f"{identity}|{config.segment_dir}")
+    return f"{area}/{folder}"
 
 
 def release(store: Optional[SegmentStore], session: Any) -> None:

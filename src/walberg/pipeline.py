@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from walberg import metrics
+from walberg.apply import staging
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.types import TypeMap
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config, load_config
 from walberg.errors import ConfigError, Terminal
 from walberg.lake.maintain import maintain_tables
-from walberg.lakeside import open_session, release
+from walberg.lakeside import open_session, ready_storage, release, stage_root
 from walberg.model import Lsn
 from walberg.runtime.applier import Applier
 from walberg.runtime.initial_copy import InitialCopy
@@ -72,8 +73,10 @@ class Pipeline:
         # One of several sources fanning in to shared tables: its rows are tagged.
         self.source_name = config.source_name
         self._tag = config.source_name if config.sink.fan_in else None
-        self._sink: Optional[IcebergSink] = (IcebergSink(session, self.types, self._tag)
-                                             if session is not None else None)
+        self._sink: Optional[IcebergSink] = (
+            IcebergSink(session, self.types, self._tag, stage_root(config, session),
+                        config.index_dir)
+            if session is not None else None)
         self._store: Optional[SegmentStore] = None
         self._state = RunState()
         self._run_error: Optional[BaseException] = None
@@ -87,7 +90,9 @@ class Pipeline:
     def session(self) -> Any:
         if self._session is None:
             self._session = open_session(self.config)
-            self._sink = IcebergSink(self._session, self.types, self._tag)
+            self._sink = IcebergSink(self._session, self.types, self._tag,
+                                     stage_root(self.config, self._session),
+                                     self.config.index_dir)
         return self._session
 
     @property
@@ -156,11 +161,13 @@ class Pipeline:
         if self.config.metrics.port:
             metrics.serve(self.config.metrics.port, self.config.metrics.host)
         state = self._state
+        ready_storage(self.config, once, state.stop)
         relations = Relations()
         store = SegmentStore(self.config.segment_dir, self.config.buffer.max_segment_bytes,
                              preamble=relations.preamble)
         self._store = store
         log.info("segments: %s", store.recover())
+        staging.remove_local_leftovers(self.config.segment_dir)
         copier = InitialCopy(self.config, self._tables, state, self.report, self.session,
                              lambda: self.sink)
         stager = PgStager(self.config, store, state, self._tables, lambda: self.sink,
@@ -231,6 +238,7 @@ class Pipelines:
         raised."""
         reports: dict[str, RunReport] = {}
         failures: list[BaseException] = []
+        self._namespaces(once)
 
         def run_one(name: str, pipeline: Pipeline) -> None:
             try:
@@ -248,6 +256,16 @@ class Pipelines:
         if failures:
             raise failures[0]
         return reports
+
+    def _namespaces(self, once: bool) -> None:
+        """The namespaces of every source's tables, created once before the sources start:
+        created by each source's first table, they would race in the catalog."""
+        first = next(iter(self.pipelines.values()))
+        ready_storage(self.config, once, first._state.stop)
+        wanted = {tuple(t.split(".")[:2]) for p in self.pipelines.values()
+                  for t in [*p.targets.values(), *p.changelogs.values()]}
+        for catalog, namespace in sorted(wanted):
+            first.sink.tables.ensure_namespace(catalog, namespace)
 
     def stop(self) -> None:
         for pipeline in self.pipelines.values():

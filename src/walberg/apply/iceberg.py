@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from walberg.apply.batch import StagedTable
 from walberg.apply.evolution import Step
+from walberg.apply.keyed import KeyedApply
 from walberg.apply.maintenance import Maintenance
 from walberg.apply.query import Queries, pin_tables
 from walberg.apply.session import (
@@ -40,14 +41,19 @@ __all__ = ["COPY_PREFIX", "LSN_PROPERTY", "OFFSET_PROPERTY", "IcebergSink", "nor
 
 class IcebergSink:
     def __init__(self, session: Any, types: Optional[TypeMap] = None,
-                 source: Optional[str] = None) -> None:
+                 source: Optional[str] = None, stage_root: Optional[str] = None,
+                 index_dir: Optional[Path] = None) -> None:
         """``source``: this sink writes one of several sources that fan in to shared tables:
         its rows carry ``_walberg_source``, and its commits record their LSN as
-        ``walberg.lsn.<source>``."""
-        self.lake = LakeSession(session, types, source)
+        ``walberg.lsn.<source>``. ``stage_root``: where staged files go for the executors
+        (None: read from the driver's disk; see ``apply.staging``). ``index_dir``: where key
+        indexes live, for applying batches by position (see apply.keyed; None: always by
+        MERGE)."""
+        self.lake = LakeSession(session, types, source, stage_root)
         self.tables = Tables(self.lake)
         self.snapshots = Snapshots(self.lake)
-        self.writes = Writes(self.lake, self.tables, self.snapshots)
+        self.writes = Writes(self.lake, self.tables, self.snapshots,
+                             KeyedApply(self.lake, index_dir))
         self.maintenance = Maintenance(self.lake, self.snapshots)
         self.queries = Queries(self.lake)
 
@@ -69,6 +75,14 @@ class IcebergSink:
 
     def sql(self, what: str, statement: str) -> Any:
         return self.lake.sql(what, statement)
+
+    def read_staged(self, files: Sequence[Path]) -> Any:
+        """Staged Parquet files as a DataFrame every executor can read (see apply.staging)."""
+        return self.lake.read_staged(files)
+
+    def release_staged(self, folder: Path) -> None:
+        """The batch or copy staged in ``folder`` is over: remove what was sent for it."""
+        self.lake.staging.release(folder)
 
     def table_exists(self, target: str) -> bool:
         return self.lake.table_exists(target)

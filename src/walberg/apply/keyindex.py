@@ -113,6 +113,11 @@ class KeyIndex:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
     @property
+    def built(self) -> bool:
+        """Whether the index was ever built (its manifest exists)."""
+        return (self.directory / MANIFEST).exists()
+
+    @property
     def size(self) -> int:
         """Entries in the base and the deltas (an upper bound on the keys held)."""
         return self._base_size + sum(len(d.keys) for d in self._deltas)

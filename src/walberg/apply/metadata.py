@@ -1,8 +1,9 @@
 """Reading an Iceberg table's metadata without Spark, for `walberg status` and `walberg history`:
 the current snapshot, the LSN (or the Kafka offsets) of walberg's last commit, sizes, and the
-snapshot log. Hadoop catalog layout only (``<warehouse>/<namespace>/<table>/metadata/v<N>.
-metadata.json`` + ``version-hint.text``), on a local warehouse: no JVM to start, so these
-answer in well under a second where a Spark session takes several."""
+snapshot log. Read here from a local hadoop warehouse (``<warehouse>/<namespace>/<table>/
+metadata/v<N>.metadata.json`` + ``version-hint.text``); ``summarize`` also takes metadata read
+through other catalogs (apply.catalog_reads). No JVM to start, so these answer in well under a
+second where a Spark session takes several."""
 
 from __future__ import annotations
 
@@ -75,8 +76,12 @@ def read_hadoop_table(warehouse: Path, namespace: str, table: str,
     """The summary of a hadoop-catalog table, or None if it does not exist. ``lsn_property``:
     the summary key of the LSN to report (``walberg.lsn.<source>`` in a shared table)."""
     meta = _current_metadata(warehouse, namespace, table)
-    if meta is None:
-        return None
+    return None if meta is None else summarize(meta, lsn_property)
+
+
+def summarize(meta: dict[str, Any], lsn_property: str = LSN_PROPERTY) -> TableSummary:
+    """The summary of a table from its current metadata (the metadata file's JSON), however
+    it was read (see apply.catalog_reads for catalogs other than a local hadoop warehouse)."""
     snapshots = {s["snapshot-id"]: s for s in meta.get("snapshots", [])}
     current_id = meta.get("current-snapshot-id")
     current = snapshots.get(current_id) if current_id not in (None, -1) else None

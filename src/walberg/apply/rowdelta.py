@@ -23,14 +23,17 @@ a position-delete file belongs to one partition.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.spark import spark_call
@@ -47,6 +50,7 @@ class RowDeltaResult:
     added_rows: int
     deleted_rows: int
     added_files: tuple[str, ...] = ()  # the data files the commit wrote
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # deletes, new rows, commit
 
 
 def java_table(spark: Any, target: str) -> Any:
@@ -57,10 +61,21 @@ def java_table(spark: Any, target: str) -> Any:
     return table
 
 
-def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Optional[Any],
+@dataclass(frozen=True)
+class Positions:
+    """Rows to delete, known on the driver: the data file and position of each, and a local
+    folder to write their position-delete file in before it is uploaded to the table."""
+
+    files: list[str]
+    positions: np.ndarray
+    scratch: Path
+
+
+def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
+                     deletes: "Optional[Any | Positions]",
                      properties: Mapping[str, str], base_snapshot: Optional[int]) -> RowDeltaResult:
     """Add ``rows`` (a DataFrame in the table's schema) and delete the rows at ``deletes``
-    (a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
+    (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
     ``properties`` in its summary. ``base_snapshot``: the snapshot the positions were read
     from (None: the table was empty); the commit fails if a data file they point into has
     been removed since."""
@@ -75,9 +90,15 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Opti
     added = deleted = 0
     written: list[str] = []
     added_files: list[str] = []
+    clock = [time.monotonic()]
     try:
-        if deletes is not None:
+        if isinstance(deletes, Positions):
+            files, deleted, referenced = _upload_position_deletes(spark, table, deletes)
+        elif deletes is not None:
             files, deleted, referenced = _write_position_deletes(spark, table, deletes)
+        else:
+            files, deleted, referenced = [], 0, []
+        if files:
             written = [f.location() for f in files]
             for each in files:
                 delta = delta.addDeletes(each)
@@ -86,6 +107,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Opti
                 for path in referenced:
                     refs.add(path)
                 delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
+        clock.append(time.monotonic())
         if rows is not None:
             for each in _stage_rows(spark, table, target, rows):
                 added += int(each.recordCount())
@@ -93,13 +115,16 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any], deletes: Opti
                 delta = delta.addRows(each)
         for key, value in properties.items():
             delta = delta.set(key, value)
+        clock.append(time.monotonic())
         spark_call(f"committing a row delta to {target}", delta.commit)
+        clock.append(time.monotonic())
     except BaseException:
         _remove(spark, written)
         raise
     table.refresh()
     return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
-                          tuple(added_files))
+                          tuple(added_files),
+                          (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
 
 
 Entries = Iterator[tuple[np.ndarray, list[str], np.ndarray]]
@@ -126,6 +151,10 @@ def written_entries(spark: Any, files: tuple[str, ...], key: str, scratch: Path)
     rows in their order, read by Spark (Parquet's row index is Iceberg's position)."""
     if not files:
         return iter(())
+    local = [_local_path(f) for f in files]
+    if all(p is not None for p in local):
+        # A warehouse on this machine's disk: read the key column on the driver, no Spark job.
+        return _local_entries(files, [p for p in local if p is not None], key)
     from pyspark.sql import functions as F
 
     frames = [spark.read.parquet(path).select(
@@ -137,13 +166,42 @@ def written_entries(spark: Any, files: tuple[str, ...], key: str, scratch: Path)
     return _read_back(spark, frame, scratch)
 
 
+def _local_path(location: str) -> Optional[Path]:
+    """The file on this machine's disk that ``location`` names, if it names one."""
+    if location.startswith("file:"):
+        from urllib.parse import unquote, urlparse
+
+        return Path(unquote(urlparse(location).path))
+    return Path(location) if location.startswith("/") else None
+
+
+def _local_entries(files: tuple[str, ...], paths: list[Path], key: str) -> Entries:
+    """(key, data file, position) of each row of local data files, read on the driver: a
+    row's position is its ordinal in its file."""
+    for name, path in zip(files, paths, strict=True):
+        offset = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1 << 20, columns=[key]):
+            keys = batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            yield keys, [name] * len(keys), np.arange(offset, offset + len(keys), dtype=np.int64)
+            offset += len(keys)
+
+
 def _read_back(spark: Any, frame: Any, scratch: Path) -> Entries:
     """Write ``frame`` (key, file_path, pos) as Parquet under ``scratch`` and yield it back a
-    row group at a time, in the order of its part files (a sorted frame stays sorted)."""
+    row group at a time, in the order of its part files (a sorted frame stays sorted). On a
+    cluster whose executors cannot write to the driver's disk, the rows come to the driver
+    through Spark instead, a partition at a time, in the same order."""
+    if not _driver_disk_shared(spark):
+        yield from _stream_back(frame)
+        return
     folder = Path(tempfile.mkdtemp(prefix="walberg-index-", dir=scratch))
     try:
         spark_call("reading key positions", lambda: frame.write.mode("overwrite")
                    .parquet(folder.as_uri() + "/rows"))
+        if not (folder / "rows" / "_SUCCESS").exists():
+            # Never an empty index for a table that has rows: that would skip deletes.
+            raise ApplyError(f"reading key positions: Spark's output is not in {folder}; the "
+                             "executors do not write to this machine's disk")
         for part in sorted((folder / "rows").glob("part-*.parquet")):
             for batch in pq.ParquetFile(part).iter_batches(batch_size=1 << 20):
                 yield (batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64),
@@ -151,6 +209,26 @@ def _read_back(spark: Any, frame: Any, scratch: Path) -> Entries:
                        batch.column(2).to_numpy(zero_copy_only=False).astype(np.int64))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _driver_disk_shared(spark: Any) -> bool:
+    """Whether the executors write to the driver's disk (local mode)."""
+    return str(spark.sparkContext.master).startswith("local")
+
+
+def _stream_back(frame: Any, size: int = 1 << 20) -> Entries:
+    keys: list[int] = []
+    files: list[str] = []
+    positions: list[int] = []
+    for row in frame.toLocalIterator(prefetchPartitions=True):
+        keys.append(row[0])
+        files.append(row[1])
+        positions.append(row[2])
+        if len(keys) >= size:
+            yield np.asarray(keys, np.int64), files, np.asarray(positions, np.int64)
+            keys, files, positions = [], [], []
+    if keys:
+        yield np.asarray(keys, np.int64), files, np.asarray(positions, np.int64)
 
 
 def _quote(name: str) -> str:
@@ -199,6 +277,39 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[
     return files, count, referenced
 
 
+def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
+                             ) -> tuple[list[Any], int, list[str]]:
+    """Write ``deletes`` as one position-delete Parquet file on the driver (sorted by file and
+    position, the spec's field ids on its two columns) and put it in the table's data folder
+    through Hadoop's file system, whatever the warehouse's storage. No Spark job: the
+    positions are on the driver already."""
+    if not deletes.files:
+        return [], 0, []
+    paths = np.asarray(deletes.files, dtype=object)
+    order = np.lexsort((deletes.positions, paths.astype(str)))
+    schema = pa.schema([
+        pa.field("file_path", pa.string(), nullable=False,
+                 metadata={b"PARQUET:field_id": str(FILE_PATH_ID).encode()}),
+        pa.field("pos", pa.int64(), nullable=False,
+                 metadata={b"PARQUET:field_id": str(POS_ID).encode()})])
+    local = deletes.scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
+    pq.write_table(pa.table([pa.array(paths[order].tolist(), pa.string()),
+                             pa.array(deletes.positions[order], pa.int64())], schema=schema),
+                   local, compression="snappy")
+    jvm = spark._jvm
+    name = f"{table.location().rstrip('/')}/data/{local.name}"
+    dest = jvm.org.apache.hadoop.fs.Path(name)
+    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
+    spark_call("uploading position deletes", lambda: fs.copyFromLocalFile(
+        True, True, jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri()), dest))
+    metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics(
+        table.io().newInputFile(name), jvm.org.apache.iceberg.MetricsConfig.forPositionDelete(table))
+    delete = (jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec())
+              .ofPositionDeletes().withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
+              .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
+    return [delete], len(paths), sorted(set(deletes.files))
+
+
 def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> list[Any]:
     """Write ``rows`` with Iceberg's Spark writer into a staged snapshot (never part of the
     table's history) and return its data files. The write runs in a session of its own, so a
@@ -217,7 +328,11 @@ def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> list[Any]:
     finally:
         spark.catalog.dropGlobalTempView(view)
     table.refresh()
-    for snapshot in table.snapshots():
+    # The staged snapshot is the newest one added to the metadata; look there first, so a
+    # table with a long history is not walked snapshot by snapshot over py4j.
+    snapshots = table.operations().current().snapshots()
+    newest = [snapshots.get(i) for i in range(snapshots.size() - 1, max(snapshots.size() - 4, -1), -1)]
+    for snapshot in itertools.chain(newest, table.snapshots()):
         if snapshot.summary().get("wap.id") == wap:
             return list(snapshot.addedDataFiles(table.io()))
     raise ApplyError(f"staging rows for {target}: the staged snapshot {wap} was not found")

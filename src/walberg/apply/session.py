@@ -9,10 +9,12 @@ commit as the data. What a table holds is therefore always known from the table 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from walberg.apply.batch import value_column
 from walberg.apply.spark import spark_call
+from walberg.apply.staging import StageArea
 from walberg.apply.types import TypeMap, quote
 from walberg.model import Column, Lsn
 
@@ -37,14 +39,20 @@ class LakeSession:
     """The Spark session and the source one sink writes for, shared by the sink's helpers."""
 
     def __init__(self, spark: Any, types: Optional[TypeMap] = None,
-                 source: Optional[str] = None) -> None:
+                 source: Optional[str] = None, stage_root: Optional[str] = None) -> None:
         """``source``: the sink writes one of several sources that fan in to shared tables: its
         rows carry ``_walberg_source``, and its commits record their LSN as
-        ``walberg.lsn.<source>``."""
+        ``walberg.lsn.<source>``. ``stage_root``: where staged files are uploaded for the
+        executors (None: they read them from the driver's disk; see ``apply.staging``)."""
         self.spark = spark
         self.types = types or TypeMap()
         self.source = source
         self.lsn_property = LSN_PROPERTY if source is None else f"{LSN_PROPERTY}.{source}"
+        self.staging = StageArea(spark, stage_root)
+
+    def read_staged(self, files: Sequence[Path]) -> Any:
+        """A DataFrame of staged Parquet files that every executor can read."""
+        return self.staging.read(files)
 
     def sql(self, what: str, statement: str) -> Any:
         return spark_call(what, lambda: self.spark.sql(statement))

@@ -10,9 +10,12 @@ import subprocess
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 from walberg.errors import ApplyError, EnvironmentProblem
+
+if TYPE_CHECKING:
+    from walberg.apply.watch import StorageWatch
 
 ICEBERG_JAR = "iceberg-spark-runtime-3.5_2.12-1.10.2.jar"
 JAR_PACKAGE = "snowpark-connect-deps-iceberg==1.0.2"
@@ -242,16 +245,45 @@ def _transient(exc: BaseException) -> bool:
     return False
 
 
+# The storage watch of this process's session (apply.watch), when its warehouse is on S3.
+_watch: Optional["StorageWatch"] = None
+
+
+def watch_storage(watch: Optional["StorageWatch"]) -> None:
+    """Have every ``spark_call`` watched by ``watch`` (None: by none)."""
+    global _watch
+    if _watch is not None and _watch is not watch:
+        _watch.close()
+    _watch = watch
+
+
+def storage_watch() -> Optional["StorageWatch"]:
+    return _watch
+
+
 def spark_call(what: str, fn: Callable[[], T]) -> T:
-    """Run a Spark call; a Java failure becomes an ApplyError that says what was attempted."""
+    """Run a Spark call; a Java failure becomes an ApplyError that says what was attempted,
+    and one for an object store that does not answer a StorageUnavailable (see apply.watch)."""
+    watch = _watch
+    token = watch.begin(what) if watch is not None else None
     try:
         return fn()
     except ApplyError:
         raise
     except Exception as exc:
         if type(exc).__module__.startswith(("pyspark", "py4j")):
-            raise ApplyError(f"{what} failed: {java_message(exc)}", _transient(exc)) from exc
+            transient = _transient(exc)
+            if watch is not None:
+                interrupted = watch.end(token)
+                token = None
+                problem = interrupted or watch.diagnose(transient)
+                if problem is not None:
+                    raise watch.error(what, problem) from exc
+            raise ApplyError(f"{what} failed: {java_message(exc)}", transient) from exc
         raise
+    finally:
+        if watch is not None and token is not None:
+            watch.end(token)
 
 
 def with_commit_properties(session: Any, properties: dict[str, str], fn: Callable[[], None]) -> None:
@@ -290,6 +322,7 @@ def with_commit_properties(session: Any, properties: dict[str, str], fn: Callabl
 
 def stop_session(session: Optional[Any]) -> None:
     if session is not None:
+        watch_storage(None)
         try:
             session.stop()
         except Exception:

@@ -5,13 +5,13 @@ layout, and evolving the schema with the source's."""
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from walberg.apply.evolution import Step
 from walberg.apply.session import LSN_COLUMN, OP_COLUMN, SOURCE_COLUMN, LakeSession, quote_target
 from walberg.apply.spark import spark_call
 from walberg.apply.types import quote, sql_string
-from walberg.errors import ApplyError
+from walberg.errors import ApplyError, StorageUnavailable
 from walberg.model import Column, Layout
 
 # A changelog table's columns after the source's (and _walberg_lsn, the change's commit LSN).
@@ -115,15 +115,22 @@ class Tables:
         """``CREATE TABLE IF NOT EXISTS`` (and its namespace) with walberg's properties;
         ``columns``: the column list as Spark SQL."""
         catalog, namespace, _ = target.split(".")
-        self.lake.sql(f"creating namespace {catalog}.{namespace}",
-                      f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}")
+        self.ensure_namespace(catalog, namespace)
         props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in table_properties(layout).items())
         parts = ""
         if layout is not None and layout.partition_by:
             parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"
-        self.lake.sql(f"creating table {target}",
-                      f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({columns}) "
-                      f"USING iceberg{parts} TBLPROPERTIES ({props})")
+        _once_more(lambda: self.lake.sql(
+            f"creating table {target}",
+            f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({columns}) "
+            f"USING iceberg{parts} TBLPROPERTIES ({props})"))
+
+    def ensure_namespace(self, catalog: str, namespace: str) -> None:
+        """``CREATE NAMESPACE IF NOT EXISTS``, tolerating another writer that created it at the
+        same moment."""
+        _once_more(lambda: self.lake.sql(
+            f"creating namespace {catalog}.{namespace}",
+            f"CREATE NAMESPACE IF NOT EXISTS {quote(catalog)}.{quote(namespace)}"))
 
     def ensure_changelog(self, target: str, columns: Sequence[Column],
                          layout: Optional[Layout] = None) -> bool:
@@ -266,3 +273,17 @@ class Tables:
         self.lake.sql(f"filling {column} of {target} with its default",
                       f"UPDATE {quote_target(target)} SET {quote(column)} = {value_expr} "
                       f"WHERE {quote(column)} IS NULL")
+
+
+def _once_more(create: Callable[[], object]) -> None:
+    """Run a ``CREATE ... IF NOT EXISTS`` again if it failed. Catalogs check, then insert (the
+    jdbc catalog: a row in iceberg_namespace_properties or iceberg_tables): when two sources
+    create the same namespace or table at once, the loser's insert fails on the catalog's
+    unique key, although what it wanted now exists. The second try sees it and does nothing;
+    a failure for any other reason fails again and is raised then."""
+    try:
+        create()
+    except StorageUnavailable:
+        raise  # an outage, not a race: the watch has waited already
+    except ApplyError:
+        create()

@@ -11,11 +11,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 from walberg.apply.batch import (
     DLQ_REASON,
+    OP_LABEL_SQL,
     StagedTable,
     effective_truncate,
     seq_filter,
     value_column,
 )
+from walberg.apply.keyed import KeyedApply
 from walberg.apply.session import (
     DLQ_SUFFIX,
     LSN_COLUMN,
@@ -28,7 +30,7 @@ from walberg.apply.snapshots import Snapshots
 from walberg.apply.spark import spark_call, with_commit_properties
 from walberg.apply.tables import Tables
 from walberg.apply.types import quote, sql_string
-from walberg.model import Column, Lsn
+from walberg.model import Column, Lsn, Op
 
 
 def _fill_unchanged(df: Any, keys: list[str], unchanged: list[int]) -> Any:
@@ -78,15 +80,19 @@ class Writes:
     # Key changes of one row within one batch that are followed through (a -> b -> c ...).
     MOVE_CHAIN = 4
 
-    def __init__(self, lake: LakeSession, tables: Tables, snapshots: Snapshots) -> None:
+    def __init__(self, lake: LakeSession, tables: Tables, snapshots: Snapshots,
+                 keyed: Optional[KeyedApply] = None) -> None:
         self.lake = lake
         self.tables = tables
         self.snapshots = snapshots
+        self.keyed = keyed if keyed is not None else KeyedApply(lake, None)
         self._dead_lsn: dict[str, Optional[Lsn]] = {}
 
     def forget(self, target: str) -> None:
-        """Drop what is kept of ``target``'s dead-letter table: the next write reads it afresh."""
+        """Drop what is kept of ``target`` and its dead-letter table: the next write reads them
+        afresh."""
         self._dead_lsn.pop(self.dead_letter_target(target), None)
+        self.keyed.forget(target)
 
     def append_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
                     lsn: Lsn) -> None:
@@ -94,7 +100,7 @@ class Writes:
         those of any earlier copy, the append marked ``lsn``."""
         self.lake.sql(f"replacing the earlier initial copy in {target}",
                       f"DELETE FROM {quote_target(target)} WHERE {quote(OP_COLUMN)} = 'snapshot'")
-        df = self.lake.spark.read.parquet(*[str(f) for f in files])
+        df = self.lake.read_staged(files)
         rows = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)", keep=[
             f"'snapshot' AS {quote(OP_COLUMN)}", "CAST(NULL AS BIGINT) AS `_walberg_seq`",
             "CAST(NULL AS TIMESTAMP) AS `_walberg_commit_ts`",
@@ -113,8 +119,7 @@ class Writes:
         columns = staged.columns
         info = self.lake.spark.createDataFrame(
             list(txns), "t_lsn BIGINT, t_xid BIGINT, t_ts BIGINT, t_first BIGINT")
-        meta = [f"CASE _wb_op WHEN 'I' THEN 'insert' WHEN 'U' THEN 'update' "
-                f"WHEN 'D' THEN 'delete' ELSE 'truncate' END AS {quote(OP_COLUMN)}",
+        meta = [f"{OP_LABEL_SQL} AS {quote(OP_COLUMN)}",
                 "_wb_seq - t_first AS `_walberg_seq`",
                 "timestamp_micros(t_ts + 946684800000000) AS `_walberg_commit_ts`",
                 "t_xid AS `_walberg_xid`"]
@@ -124,7 +129,7 @@ class Writes:
                     if names else "CAST(NULL AS STRING) AS `_walberg_unchanged`")
         parts = []
         if staged.files:
-            df = self.lake.spark.read.parquet(*[str(f) for f in staged.files])
+            df = self.lake.read_staged(staged.files)
             df = df.where(seq_filter(max_seq, void, []))
             if held is not None:
                 df = df.where(f"_wb_lsn > {int(held)}")
@@ -135,7 +140,8 @@ class Writes:
                 and (held is None or staged.truncate_lsns.get(seq, 0) > held)]
         if cuts:
             df = self.lake.spark.createDataFrame(cuts, "_wb_seq BIGINT, _wb_lsn BIGINT")
-            df = df.selectExpr("*", "'T' AS _wb_op", "CAST(NULL AS STRING) AS _wb_unchanged",
+            df = df.selectExpr("*", f"'{Op.TRUNCATE.value}' AS _wb_op",
+                               "CAST(NULL AS STRING) AS _wb_unchanged",
                                *[f"CAST(NULL AS {self.lake.types.spark_type(c, target).staged_sql})"
                                  f" AS {value_column(i)}" for i, c in enumerate(columns)])
             df = df.join(broadcast(info), df["_wb_lsn"] == info["t_lsn"], "left")
@@ -158,12 +164,13 @@ class Writes:
     def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
                   lsn: Lsn) -> None:
         """Replace the table's contents with the initial copy, in one commit marked ``lsn``."""
-        df = self.lake.spark.read.parquet(*[str(f) for f in files])
+        df = self.lake.read_staged(files)
         typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
         spark_call(
             f"writing the initial copy of {target}",
             lambda: self.lake.writer(typed, target, lsn).overwrite(self.lake.own_rows()),
         )
+        spark_call(f"indexing the keys of {target}", lambda: self.keyed.prepare(target, columns))
 
     def dead_letter_target(self, target: str) -> str:
         return target + DLQ_SUFFIX
@@ -212,6 +219,9 @@ class Writes:
         finally:
             if checks:
                 df.unpersist()
+        if done:
+            spark_call(f"indexing the keys of {target}",
+                       lambda: self.keyed.prepare(target, columns))
         return added, dead
 
     def _copy_checks(self, target: str, columns: Sequence[Column]) -> list[str]:
@@ -270,15 +280,14 @@ class Writes:
         written."""
         dlq = self._dead_letter_table(target, columns)
         held = self._dead_lsn[dlq]
-        df = self.lake.spark.read.parquet(str(path)).where(where)
+        df = self.lake.read_staged([path]).where(where)
         if snapshot:
             self.lake.sql(f"replacing earlier initial-copy dead letters in {dlq}",
                           f"DELETE FROM {quote_target(dlq)} WHERE {quote(OP_COLUMN)} = 'snapshot'")
         elif held is not None:
             df = df.where(f"_wb_lsn > {int(held)}")
         exprs = [f"{value_column(i)} AS {quote(c.name)}" for i, c in enumerate(columns)]
-        exprs += [f"CASE _wb_op WHEN 'I' THEN 'insert' WHEN 'U' THEN 'update' "
-                  f"WHEN 'S' THEN 'snapshot' ELSE 'delete' END AS {quote(OP_COLUMN)}",
+        exprs += [f"{OP_LABEL_SQL} AS {quote(OP_COLUMN)}",
                   f"_wb_lsn AS {quote(LSN_COLUMN)}",
                   f"{DLQ_REASON} AS {quote(DLQ_REASON)}"]
         rows = df.selectExpr(*exprs)
@@ -302,7 +311,7 @@ class Writes:
                                     f"timestamp_ms BIGINT, `key` BINARY, `value` BINARY, "
                                     f"`table` STRING, {quote(DLQ_REASON)} STRING")
         held = self.snapshots.committed_offsets(dlq)
-        df = self.lake.spark.read.parquet(str(path))
+        df = self.lake.read_staged([path])
         if held:
             seen = " OR ".join(f"(topic = {sql_string(t)} AND `partition` = {int(p)} AND "
                                f"`offset` < {int(o)})" for (t, p), o in sorted(held.items()))
@@ -323,7 +332,7 @@ class Writes:
         columns = staged.columns
         truncate = effective_truncate(max_seq, void, staged.truncates)
         if staged.files:
-            df = self.lake.spark.read.parquet(*[str(f) for f in staged.files])
+            df = self.lake.read_staged(staged.files)
             df = df.where(seq_filter(max_seq, void, staged.truncates))
         else:
             df = None
@@ -349,6 +358,13 @@ class Writes:
             return
 
         assert df is not None
+        if spark_call(f"reading the layout of {target}", lambda: self.keyed.takes(target, staged)):
+            # One row delta by position: no join over the table (see apply.keyed).
+            netted = df
+            spark_call(f"applying a batch to {target} by position",
+                       lambda: self.keyed.apply(target, staged, netted, lsn, max_seq, void,
+                                                self.lake.marks(lsn, marks)))
+            return
         self._merge_by_key(target, staged, df, before_netting, lsn, marks)
 
     def _reload(self, target: str, columns: Sequence[Column], df: Optional[Any], lsn: Lsn,

@@ -28,14 +28,13 @@ from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point
 from walberg.lakeside import commit_with_retries, count_files
-from walberg.model import Lsn
+from walberg.model import Lsn, Op
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import SchemaStop, Tables
 
 log = logging.getLogger("walberg")
 
 Partition = tuple[str, int]
-OP_NAMES = {"I": "insert", "U": "update", "D": "delete"}
 
 
 @dataclass
@@ -57,6 +56,8 @@ class Batch:
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
     offsets: dict[Partition, int] = field(default_factory=dict)  # Kafka: next offset read
     dead: list[Any] = field(default_factory=list)  # Kafka: records that could not be staged
+    # Kafka: (last seq, topic, partition, offset) of each record staged, in seq order
+    records: list[tuple[int, str, int, int]] = field(default_factory=list)
     # Set once its commit is over (or failed): the next batch stops growing then.
     committed: threading.Event = field(default_factory=threading.Event)
 
@@ -78,6 +79,14 @@ class Marks(Protocol):
 
     def record(self, table: str, batch: Batch) -> None:
         """The table's commit landed: remember what it holds now."""
+
+    def in_changelog(self, table: str, batch: Batch) -> tuple[Optional[Lsn], list[tuple[int, int]]]:
+        """What the changelog beside the table (mode both) holds of the batch already, left out
+        of its append: the rows of transactions up to an LSN, and rows in seq ranges."""
+
+    def changelog_holds(self, table: str, batch: Batch) -> None:
+        """The changelog beside the table took the batch: a retry or the next batch leaves it
+        out."""
 
 
 class Stager(Protocol):
@@ -196,6 +205,7 @@ class Applier:
                     self._commit_counted(table, batch)
         finally:
             batch.builder.discard()
+            self.sink.release_staged(batch.builder.directory)
         crash_point("committed")
         self.stager.applied(batch)
         self.state.progress.set()
@@ -234,11 +244,12 @@ class Applier:
         metrics.COMMITS.labels(table, "success").inc()
         count_files(self.sink, table, self.tables.targets[table])
         metrics.COMMIT_SECONDS.labels(table).observe(time.monotonic() - started)
-        for op, name in OP_NAMES.items():
-            metrics.RECORDS_WRITTEN.labels(table, name).inc(st.ops[op])
+        for op, count in st.ops.items():
+            metrics.RECORDS_WRITTEN.labels(table, op.label).inc(count)
         self.stager.marks.record(table, batch)
         log.info("applied %s: %d changes (I %d, U %d, D %d%s), %s, in %.2f s", table, st.rows,
-                 st.ops["I"], st.ops["U"], st.ops["D"], ", truncated" if st.truncates else "",
+                 st.ops[Op.INSERT], st.ops[Op.UPDATE], st.ops[Op.DELETE],
+                 ", truncated" if st.truncates else "",
                  self.stager.marks.upto(table, batch), time.monotonic() - started)
 
     def _commit_table(self, table: str, batch: Batch) -> None:
@@ -252,19 +263,21 @@ class Applier:
             self.stager.dead_letters(table, st, batch)
         marks = self.stager.marks.marks(table, batch)
         if changelog is not None:
-            held = self.tables.changelog_held.get(table) if changelog != target else None
+            held, skip = (self.stager.marks.in_changelog(table, batch) if changelog != target
+                          else (None, []))
 
             def append() -> None:
-                self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq, batch.void,
-                                         batch.txns, held)
+                self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq,
+                                         batch.void + skip, batch.txns, held)
 
-            if marks and changelog == target:
-                # The changelog is the table: its commit carries the source's marks.
+            if marks:
+                # The changelog's commit carries the source's marks too: a replay knows what
+                # it holds.
                 with_commit_properties(self.sink.spark, marks, append)
             else:
                 append()
             if changelog != target:
-                self.tables.changelog_held[table] = batch.lsn
+                self.stager.marks.changelog_holds(table, batch)
         if changelog != target:
             crash_point("commit", delay=0.5)
             catchup = self.state.catchup(table)

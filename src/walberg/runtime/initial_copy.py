@@ -82,6 +82,7 @@ class InitialCopy:
                          self.tables.targets[source], rows, time.monotonic() - started, point)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            self.sink.release_staged(workdir)
             if temp is not None:
                 temp.close()
 

@@ -1,0 +1,242 @@
+"""Applying a batch by position: the apply path whose cost follows the changes, not the table.
+
+A MERGE with merge-on-read finds the row of every changed key by joining the batch with every
+data file that may hold one; with keys spread at random that is the whole table, so each batch
+costs about as much as reading the table. For a table whose rows are known by position (a key
+index, ``keyindex.KeyIndex``, kept on local disk beside the segments) the same batch is one
+row delta (``rowdelta.commit_row_delta``): the rows of the keys it changes or deletes are
+deleted by (data file, position), its new rows are added, in one commit that carries the
+source's marks. Nothing reads the table.
+
+Which tables: one integer key (smallint, integer or bigint), unpartitioned, format v2 and
+merge-on-read, one source (not a fan-in table), in upsert mode, with ``sink.apply_by_position``
+on (the default). Which batches: those without a TRUNCATE and without an UPDATE that left a
+TOASTed value unsent (its value has to come from the lake's row). Every other table or batch
+takes the MERGE, as before.
+
+The index describes one snapshot of the table. Before a batch it is brought to the table's
+current snapshot: nothing to do when it is there already; the rows of appends since (an
+insert-only batch, a chunk of the initial copy) and of compactions (``walberg maintain``) are
+taken from the files they wrote; anything else (a MERGE, a crash between a commit and the
+index's update, a copy that replaced the table) rebuilds it from the lake. So the index is
+derived from the lake and never needs to be committed with it: a kill -9 at any point costs
+at most one rebuild.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from walberg.apply.batch import StagedTable, applied_rows, value_column
+from walberg.apply.keyindex import KeyIndex
+from walberg.apply.rowdelta import Positions, commit_row_delta, java_table, lake_entries, written_entries
+from walberg.apply.session import LakeSession
+from walberg.faults import crash_point
+from walberg.model import Column, Lsn
+
+log = logging.getLogger("walberg")
+
+INTEGER_KEYS = ("INT", "BIGINT")
+# Commits since the index's snapshot that it follows file by file (past MAX_APPENDS of them,
+# it is rebuilt): an append adds rows; a compaction ("replace") writes every live row of the
+# files it removes into the files it adds, so the added files' rows are every moved key's new
+# place (a deleted key has no entry left to move).
+FOLLOWED = ("append", "replace")
+MAX_APPENDS = 64
+
+
+class KeyedApply:
+    """Applies batches by position to the tables that allow it (see the module docstring)."""
+
+    def __init__(self, lake: LakeSession, root: Optional[Path]) -> None:
+        """``root``: where the key indexes live (None: never by position)."""
+        self.lake = lake
+        self.root = root
+        self._indexes: dict[str, KeyIndex] = {}
+        self._positional: dict[str, bool] = {}
+        self._swept = False
+
+    def forget(self, target: str) -> None:
+        """The table may have been replaced or repartitioned: look at it afresh."""
+        self._positional.pop(target, None)
+        self._indexes.pop(target, None)
+
+    # ---- which tables -----------------------------------------------------------------------
+
+    def key_of(self, target: str, columns: Sequence[Column]) -> Optional[int]:
+        """The position of the table's one integer key column, if the table is applied by
+        position; None if it takes the MERGE."""
+        if self.root is None or self.lake.source is not None:
+            return None
+        keys = [i for i, c in enumerate(columns) if c.is_key]
+        if len(keys) != 1 or len(keys) == len(columns):
+            return None
+        if self.lake.types.spark_type(columns[keys[0]], target).sql not in INTEGER_KEYS:
+            return None
+        if target not in self._positional:
+            self._positional[target] = _positional(java_table(self.lake.spark, target))
+        return keys[0] if self._positional[target] else None
+
+    def takes(self, target: str, staged: StagedTable) -> bool:
+        """Whether this batch of the table goes by position."""
+        return (not staged.truncates and not staged.unchanged_columns
+                and not staged.moved_unchanged and self.key_of(target, staged.columns) is not None)
+
+    # ---- the index --------------------------------------------------------------------------
+
+    def _directory(self, target: str) -> Path:
+        assert self.root is not None
+        return self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", target)
+
+    def index(self, target: str, columns: Sequence[Column]) -> KeyIndex:
+        """The table's key index, brought to its current snapshot."""
+        found = self._indexes.get(target)
+        if found is None:
+            found = self._indexes[target] = KeyIndex(self._directory(target))
+        table = java_table(self.lake.spark, target)
+        current = table.currentSnapshot()
+        now = None if current is None else int(current.snapshotId())
+        if found.built and now == found.snapshot:
+            return found
+        key = columns[[c.is_key for c in columns].index(True)].name
+        appended = self._appends_since(table, found.snapshot, now) if found.built else None
+        started = time.monotonic()
+        with self._scratch() as scratch:
+            if appended is not None:
+                entries = list(written_entries(self.lake.spark, tuple(appended), key, scratch))
+                assert now is not None
+                found.commit(now, np.empty(0, np.int64), _concat(entries))
+                log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
+                         len(appended), time.monotonic() - started)
+            else:
+                snapshot, sorted_entries = lake_entries(self.lake.spark, target, key, scratch)
+                found.rebuild(snapshot, sorted_entries)
+                log.info("key index of %s rebuilt from the lake: %d keys, in %.2f s", target,
+                         found.size, time.monotonic() - started)
+        return found
+
+    def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]
+                       ) -> Optional[list[str]]:
+        """The data files added by the appends and compactions that lead from snapshot
+        ``since`` to ``now``, oldest first; None if anything else happened in between (or the
+        way back is lost)."""
+        files: list[str] = []
+        at = now
+        for _ in range(MAX_APPENDS):
+            if at == since:
+                return files
+            if at is None:
+                return None
+            snap = table.snapshot(at)
+            if snap is None or str(snap.operation()) not in FOLLOWED:
+                return None
+            files[:0] = [str(f.location()) for f in snap.addedDataFiles(table.io())]
+            parent = snap.parentId()
+            at = None if parent is None else int(parent)
+        return None
+
+    def _scratch(self) -> "_Scratch":
+        assert self.root is not None
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self._swept:
+            # What a killed run left (this process holds buffer.dir's lock).
+            for left in self.root.glob("scratch-*"):
+                shutil.rmtree(left, ignore_errors=True)
+        self._swept = True
+        return _Scratch(self.root)
+
+    # ---- a batch ----------------------------------------------------------------------------
+
+    def apply(self, target: str, staged: StagedTable, netted: Any, lsn: Lsn, max_seq: int,
+              void: Sequence[tuple[int, int]], marks: Mapping[str, str]) -> None:
+        """Apply one table's batch (``netted``: its last change per key) as one row delta."""
+        columns = staged.columns
+        k = self.key_of(target, columns)
+        assert k is not None
+        clock = [time.monotonic()]
+        index = self.index(target, columns)
+        keys = _batch_keys(staged.files, value_column(k), max_seq, void)
+        hits = index.lookup(keys)
+        clock.append(time.monotonic())
+        spark = self.lake.spark
+        with self._scratch() as scratch:
+            deletes = Positions(hits.files, hits.positions, scratch) if len(hits.keys) else None
+            rows = self.lake.typed(netted.where("_wb_op <> 'D'"), target, columns, "_wb_lsn")
+            crash_point("row-delta")
+            result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot)
+            clock.append(time.monotonic())
+            crash_point("indexed", delay=0.5)
+            added = _concat(list(written_entries(spark, result.added_files, columns[k].name,
+                                                 Path(scratch))))
+        index.commit(result.snapshot_id, hits.keys, added)
+        clock.append(time.monotonic())
+        log.info("%s by position: %d deleted, %d added; index lookup %.2f s, row delta %.2f s "
+                 "(deletes %.2f s, new rows %.2f s, commit %.2f s), index update %.2f s", target,
+                 result.deleted_rows, result.added_rows, clock[1] - clock[0],
+                 clock[2] - clock[1], *result.seconds, clock[3] - clock[2])
+
+    def prepare(self, target: str, columns: Sequence[Column]) -> None:
+        """After the table was (re)written whole (an initial copy): build its index now, so
+        that the first batch does not wait for it."""
+        self.forget(target)
+        if self.key_of(target, columns) is not None:
+            self.index(target, columns)
+
+
+def _positional(table: Any) -> bool:
+    """Whether the Iceberg table takes position-delete files: unpartitioned (one delete file
+    serves the whole table), format v2 (v3 tables take deletion vectors instead) and
+    merge-on-read (a copy-on-write table is meant to have no delete files)."""
+    props = table.properties()
+    modes = [props.get(f"write.{op}.mode") for op in ("update", "delete", "merge")]
+    return (bool(table.spec().isUnpartitioned())
+            and int(table.operations().current().formatVersion()) == 2
+            and "copy-on-write" not in modes)
+
+
+class _Scratch:
+    """A temporary folder under the index root, removed on exit."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = tempfile.mkdtemp(prefix="scratch-", dir=root)
+
+    def __enter__(self) -> Path:
+        return Path(self.path)
+
+    def __exit__(self, *exc: Any) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _batch_keys(files: Sequence[Path], key: str, max_seq: int,
+                void: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The distinct keys the batch changes, read from its staged files on the driver."""
+    parts: list[np.ndarray] = []
+    for path in files:
+        table = pq.read_table(path, columns=["_wb_seq", key])
+        seq = table.column("_wb_seq").to_numpy(zero_copy_only=False).astype(np.int64)
+        values = pc.cast(table.column(key), pa.int64()).to_numpy(zero_copy_only=False)
+        parts.append(np.asarray(values, dtype=np.int64)[applied_rows(seq, max_seq, void)])
+    if not parts:
+        return np.empty(0, np.int64)
+    return np.unique(np.concatenate(parts))
+
+
+def _concat(entries: Sequence[tuple[np.ndarray, list[str], np.ndarray]]
+            ) -> tuple[np.ndarray, list[str], np.ndarray]:
+    if not entries:
+        return np.empty(0, np.int64), [], np.empty(0, np.int64)
+    return (np.concatenate([e[0] for e in entries]), [p for e in entries for p in e[1]],
+            np.concatenate([e[2] for e in entries]))
+

@@ -1,0 +1,115 @@
+"""Batches applied by position (apply.keyed): a table with one integer key gets its updates and
+deletes as position deletes found through the key index, with no MERGE over the table. Real
+PostgreSQL, Spark and Iceberg; the lake is read back by PyIceberg and DuckDB."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import make_config, run_once
+from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
+from walberg.apply.keyindex import KeyIndex
+from walberg.lake.maintain import maintain
+from walberg.lake.services import Lake
+
+
+def _operations(warehouse: Path, target: str) -> list[str]:
+    table = hadoop_table(warehouse, target)
+    out = []
+    snapshot = table.current_snapshot()
+    while snapshot is not None:
+        out.append(snapshot.summary.operation.value)
+        parent = snapshot.parent_snapshot_id
+        snapshot = table.snapshot_by_id(parent) if parent is not None else None
+    return out[::-1]
+
+
+def _summary(warehouse: Path, target: str) -> dict[str, str]:
+    snapshot = hadoop_table(warehouse, target).current_snapshot()
+    assert snapshot is not None
+    return dict(snapshot.summary.additional_properties)
+
+
+def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spark: Any,
+                                               warehouse: Path, tmp_path: Path, unique: str,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    table, text_keyed = f"public.{unique}", f"public.{unique}_t"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, v int, note text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g, 'n' || g FROM generate_series(1, 3000) g")
+        cur.execute(f"CREATE TABLE {text_keyed} (id text PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {text_keyed} SELECT 'k' || g, g FROM generate_series(1, 50) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table, text_keyed])
+    target = config.target_for(table)
+    run_once(config, spark)
+    index = KeyIndex(config.index_dir / target)
+    assert index.built and index.size == 3000, "the copy builds the index"
+
+    rounds = [
+        # Updates and deletes at keys spread over the table, new keys, a key deleted and
+        # inserted again, a key updated twice in one batch.
+        [f"UPDATE {table} SET v = v + 1 WHERE id % 7 = 0",
+         f"DELETE FROM {table} WHERE id % 11 = 0",
+         f"INSERT INTO {table} SELECT g, g, 'new' FROM generate_series(3001, 3200) g",
+         f"DELETE FROM {table} WHERE id = 5",
+         f"INSERT INTO {table} VALUES (5, -5, 'back')",
+         f"UPDATE {table} SET note = 'twice' WHERE id = 6",
+         f"UPDATE {table} SET note = 'twice again' WHERE id = 6",
+         f"UPDATE {text_keyed} SET v = -v WHERE v % 2 = 0"],
+        # Rows the last batch wrote are changed again: their positions came from its new files.
+        [f"UPDATE {table} SET v = 0 WHERE id BETWEEN 3001 AND 3100",
+         f"DELETE FROM {table} WHERE id BETWEEN 3101 AND 3150",
+         f"UPDATE {table} SET v = 1 WHERE id = 5"],
+        # Only inserts: an append, which the index follows from the files it added.
+        [f"INSERT INTO {table} SELECT g, g, 'appended' FROM generate_series(4001, 4100) g"],
+        [f"UPDATE {table} SET v = 2 WHERE id BETWEEN 4001 AND 4050 OR id % 13 = 0"],
+    ]
+    for statements in rounds:
+        with pg_conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+        run_once(config, spark)
+        assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert iceberg_rows(warehouse, config.target_for(text_keyed)) == \
+        postgres_rows(pg_conn, text_keyed)
+
+    operations = _operations(warehouse, target)
+    # copy, 2 row deltas, an append, a row delta: no MERGE's full rewrite in between.
+    assert operations[-4:] == ["overwrite", "overwrite", "append", "overwrite"], operations
+    last = _summary(warehouse, target)
+    assert int(last["added-position-deletes"]) > 0 and "walberg.lsn" in last, last
+    assert "added-equality-deletes" not in last, "never equality deletes"
+    assert KeyIndex(config.index_dir / target).snapshot == \
+        hadoop_table(warehouse, target).current_snapshot().snapshot_id
+
+    # An index that lost track (a crash between a commit and its update) is rebuilt from the
+    # lake: here it is made to describe an older snapshot.
+    stale = KeyIndex(config.index_dir / target)
+    stale.snapshot = 1
+    stale._save()
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET note = 'after rebuild' WHERE id % 5 = 0")
+        cur.execute(f"DELETE FROM {table} WHERE id % 17 = 0")
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
+    assert "rebuilt from the lake" in caplog.text
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+    # After compaction (walberg maintain) the rows moved: the index follows them into the
+    # files the compaction wrote, without a rebuild.
+    (report,) = maintain(Lake(config, session=spark), [table])
+    assert report.after.delete_files == 0
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 99 WHERE id % 3 = 0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
+    assert "followed" in caplog.text and "rebuilt" not in caplog.text, caplog.text[-2000:]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
