@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.session import quote_target
 from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
 
@@ -56,7 +57,7 @@ class RowDeltaResult:
 def java_table(spark: Any, target: str) -> Any:
     """``target`` (a quoted multi-part name) as an Iceberg Java table, refreshed."""
     table = spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
-        spark._jsparkSession, target)
+        spark._jsparkSession, quote_target(target))
     table.refresh()
     return table
 
@@ -83,13 +84,10 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     if not table.spec().isUnpartitioned():
         raise ApplyError(f"{target} is partitioned: a row delta by position needs an "
                          "unpartitioned table (the caller merges instead)")
-    jvm = spark._jvm
-    delta = table.newRowDelta()
-    if base_snapshot is not None:
-        delta = delta.validateFromSnapshot(base_snapshot)
     added = deleted = 0
     written: list[str] = []
-    added_files: list[str] = []
+    new_files: list[Any] = []
+    staged: Any = None
     clock = [time.monotonic()]
     try:
         if isinstance(deletes, Positions):
@@ -98,32 +96,45 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             files, deleted, referenced = _write_position_deletes(spark, table, deletes)
         else:
             files, deleted, referenced = [], 0, []
-        if files:
-            written = [f.location() for f in files]
-            for each in files:
-                delta = delta.addDeletes(each)
-            if referenced:
-                refs = jvm.java.util.ArrayList()
-                for path in referenced:
-                    refs.add(path)
-                delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
+        written = [f.location() for f in files]
         clock.append(time.monotonic())
         if rows is not None:
-            for each in _stage_rows(spark, table, target, rows):
-                added += int(each.recordCount())
-                added_files.append(str(each.location()))
-                delta = delta.addRows(each)
+            staged, new_files = _stage_rows(spark, table, target, rows)  # refreshes ``table``
+        clock.append(time.monotonic())
+        # One transaction: the row delta, and the staged snapshot's removal from the metadata
+        # (readers and `history` see one snapshot a batch).
+        txn = table.newTransaction()
+        delta = txn.newRowDelta()
+        if base_snapshot is not None:
+            delta = delta.validateFromSnapshot(base_snapshot)
+        for each in files:
+            delta = delta.addDeletes(each)
+        if referenced:
+            refs = spark._jvm.java.util.ArrayList()
+            for path in referenced:
+                refs.add(path)
+            delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
+        for each in new_files:
+            added += int(each.recordCount())
+            delta = delta.addRows(each)
         for key, value in properties.items():
             delta = delta.set(key, value)
-        clock.append(time.monotonic())
-        spark_call(f"committing a row delta to {target}", delta.commit)
+        delta.commit()
+        expire = staged is not None and _may_expire(table)
+        if expire:
+            # expireOlderThan(0): nothing but the staged snapshot expires.
+            txn.expireSnapshots().expireSnapshotId(staged.snapshotId()).expireOlderThan(0) \
+                .cleanExpiredFiles(False).commit()
+        spark_call(f"committing a row delta to {target}", txn.commitTransaction)
         clock.append(time.monotonic())
     except BaseException:
         _remove(spark, written)
         raise
+    if expire:
+        _remove_staged_metadata(spark, table, staged)
     table.refresh()
     return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
-                          tuple(added_files),
+                          tuple(str(f.location()) for f in new_files),
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
 
 
@@ -140,7 +151,7 @@ def lake_entries(spark: Any, target: str, key: str, scratch: Path) -> tuple[Opti
     snapshot = None if current is None else int(current.snapshotId())
     if snapshot is None:
         return None, iter(())
-    frame = spark.read.option("snapshot-id", str(snapshot)).table(target) \
+    frame = spark.read.option("snapshot-id", str(snapshot)).table(quote_target(target)) \
         .selectExpr(f"CAST({_quote(key)} AS BIGINT) AS key", "_file AS file_path", "_pos AS pos") \
         .orderBy("key")
     return snapshot, _read_back(spark, frame, scratch)
@@ -310,10 +321,26 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
     return [delete], len(paths), sorted(set(deletes.files))
 
 
-def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> list[Any]:
+def _may_expire(table: Any) -> bool:
+    """Iceberg refuses any snapshot expiry on a table with ``gc.enabled=false``; there the
+    staged snapshots stay until the table's owner expires them."""
+    return str(table.properties().get("gc.enabled") or "true").lower() != "false"
+
+
+def _remove_staged_metadata(spark: Any, table: Any, staged: Any) -> None:
+    """Best effort: delete the manifest list and manifests of an expired staged snapshot
+    (its data files now belong to the row delta's snapshot)."""
+    paths = [str(staged.manifestListLocation())]
+    for manifest in staged.allManifests(table.io()):
+        if manifest.snapshotId() is not None and int(manifest.snapshotId()) == int(staged.snapshotId()):
+            paths.append(str(manifest.path()))
+    _remove(spark, paths)
+
+
+def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> tuple[Any, list[Any]]:
     """Write ``rows`` with Iceberg's Spark writer into a staged snapshot (never part of the
-    table's history) and return its data files. The write runs in a session of its own, so a
-    staging id never leaks into another thread's writes."""
+    table's history; the row delta expires it) and return it and its data files. The write
+    runs in a session of its own, so a staging id never leaks into another thread's writes."""
     props = table.properties()
     if props.get("write.wap.enabled") != "true":
         table.updateProperties().set("write.wap.enabled", "true").commit()
@@ -324,7 +351,7 @@ def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> list[Any]:
     try:
         staging.conf.set("spark.wap.id", wap)
         spark_call(f"staging rows for {target}",
-                   lambda: staging.table(f"global_temp.{view}").writeTo(target).append())
+                   lambda: staging.table(f"global_temp.{view}").writeTo(quote_target(target)).append())
     finally:
         spark.catalog.dropGlobalTempView(view)
     table.refresh()
@@ -334,7 +361,7 @@ def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> list[Any]:
     newest = [snapshots.get(i) for i in range(snapshots.size() - 1, max(snapshots.size() - 4, -1), -1)]
     for snapshot in itertools.chain(newest, table.snapshots()):
         if snapshot.summary().get("wap.id") == wap:
-            return list(snapshot.addedDataFiles(table.io()))
+            return snapshot, list(snapshot.addedDataFiles(table.io()))
     raise ApplyError(f"staging rows for {target}: the staged snapshot {wap} was not found")
 
 
