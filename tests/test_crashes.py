@@ -44,7 +44,10 @@ def test_kill_9_at_14_moments_loses_and_duplicates_nothing(
         cur.execute("BEGIN")
         cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id <= 5000 AND id % 53 = {i % 53}")
         cur.execute(f"INSERT INTO {table} VALUES ({10000 + i}, 0, 'new')")
-        cur.execute(f"DELETE FROM {table} WHERE id = {(i * 7) % 5000 + 1}")
+        # A row this writer inserted a few steps back, so the run never runs out of rows to
+        # update or delete however long the 14 runs take (deleting copied rows did, after
+        # 5,000 steps: the last points then met only inserts and were never reached).
+        cur.execute(f"DELETE FROM {table} WHERE id = {10000 + i - 5}")
         cur.execute("COMMIT")
 
     killed: dict[str, int] = {}
