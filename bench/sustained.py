@@ -1,0 +1,323 @@
+"""The user's situation, warm: a long-running `walberg run` on a large table under a writer.
+
+    python bench/sustained.py [--rows 10000000] [--seconds 300] [--rate 2000]
+                              [--steady-seconds 120]
+
+In one run, on one embedded PostgreSQL:
+
+1. A table (id bigint key, name text, amount numeric(12,2), n int) of --rows rows is copied by
+   `walberg run --once`; then `walberg run` starts (its own process, `max_interval_seconds: 1`,
+   metrics on a local port) and keeps running.
+2. Flat out: a writer commits mixed changes as fast as it can for --seconds (transactions of
+   1,000: half inserts of new keys, three tenths updates and two tenths deletes of keys drawn at
+   random over every key made so far, so the deletes never exhaust the table). walberg's rate
+   is the changes divided by the time from the writer's start until walberg's committed LSN
+   (its `walberg_committed_lsn` gauge) passes the writer's last commit. The baseline:
+   `pg_recvlogical` draining the same changes from a slot of its own afterwards (pgoutput,
+   protocol 1). The target is 0.70 or more.
+3. Steady: the writer commits --rate changes a second for --steady-seconds (a transaction of
+   a tenth of that every 0.1 s). The Postgres-commit-to-Iceberg-visible latency is read from
+   walberg's `walberg_end_to_end_seconds` histogram (its counts before and after the phase);
+   p50 and p99 are interpolated within its buckets. The targets: p50 under 3 s, p99 under 10 s.
+4. The peak resident memory of walberg's Python process over the run (its JVM is a process
+   of its own and is reported beside it).
+
+These machines are shared and noisy: the figures that matter are the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import psycopg2
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from backlog import make_table, recvlogical, walberg_once  # noqa: E402
+from run import save_results  # noqa: E402
+
+from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+
+TXN = 1_000  # changes per transaction while writing flat out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(dsn: str, work: Path, name: str, port: int) -> Path:
+    raw = {
+        "source": {"postgres": {"dsn": dsn, "slot": f"slot_{name}", "publication": f"pub_{name}",
+                                "tables": [f"public.{name}"]}},
+        "sink": {"catalog": {"name": "lake", "type": "hadoop",
+                             "warehouse": str(work / "warehouse")}, "namespace": "bench"},
+        "buffer": {"dir": str(work / f"segments_{name}"), "max_interval_seconds": 1},
+        "spark": {"master": "local[2]"},
+        "metrics": {"port": port},
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The metrics endpoint as {name: [(labels, value)]}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if "=" in part)
+        out.setdefault(name, []).append(({k: v.strip('"') for k, v in labels.items()},
+                                         float(value)))
+    return out
+
+
+def committed_lsn(port: int) -> int:
+    values = [v for _, v in scrape(port).get("walberg_committed_lsn", [])]
+    return int(max(values)) if values else 0
+
+
+def latency_buckets(port: int) -> dict[float, float]:
+    """walberg_end_to_end_seconds as {upper bound: cumulative count}."""
+    out: dict[float, float] = {}
+    for labels, value in scrape(port).get("walberg_end_to_end_seconds_bucket", []):
+        out[float(labels["le"])] = out.get(float(labels["le"]), 0.0) + value
+    return out
+
+
+def quantile(buckets: dict[float, float], q: float) -> Optional[float]:
+    """The q-quantile of a cumulative histogram, interpolated linearly within its bucket."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0
+    if not total:
+        return None
+    want, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= want:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (want - below) / max(count - below, 1e-9)
+        lower, below = bound, count
+    return lower
+
+
+def lsn_int(text: str) -> int:
+    hi, lo = text.split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
+
+
+class Writer:
+    """Commits mixed changes to ``name``: flat out, or at a steady rate."""
+
+    def __init__(self, dsn: str, name: str, rows: int) -> None:
+        self.conn = psycopg2.connect(dsn)
+        self.conn.autocommit = True
+        self.cur = self.conn.cursor()
+        self.name, self.rows, self.next_key = name, rows, rows + 1
+        self.changes, self.last = 0, 0
+
+    def transaction(self, size: int) -> None:
+        inserts, updates = size // 2, size * 3 // 10
+        deletes = size - inserts - updates
+        cur, name = self.cur, self.name
+        cur.execute("BEGIN")
+        cur.execute(f"INSERT INTO {name} SELECT g, 'new ' || g, 1.00, 1 "
+                    "FROM generate_series(%s, %s) g", (self.next_key, self.next_key + inserts - 1))
+        made = cur.rowcount
+        self.next_key += inserts
+        cur.execute(f"UPDATE {name} SET amount = amount + 1, n = n + 1 WHERE id IN (SELECT "
+                    "1 + (random() * %s)::bigint FROM generate_series(1, %s))",
+                    (self.next_key - 2, updates))
+        made += cur.rowcount
+        cur.execute(f"DELETE FROM {name} WHERE id IN (SELECT 1 + (random() * %s)::bigint "
+                    "FROM generate_series(1, %s))", (self.next_key - 2, deletes))
+        made += cur.rowcount
+        # Just before the commit record: the LSN walberg reports for this transaction is at
+        # least this.
+        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+        self.last = lsn_int(cur.fetchone()[0])
+        cur.execute("COMMIT")
+        self.changes += made
+
+    def flat_out(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.transaction(TXN)
+
+    def steady(self, rate: int, seconds: float) -> None:
+        size, tick = max(rate // 10, 10), 0.1
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < seconds:
+            self.transaction(size)
+            n += 1
+            delay = start + n * tick - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+    return time.monotonic()
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` in MB (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class Sampler(threading.Thread):
+    """Peak RSS of walberg's process and of its JVM (a child process), sampled every second."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.python_mb, self.jvm_mb = pid, 0.0, 0.0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            self.python_mb = max(self.python_mb, rss_mb(self.pid))
+            self.jvm_mb = max(self.jvm_mb, sum(rss_mb(c) for c in children(self.pid)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--seconds", type=float, default=300, help="flat-out writing phase")
+    ap.add_argument("--rate", type=int, default=2000, help="changes/s in the steady phase")
+    ap.add_argument("--steady-seconds", type=float, default=120)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sustained.json"))
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="walberg-sustained-"))
+    server = EmbeddedPostgres().start()
+    name, port = "sustained", free_port()
+    results: dict[str, Any] = {"rows": args.rows, "cores": os.cpu_count()}
+    proc: Optional[subprocess.Popen[str]] = None
+    try:
+        conn = psycopg2.connect(server.dsn)
+        conn.autocommit = True
+        cur = conn.cursor()
+        make_table(cur, name, args.rows)
+        config = write_config(server.dsn, work, name, port)
+        results["copy_run_once_s"] = walberg_once(config, "copy")
+        log = open(work / "run.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "walberg.cli", "run", "-c", str(config)],
+                                stdout=log, stderr=subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL)
+        sampler = Sampler(proc.pid)
+        sampler.start()
+        wait_until(lambda: _up(port), 300, "walberg's metrics endpoint")
+        cur.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
+        cur.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}', 'pgoutput')")
+
+        writer = Writer(server.dsn, name, args.rows)
+        start = time.monotonic()
+        writer.flat_out(args.seconds)
+        written_s = time.monotonic() - start
+        end_lsn = writer.last
+        caught_up = wait_until(lambda: committed_lsn(port) >= end_lsn, 1800,
+                               "walberg to commit the flat-out phase")
+        walberg_s = caught_up - start
+        cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+        recv_s = recvlogical(server, f"recv_{name}", f"recv_{name}", cur.fetchone()[0])
+        cur.execute(f"SELECT pg_drop_replication_slot('recv_{name}')")
+        flat = writer.changes
+        results["flat_out"] = {
+            "changes": flat, "writer_s": written_s, "writer_changes_per_s": flat / written_s,
+            "walberg_caught_up_s": walberg_s, "walberg_changes_per_s": flat / walberg_s,
+            "lag_after_writer_s": walberg_s - written_s,
+            "pg_recvlogical_s": recv_s, "pg_recvlogical_changes_per_s": flat / recv_s,
+            "ratio": recv_s / walberg_s,
+        }
+        print(f"flat out: {flat:,} changes written in {written_s:.0f} s, in Iceberg after "
+              f"{walberg_s:.0f} s; pg_recvlogical drains them in {recv_s:.1f} s", flush=True)
+
+        before = latency_buckets(port)
+        writer.changes = 0
+        writer.steady(args.rate, args.steady_seconds)
+        end_lsn = writer.last
+        wait_until(lambda: committed_lsn(port) >= end_lsn, 600, "the steady phase")
+        after = latency_buckets(port)
+        phase = {b: after[b] - before.get(b, 0.0) for b in after}
+        results["steady"] = {
+            "rate_asked": args.rate, "rate_made": writer.changes / args.steady_seconds,
+            "batches": phase.get(float("inf"), 0.0),
+            "p50_s": quantile(phase, 0.50), "p99_s": quantile(phase, 0.99),
+            "buckets": {str(k): v for k, v in sorted(phase.items())},
+        }
+        sampler.stop.set()
+        results["peak_rss_mb"] = {"python": sampler.python_mb, "jvm": sampler.jvm_mb}
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server.stop()
+    out = save_results(results, args.out)
+    f, s = results["flat_out"], results["steady"]
+    print(f"\nsustained `walberg run` on a {args.rows:,}-row table, {results['cores']} cores "
+          f"(logs in {work})")
+    print(f"  flat out {args.seconds:.0f} s: writer {f['writer_changes_per_s']:,.0f} changes/s, "
+          f"walberg {f['walberg_changes_per_s']:,.0f}/s (caught up {f['lag_after_writer_s']:.1f} s "
+          f"after the writer), pg_recvlogical {f['pg_recvlogical_changes_per_s']:,.0f}/s: "
+          f"ratio {f['ratio']:.2f} (target >= 0.70)")
+    p50, p99 = s["p50_s"], s["p99_s"]
+    print(f"  steady {s['rate_made']:,.0f} changes/s: end-to-end p50 "
+          f"{'n/a' if p50 is None else f'{p50:.1f}'} s (target < 3), p99 "
+          f"{'n/a' if p99 is None else f'{p99:.1f}'} s (target < 10), "
+          f"{s['batches']:.0f} batches")
+    print(f"  peak RSS: walberg's Python process {results['peak_rss_mb']['python']:.0f} MB, "
+          f"its JVM {results['peak_rss_mb']['jvm']:.0f} MB")
+    print(f"  results in {out}")
+    return 0
+
+
+def _up(port: int) -> bool:
+    try:
+        scrape(port)
+        return True
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
