@@ -119,13 +119,17 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             delta = delta.addRows(each)
         for key, value in properties.items():
             delta = delta.set(key, value)
-        delta.commit()
         expire = staged is not None and _may_expire(table)
-        if expire:
-            # expireOlderThan(0): nothing but the staged snapshot expires.
-            txn.expireSnapshots().expireSnapshotId(staged.snapshotId()).expireOlderThan(0) \
-                .cleanExpiredFiles(False).commit()
-        spark_call(f"committing a row delta to {target}", txn.commitTransaction)
+
+        def commit() -> None:
+            delta.commit()  # into the transaction: its validation runs here
+            if expire:
+                # expireOlderThan(0): nothing but the staged snapshot expires.
+                txn.expireSnapshots().expireSnapshotId(staged.snapshotId()) \
+                    .expireOlderThan(0).cleanExpiredFiles(False).commit()
+            txn.commitTransaction()
+
+        spark_call(f"committing a row delta to {target}", commit)
         clock.append(time.monotonic())
     except BaseException:
         _remove(spark, written)
