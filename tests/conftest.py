@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -164,6 +165,31 @@ def running(pipeline: Pipeline) -> Iterator[list[BaseException]]:
         pipeline.stop()
         runner.join(timeout=60)
         pipeline.close()
+
+
+def jdbc_catalog(postgres: EmbeddedPostgres, warehouse: str) -> dict[str, Any]:
+    """A pipeline file's ``sink.catalog``: a jdbc catalog in the test PostgreSQL."""
+    return {"name": "lake", "type": "jdbc", "warehouse": warehouse,
+            "uri": f"jdbc:postgresql://127.0.0.1:{postgres.port}/{postgres.database}",
+            "user": postgres.user}
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    """Wait until something listens on ``port`` on loopback."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {port} after {timeout:.0f} s")
 
 
 @contextmanager

@@ -3,39 +3,34 @@ pipeline file and PyIceberg need to use it."""
 
 from __future__ import annotations
 
+import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
+
+from conftest import free_port, wait_port
 
 KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
 
 @contextmanager
-def moto_server(log: Path) -> Iterator[str]:
-    """The endpoint URL of a moto server that lives as long as the context."""
+def moto_server(log: Path, env: Optional[dict[str, str]] = None) -> Iterator[str]:
+    """The endpoint URL of a moto server (``env``: added to its environment) that lives as long
+    as the context; its log is appended to ``log``."""
     server = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     if not Path(server).exists():
         pytest.skip("moto[server] is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+                            env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=open(log, "a"))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.2)
+        wait_port(port)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

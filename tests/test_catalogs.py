@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import make_config, walberg_ok
+from conftest import jdbc_catalog, make_config, walberg_ok
 from lake import postgres_rows
 from walberg.apply import catalog_reads, catalogs
 from walberg.config import parse_config
@@ -89,9 +89,7 @@ def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, t
     raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
         mode="json", exclude={"base_dir"})
     wh = tmp_path / "jdbc-warehouse"
-    raw["sink"]["catalog"] = {"name": "lake", "type": "jdbc", "warehouse": str(wh),
-                              "uri": f"jdbc:postgresql://127.0.0.1:{postgres.port}/"
-                                     f"{postgres.database}", "user": postgres.user}
+    raw["sink"]["catalog"] = jdbc_catalog(postgres, str(wh))
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
 
@@ -140,9 +138,7 @@ def test_jdbc_fan_in_first_run_and_status(pg_conn: Any, postgres: Any, warehouse
         sources[name] = {"postgres": pg}
     raw = {**one, "sources": sources}
     wh = tmp_path / "jdbc-warehouse"
-    raw["sink"]["catalog"] = {"name": "lake", "type": "jdbc", "warehouse": str(wh),
-                              "uri": f"jdbc:postgresql://127.0.0.1:{postgres.port}/"
-                                     f"{postgres.database}", "user": postgres.user}
+    raw["sink"]["catalog"] = jdbc_catalog(postgres, str(wh))
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from contextlib import contextmanager
@@ -20,29 +19,13 @@ from typing import Any, Iterator, Optional
 import pytest
 import yaml
 
-from conftest import make_config, walberg_cli, walberg_ok
+from conftest import free_port, make_config, wait_port, walberg_cli, walberg_ok
 from lake import postgres_rows
 from s3server import client, keys, lake_rows, lake_table, moto_server, storage_section
 from walberg.apply import storage
 from walberg.apply.spark import find_java
 from walberg.config import load_config
 from walberg.errors import EnvironmentProblem
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on {port}")
 
 
 def _hidden(path: Path) -> list[str]:
@@ -64,13 +47,13 @@ def spark_cluster(tmp_path: Path, hide: Optional[Path] = None) -> Iterator[str]:
     env = dict(os.environ, JAVA_HOME=str(java.resolve().parent.parent),
                SPARK_LOCAL_IP="127.0.0.1", SPARK_LOCAL_DIRS=str(tmp_path / "spark-local"),
                SPARK_WORKER_DIR=str(tmp_path / "spark-work"))
-    port, ui, worker_ui = _free_port(), _free_port(), _free_port()
+    port, ui, worker_ui = free_port(), free_port(), free_port()
     procs = [subprocess.Popen(
         [str(spark_class), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
          "--port", str(port), "--webui-port", str(ui)],
         env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "master.log", "w"))]
     try:
-        _wait_port(port)
+        wait_port(port, 60)
         prefix = _hidden(hide) if hide is not None else []
         procs.append(subprocess.Popen(
             [*prefix, str(spark_class), "org.apache.spark.deploy.worker.Worker",

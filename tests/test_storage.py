@@ -5,11 +5,6 @@ settings become for Spark, with a clear error when a connector's jars are missin
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,6 +13,7 @@ import yaml
 
 from conftest import make_config, walberg_ok
 from lake import postgres_rows
+from s3server import client, keys, lake_rows, moto_server, storage_section
 from walberg.apply import storage
 from walberg.errors import EnvironmentProblem
 
@@ -44,26 +40,8 @@ def test_storage_settings_and_missing_jars() -> None:
 
 @pytest.fixture
 def s3_server(tmp_path: Path) -> Iterator[str]:
-    server = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    if not Path(server).exists():
-        pytest.skip("moto[server] is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "moto.log", "w"))
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with moto_server(tmp_path / "moto.log") as endpoint:
+        yield endpoint
 
 
 def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
@@ -72,10 +50,7 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
         storage.spark_settings(s3={})
     except EnvironmentProblem as exc:
         pytest.skip(str(exc))
-    import boto3
-
-    keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", **keys)
+    s3 = client(s3_server)
     bucket = unique.replace("_", "-")
     s3.create_bucket(Bucket=bucket)
     table = f"public.{unique}"
@@ -86,9 +61,7 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
     raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
         mode="json", exclude={"base_dir"})
     raw["sink"]["catalog"]["warehouse"] = f"s3a://{bucket}/warehouse"
-    raw["storage"] = {"s3": {"endpoint": s3_server, "region": "us-east-1",
-                             "path_style_access": True, "access_key_id": "testing",
-                             "secret_access_key": "testing"}}
+    raw["storage"] = storage_section(s3_server)
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
 
@@ -104,23 +77,13 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
     # status reads the metadata straight from the bucket, no JVM
     held = json.loads(walberg("status", "--json"))["tables"][table]
     assert held["rows"] == 450 and held["last_lsn"] is not None
-    objects = s3.list_objects_v2(Bucket=bucket, Prefix="warehouse/")
-    names = [o["Key"] for o in objects.get("Contents", [])]
+    names = keys(s3, bucket, "warehouse/")
     assert any(n.endswith(".parquet") for n in names) and \
         any(n.endswith(".metadata.json") for n in names)
     assert not (warehouse / raw["sink"]["namespace"]).exists()  # nothing landed locally
 
     # An independent reader: PyIceberg, straight from the bucket.
-    from pyiceberg.table import StaticTable
-
-    prefix = f"warehouse/{raw['sink']['namespace']}/{unique}/metadata/"
-    hint = s3.get_object(Bucket=bucket, Key=prefix + "version-hint.text")["Body"].read()
-    lake = StaticTable.from_metadata(
-        f"s3a://{bucket}/{prefix}v{hint.decode().strip()}.metadata.json",
-        properties={"s3.endpoint": s3_server, "s3.access-key-id": "testing",
-                    "s3.secret-access-key": "testing", "s3.region": "us-east-1"})
-    rows = sorted(({k: v for k, v in r.items() if not k.startswith("_walberg_")}
-                   for r in lake.scan().to_arrow().to_pylist()), key=lambda r: r["id"])
+    rows = lake_rows(s3, s3_server, bucket, f"warehouse/{raw['sink']['namespace']}/{unique}")
     assert rows == postgres_rows(pg_conn, table)
 
 

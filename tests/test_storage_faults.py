@@ -10,27 +10,25 @@ lose the warehouse."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import yaml
 
-from conftest import make_config, walberg_cli
+from conftest import free_port, jdbc_catalog, make_config, walberg_cli
 from lake import postgres_rows
+from s3server import KEYS, moto_server, storage_section
 from walberg.apply import storage
 from walberg.errors import EnvironmentProblem
-
-KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
 
 def test_s3a_deadlines_follow_the_timeout() -> None:
@@ -48,46 +46,12 @@ def test_s3a_deadlines_follow_the_timeout() -> None:
 @pytest.fixture
 def moto(tmp_path: Path) -> Iterator[Callable[..., str]]:
     """Starts S3-compatible servers (``moto(env)``: its environment), stopped after the test."""
-    server = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    if not Path(server).exists():
-        pytest.skip("moto[server] is not installed")
     try:
         storage.spark_settings(s3={})
     except EnvironmentProblem as exc:
         pytest.skip(str(exc))
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(env: Optional[dict[str, str]] = None) -> str:
-        port = _free_port()
-        procs.append(subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
-                                      env={**os.environ, **(env or {})},
-                                      stdout=subprocess.DEVNULL,
-                                      stderr=open(tmp_path / "moto.log", "a")))
-        _wait_port(port)
-        return f"http://127.0.0.1:{port}"
-
-    try:
-        yield start
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert time.monotonic() < deadline, f"nothing listens on {port}"
-        time.sleep(0.1)
+    with ExitStack() as servers:
+        yield lambda env=None: servers.enter_context(moto_server(tmp_path / "moto.log", env))
 
 
 class Proxy:
@@ -96,7 +60,7 @@ class Proxy:
 
     def __init__(self, upstream: int) -> None:
         self.upstream = upstream
-        self.port = _free_port()
+        self.port = free_port()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._trigger: Optional[re.Pattern[bytes]] = None
@@ -178,15 +142,10 @@ def _pipeline(postgres: Any, warehouse: Path, tmp_path: Path, unique: str, endpo
               bucket: str, table: str, **s3: Any) -> Path:
     raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
         mode="json", exclude={"base_dir"})
-    raw["sink"]["catalog"] = {"name": "lake", "type": "jdbc",
-                              "warehouse": f"s3a://{bucket}/warehouse",
-                              "uri": f"jdbc:postgresql://127.0.0.1:{postgres.port}/"
-                                     f"{postgres.database}", "user": postgres.user}
+    raw["sink"]["catalog"] = jdbc_catalog(postgres, f"s3a://{bucket}/warehouse")
     raw["sink"]["commit_max_backoff_seconds"] = 1
-    raw["storage"] = {"timeout_seconds": 5,
-                      "s3": {"endpoint": endpoint, "region": "us-east-1",
-                             "path_style_access": True, "access_key_id": "testing",
-                             "secret_access_key": "testing", **s3}}
+    section = storage_section(endpoint)
+    raw["storage"] = {"timeout_seconds": 5, "s3": {**section["s3"], **s3}}
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
