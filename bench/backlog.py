@@ -7,8 +7,11 @@ For each table size N, in one run, on one embedded PostgreSQL:
 1. A table (id bigint key, name text, amount numeric(12,2), n int) of N rows is copied into
    Iceberg by `walberg run --once` in a process of its own (a cold JVM), next to `COPY ... TO
    STDOUT` of the same table.
+0. Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.classcache),
+   as a machine's first walberg run makes it in the background; the time it took is reported.
 2. A no-op `walberg run --once` (nothing to apply): the fixed cost of a run (process, JVM,
-   Spark session, catalog, slot).
+   Spark session, catalog, slot); and the same without the class-data archive
+   (WALBERG_CLASS_CACHE=off), what the first run on a machine pays.
 3. A backlog of --changes changes is committed: half inserts of new keys, three tenths updates
    and two tenths deletes of keys drawn at random over the whole table, in transactions of
    10,000. `pg_recvlogical` drains them from a slot of its own (pgoutput, protocol 1): how
@@ -33,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import psycopg2
 import yaml
@@ -44,17 +47,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from run import _Null, save_results, timed  # noqa: E402
 
+from walberg.apply import classcache  # noqa: E402
+from walberg.apply.spark import check_java, find_java  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 10_000  # changes per source transaction
 
 
-def walberg_once(config: Path, step: str) -> float:
+def walberg_once(config: Path, step: str, env: Optional[dict[str, str]] = None) -> float:
     """Seconds one `walberg run --once` takes, as a command in a process of its own. Its log
     is kept beside the config (``<name>.<step>.log``): where the time went."""
     seconds, proc = timed(lambda: subprocess.run(
         [sys.executable, "-m", "walberg.cli", "run", "-c", str(config), "--once"],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL))
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env))
     config.with_suffix(f".{step}.log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"walberg run --once failed:\n{proc.stderr[-3000:]}")
@@ -127,6 +132,8 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
     config = write_config(server.dsn, work, name)
     copy_s = walberg_once(config, "copy")
     noop_s = walberg_once(config, "noop")
+    # The same without the class-data archive: a machine's first run, or WALBERG_CLASS_CACHE=off.
+    noop_bare_s = walberg_once(config, "noop-bare", {**os.environ, "WALBERG_CLASS_CACHE": "off"})
     cur.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
     cur.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}', 'pgoutput')")
     made = commit_backlog(cur, name, rows, changes, rows + 1)
@@ -149,12 +156,28 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
                  "walberg_rows_per_s": rows / copy_s,
                  "ratio": copy_to_stdout_s / copy_s},
-        "noop_run_once_s": noop_s,
+        "noop_run_once_s": noop_s, "noop_without_class_archive_s": noop_bare_s,
         "apply_run_once_s": apply_s, "apply_net_s": net_s,
         "pg_recvlogical_s": recv_s,
         "walberg_changes_per_s": made / net_s, "pg_recvlogical_changes_per_s": made / recv_s,
         "ratio": recv_s / net_s, **merge,
     }
+
+
+def class_archive() -> dict[str, Any]:
+    """The driver JVM's class-data archive (walberg.apply.classcache), made before anything is
+    timed, as a machine's first walberg run would have made it in the background."""
+    java = find_java()
+    archive = classcache.archive_for(java, check_java(java), {})
+    if archive is None:
+        return {"path": None}
+    had = classcache.usable(archive)
+    seconds, ready = timed(lambda: classcache.make_now(archive))
+    print(f"class-data archive: {archive} ({'there already' if had else f'made in {seconds:.0f} s'})",
+          flush=True)
+    if not ready:
+        raise SystemExit(f"the class-data archive could not be made: see {archive.with_suffix('.log')}")
+    return {"path": str(archive), "made_s": None if had else seconds}
 
 
 def main() -> int:
@@ -169,7 +192,8 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="walberg-backlog-"))
     server = EmbeddedPostgres().start()
-    results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": []}
+    results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": [],
+                               "class_archive": class_archive()}
     started = time.monotonic()
     try:
         conn = psycopg2.connect(server.dsn)
@@ -187,10 +211,11 @@ def main() -> int:
     out = save_results(results, args.out)
     print(f"\ncold `walberg run --once` backlog of {args.changes:,} random-key changes, "
           f"{results['cores']} cores")
-    print(f"{'table rows':>12} {'no-op run':>10} {'apply net':>10} {'recvlogical':>12} "
-          f"{'ratio':>6} {'growth':>7} {'copy rows/s':>12} {'copy ratio':>11}")
+    print(f"{'table rows':>12} {'no-op run':>10} {'(no archive)':>12} {'apply net':>10} "
+          f"{'recvlogical':>12} {'ratio':>6} {'growth':>7} {'copy rows/s':>12} {'copy ratio':>11}")
     for s in results["sizes"]:
-        print(f"{s['rows']:>12,} {s['noop_run_once_s']:>9.1f}s {s['apply_net_s']:>9.1f}s "
+        print(f"{s['rows']:>12,} {s['noop_run_once_s']:>9.1f}s "
+              f"{s['noop_without_class_archive_s']:>11.1f}s {s['apply_net_s']:>9.1f}s "
               f"{s['pg_recvlogical_s']:>11.1f}s {s['ratio']:>6.2f} {s['growth']:>6.2f}x "
               f"{s['copy']['walberg_rows_per_s']:>12,.0f} {s['copy']['ratio']:>11.2f}")
     if args.compare_merge:

@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
+from walberg.apply import classcache
 from walberg.errors import ApplyError, EnvironmentProblem
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ def find_java() -> Path:
         ) from None
 
 
-def check_java(java: Path) -> None:
+def check_java(java: Path) -> str:
+    """What ``java -version`` says, if it runs; else a clear error."""
     try:
         proc = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=60)
     except OSError as exc:
@@ -55,6 +57,7 @@ def check_java(java: Path) -> None:
     if proc.returncode != 0:
         raise EnvironmentProblem(f"Java at {java} does not run: {proc.stderr.strip()[:300]}. "
                                  "Fix JAVA_HOME or install a JDK (Java 11 or 17).")
+    return proc.stderr
 
 
 def iceberg_jar() -> Path:
@@ -145,16 +148,18 @@ def _log_config() -> Path:
 
 def build_session(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
                   extra_conf: dict[str, str], app_name: str = "walberg",
-                  jars: Sequence[str] = ()) -> Any:
-    """One SparkSession per process, with the Iceberg catalog `catalog` configured."""
+                  jars: Sequence[str] = (), class_cache: bool = True) -> Any:
+    """One SparkSession per process, with the Iceberg catalog `catalog` configured. With
+    ``class_cache``, the driver's JVM starts from a class-data archive (apply.classcache)."""
+    global _archive_wanted
     java = find_java()
-    check_java(java)
+    version = check_java(java)
     if "JAVA_HOME" not in os.environ:
         os.environ["JAVA_HOME"] = str(java.resolve().parent.parent)
     jar = iceberg_jar()
     log_conf = _log_config()
     try:
-        from pyspark.sql import SparkSession
+        import pyspark.sql  # noqa: F401  (said here, before anything starts)
     except ImportError:
         raise EnvironmentProblem("pyspark is not installed: `pip install pyspark==3.5.9`.") from None
 
@@ -165,7 +170,6 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
         "spark.driver.bindAddress": "127.0.0.1",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
         "spark.sql.extensions": "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions",
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.shuffle.partitions": "2",
@@ -185,17 +189,47 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
     # Jars a catalog or storage needs go with the Iceberg jar (and any the user lists), so
     # executors on a cluster get them too.
     conf["spark.jars"] = ",".join([str(jar), *jars, *filter(None, [extra.pop("spark.jars", "")])])
+    java_options = " ".join(filter(None, [f"-Dlog4j2.configurationFile=file:{log_conf}",
+                                          extra.pop("spark.driver.extraJavaOptions", "")]))
     conf.update(extra)
-    builder = SparkSession.builder.master(master).appName(app_name)
-    for key, value in conf.items():
-        builder = builder.config(key, value)
+    archive = classcache.archive_for(java, version, conf) if class_cache else None
+    if archive is not None and not (classcache.usable(archive)
+                                    and classcache.starts_with(java, archive)):
+        classcache.discard(archive)
+        _archive_wanted, archive = archive, None  # made after this session (stop_session)
     try:
-        session = builder.getOrCreate()
+        return _start(master, app_name, conf, java_options, archive)
     except Exception as exc:  # the JVM failed to start: say why in one paragraph
-        raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(exc)}. "
-                                 f"Check spark.master and spark.conf, and that {java} is Java 11 "
-                                 "or 17.") from None
-    return session
+        failure: BaseException = exc
+    if archive is not None:
+        # Try without the archive: if that starts, the archive was to blame; it is made anew.
+        try:
+            session = _start(master, app_name, conf, java_options, None)
+        except Exception:
+            pass
+        else:
+            classcache.discard(archive)
+            _archive_wanted = archive
+            return session
+    raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(failure)}. "
+                             f"Check spark.master and spark.conf, and that {java} is Java 11 "
+                             "or 17.") from None
+
+
+# A class-data archive this process's session started without: made once it stops.
+_archive_wanted: Optional[Path] = None
+
+
+def _start(master: str, app_name: str, conf: dict[str, str], java_options: str,
+           archive: Optional[Path]) -> Any:
+    from pyspark.sql import SparkSession
+
+    if archive is not None:
+        java_options = f"{classcache.java_options(archive)} {java_options}"
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in {**conf, "spark.driver.extraJavaOptions": java_options}.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
 
 
 def java_message(exc: BaseException) -> str:
@@ -321,9 +355,13 @@ def with_commit_properties(session: Any, properties: dict[str, str], fn: Callabl
 
 
 def stop_session(session: Optional[Any]) -> None:
+    global _archive_wanted
     if session is not None:
         watch_storage(None)
         try:
             session.stop()
         except Exception:
             pass
+        if _archive_wanted is not None:
+            classcache.build_later(_archive_wanted)
+            _archive_wanted = None

@@ -1,0 +1,127 @@
+"""The driver JVM's class-data archive (walberg.apply.classcache): made by a process of its own,
+checked, used by the next session, and never in the way: a damaged one is dropped and made
+again while the session starts without it. Each session here runs in a process of its own,
+since this test session's Spark is running already."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from walberg.apply import classcache
+from walberg.apply.spark import check_java, find_java
+
+pytestmark = pytest.mark.slow
+
+# A session in a process of its own: it says which archive it expected, whether its JVM was
+# given it, and that the JVM answers SQL.
+SESSION = """
+import sys
+from walberg.apply import classcache
+from walberg.apply.spark import build_session, check_java, find_java, stop_session
+java = find_java()
+archive = classcache.archive_for(java, check_java(java), {})
+session = build_session("local[1]", "lake", sys.argv[1], {}, {})
+options = session.sparkContext.getConf().get("spark.driver.extraJavaOptions")
+print("ARCHIVE", archive)
+print("GIVEN", f"SharedArchiveFile={archive}" in options)
+print("ANSWER", session.sql("SELECT 6 * 7").collect()[0][0])
+stop_session(session)
+"""
+
+
+def _session(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
+    proc = subprocess.run([sys.executable, "-c", SESSION, str(tmp_path / "warehouse")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Nothing from the JVM about the archive reaches the terminal.
+    assert "SharedArchiveFile" not in proc.stderr and "fatal error" not in proc.stderr
+    return dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+
+
+def _stop_builds(folder: Path) -> None:
+    """End the background build a test started (it would only cost CPU)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(folder).encode() in part for part in cmdline) and \
+                b"walberg.apply.classcache" in cmdline:
+            try:
+                os.killpg(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_java_versions_are_read() -> None:
+    assert classcache.java_major('openjdk version "17.0.15" 2025-04-15') == 17
+    assert classcache.java_major('openjdk version "11.0.2" 2019-01-15') == 11
+    assert classcache.java_major('java version "1.8.0_381"') == 8
+    assert classcache.java_major("no version here") is None
+
+
+def test_no_archive_when_turned_off_or_for_an_old_java(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    java = find_java()
+    monkeypatch.setenv("WALBERG_CLASS_CACHE", "off")
+    assert classcache.archive_for(java, check_java(java), {}) is None
+    monkeypatch.setenv("WALBERG_CLASS_CACHE", str(tmp_path))
+    assert classcache.archive_for(java, 'openjdk version "11.0.2"', {}) is None
+    here = classcache.archive_for(java, check_java(java), {})
+    assert here is not None and here.parent == tmp_path
+    # Another driver class path, another archive.
+    assert classcache.archive_for(java, check_java(java),
+                                  {"spark.driver.extraClassPath": "/x.jar"}) != here
+
+
+def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    env = {**os.environ, "WALBERG_CLASS_CACHE": str(cache)}
+    java = find_java()
+    os.environ["WALBERG_CLASS_CACHE"] = str(cache)
+    try:
+        archive = classcache.archive_for(java, check_java(java), {})
+    finally:
+        del os.environ["WALBERG_CLASS_CACHE"]
+    assert archive is not None
+
+    # Made in the foreground, as the benchmarks do: in place, and a JVM starts with it.
+    made = subprocess.run([sys.executable, "-m", "walberg.apply.classcache", str(archive)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    assert archive.is_file() and archive.stat().st_size > 10_000_000
+    assert classcache.starts_with(java, archive)
+    assert not list(cache.glob("*.partial")) and not list(cache.glob("*.building"))
+
+    # The next session's JVM is given it, and works.
+    seen = _session(tmp_path, env)
+    assert seen == {"ARCHIVE": str(archive), "GIVEN": "True", "ANSWER": "42"}
+
+    # A damaged archive (cut short, as a full disk would leave it) makes a JVM abort. The
+    # session starts without it, drops it, and has it made again in the background.
+    size = archive.stat().st_size
+    archive.chmod(0o644)
+    with open(archive, "r+b") as f:
+        f.truncate(size // 3)
+    assert not classcache.starts_with(java, archive)
+    try:
+        seen = _session(tmp_path, env)
+        assert seen["GIVEN"] == "False" and seen["ANSWER"] == "42"
+        deadline = time.monotonic() + 30
+        while not archive.with_suffix(".building").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # The damaged file is gone; a build is under way (its lock and log are there).
+        assert archive.with_suffix(".building").exists()
+        assert archive.with_suffix(".log").exists()
+        assert not (archive.is_file() and archive.stat().st_size == size // 3)
+    finally:
+        _stop_builds(cache)
