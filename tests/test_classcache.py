@@ -83,6 +83,20 @@ def test_no_archive_when_turned_off_or_for_an_old_java(monkeypatch: pytest.Monke
                                   {"spark.driver.extraClassPath": "/x.jar"}) != here
 
 
+def test_only_the_archives_used_last_are_kept(tmp_path: Path) -> None:
+    # Every new virtualenv (a CI run's, say) makes an archive of its own; old ones go.
+    now = time.time()
+    for age in range(5):
+        made = tmp_path / f"driver-{age}.jsa"
+        made.write_bytes(b"x")
+        made.with_suffix(".log").write_text("log")
+        os.utime(made, (now - age * 3600, now - age * 3600))
+    classcache.prune(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "driver-0.jsa", "driver-0.log", "driver-1.jsa", "driver-1.log", "driver-2.jsa",
+        "driver-2.log"]
+
+
 def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     env = {**os.environ, "WALBERG_CLASS_CACHE": str(cache)}

@@ -11,8 +11,9 @@ the classes a run loaded into an archive as the JVM exits (application class-dat
 
 One archive per Java, pyspark and driver class path, in a per-user cache folder
 (``$XDG_CACHE_HOME/walberg/jvm``, else ``~/.cache/walberg/jvm``; ``WALBERG_CLASS_CACHE`` names
-another folder, or ``off``). About 140 MB. The first session that finds none has one made after
-it stops, by a process of its own in the background (``python -m walberg.apply.classcache``):
+another folder, or ``off``). About 180 MB each; the three used last are kept. The first
+session that finds none has one made after it stops, by a process of its own in the
+background (``python -m walberg.apply.classcache``):
 that process starts a session whose JVM writes the archive to a temporary file, runs a small
 workload on a scratch Iceberg table, waits for its JVM to exit, checks that a JVM starts with
 the archive, and only then renames it into place. A JVM given a damaged archive refuses to
@@ -40,6 +41,8 @@ log = logging.getLogger("walberg")
 _QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 # A build that has not finished after this long is taken to be dead.
 _STALE_SECONDS = 900.0
+# Archives kept in the folder (the ones used last).
+KEEP = 3
 
 
 def java_major(version_output: str) -> Optional[int]:
@@ -86,13 +89,26 @@ def usable(archive: Optional[Path]) -> bool:
 
 
 def starts_with(java: Path, archive: Path) -> bool:
-    """Whether a JVM starts with the archive (a damaged one makes it abort; about 0.2 s)."""
+    """Whether a JVM starts with the archive (a damaged one makes it abort; about 0.2 s). A
+    good one is marked used (its modification time), for ``prune``."""
     try:
-        return subprocess.run([str(java), f"-XX:SharedArchiveFile={archive}", "-Xshare:auto",
-                               "-Xlog:disable", "-version"], capture_output=True,
-                              timeout=120).returncode == 0
+        ok = subprocess.run([str(java), f"-XX:SharedArchiveFile={archive}", "-Xshare:auto",
+                             "-Xlog:disable", "-version"], capture_output=True,
+                            timeout=120).returncode == 0
+        if ok:
+            os.utime(archive)
+        return ok
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+def prune(folder: Path, keep: int = KEEP) -> None:
+    """Remove all but the ``keep`` archives used last: every new virtualenv or Java makes
+    another, and each is large."""
+    found = sorted(folder.glob("driver-*.jsa"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in found[keep:]:
+        discard(old)
+        discard(old.with_suffix(".log"))
 
 
 def java_options(archive: Path) -> str:
@@ -185,6 +201,7 @@ def _make(archive: Path) -> int:
                   flush=True)
             return 1
         os.replace(partial, archive)
+        prune(archive.parent)
         print(f"class-data archive ready: {archive} ({archive.stat().st_size / 1e6:.0f} MB, "
               f"made in {time.monotonic() - started:.0f} s)", flush=True)
         return 0
