@@ -55,7 +55,7 @@ def _stop_builds(folder: Path) -> None:
         except OSError:
             continue
         if any(str(folder).encode() in part for part in cmdline) and \
-                b"walberg.apply.classcache" in cmdline:
+                classcache.BUILDER.encode() in cmdline:
             try:
                 os.killpg(int(pid), signal.SIGKILL)
             except OSError:
@@ -109,7 +109,7 @@ def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
     assert archive is not None
 
     # Made in the foreground, as the benchmarks do: in place, and a JVM starts with it.
-    made = subprocess.run([sys.executable, "-m", "walberg.apply.classcache", str(archive)],
+    made = subprocess.run([sys.executable, "-m", classcache.BUILDER, str(archive)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     assert archive.is_file() and archive.stat().st_size > 10_000_000
