@@ -115,6 +115,9 @@ def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
     assert archive.is_file() and archive.stat().st_size > 10_000_000
     assert classcache.starts_with(java, archive)
     assert not list(cache.glob("*.partial")) and not list(cache.glob("*.building"))
+    # A session that started before it was made asks for it on stopping: nothing starts.
+    classcache.build_later(archive)
+    assert not archive.with_suffix(".building").exists()
 
     # The next session's JVM is given it, and works.
     seen = _session(tmp_path, env)

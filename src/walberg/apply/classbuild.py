@@ -48,6 +48,9 @@ def make(archive: Path) -> int:
     partial = archive.with_name(f"{archive.stem}.{os.getpid()}.partial")
     started = time.monotonic()
     try:
+        if archive.is_file() and starts_with(find_java(), archive):
+            print(f"class-data archive there already: {archive}", flush=True)
+            return 0
         with tempfile.TemporaryDirectory(prefix="walberg-warm-") as scratch:
             session = build_session("local[2]", "lake", str(Path(scratch) / "warehouse"), {},
                                     {"spark.driver.extraJavaOptions": dump_options(partial)},

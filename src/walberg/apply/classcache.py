@@ -128,7 +128,10 @@ def discard(archive: Path) -> None:
 
 
 def build_later(archive: Path) -> None:
-    """Have the archive made by a background process of its own, unless one is at it."""
+    """Have the archive made by a background process of its own, unless it is there already
+    (another process made it meanwhile) or one is at it."""
+    if usable(archive):
+        return
     lock = archive.with_suffix(".building")
     try:
         archive.parent.mkdir(parents=True, exist_ok=True)
