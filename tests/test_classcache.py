@@ -129,7 +129,10 @@ def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
     archive.chmod(0o644)
     with open(archive, "r+b") as f:
         f.truncate(size // 3)
+    reports = len(list(Path.cwd().glob("hs_err_pid*.log")))
     assert not classcache.starts_with(java, archive)
+    # The aborted JVM's crash report is not left in the working directory.
+    assert len(list(Path.cwd().glob("hs_err_pid*.log"))) == reports
     try:
         seen = _session(tmp_path, env)
         assert seen["GIVEN"] == "False" and seen["ANSWER"] == "42"
