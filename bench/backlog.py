@@ -2,13 +2,13 @@
 
     python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
 
-For each table size N, in one run, on one embedded PostgreSQL:
+Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.classcache),
+as a machine's first walberg run makes it in the background; the time it took is reported.
+Then for each table size N, in one run, on one embedded PostgreSQL:
 
 1. A table (id bigint key, name text, amount numeric(12,2), n int) of N rows is copied into
    Iceberg by `walberg run --once` in a process of its own (a cold JVM), next to `COPY ... TO
    STDOUT` of the same table.
-0. Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.classcache),
-   as a machine's first walberg run makes it in the background; the time it took is reported.
 2. A no-op `walberg run --once` (nothing to apply): the fixed cost of a run (process, JVM,
    Spark session, catalog, slot); and the same without the class-data archive
    (WALBERG_CLASS_CACHE=off), what the first run on a machine pays.

@@ -97,15 +97,13 @@ def test_only_the_archives_used_last_are_kept(tmp_path: Path) -> None:
         "driver-2.log"]
 
 
-def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
+def test_made_checked_used_and_a_damaged_one_replaced(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    env = {**os.environ, "WALBERG_CLASS_CACHE": str(cache)}
+    monkeypatch.setenv("WALBERG_CLASS_CACHE", str(cache))
+    env = dict(os.environ)
     java = find_java()
-    os.environ["WALBERG_CLASS_CACHE"] = str(cache)
-    try:
-        archive = classcache.archive_for(java, check_java(java), {})
-    finally:
-        del os.environ["WALBERG_CLASS_CACHE"]
+    archive = classcache.archive_for(java, check_java(java), {})
     assert archive is not None
 
     # Made in the foreground, as the benchmarks do: in place, and a JVM starts with it.
@@ -113,7 +111,7 @@ def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=env, timeout=900)
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     assert archive.is_file() and archive.stat().st_size > 10_000_000
-    assert classcache.starts_with(java, archive)
+    assert classcache.starts_with(java, archive, tmp_path / "reports")
     assert not list(cache.glob("*.partial")) and not list(cache.glob("*.building"))
     # A session that started before it was made asks for it on stopping: nothing starts.
     classcache.build_later(archive)
@@ -130,9 +128,10 @@ def test_made_checked_used_and_a_damaged_one_replaced(tmp_path: Path) -> None:
     with open(archive, "r+b") as f:
         f.truncate(size // 3)
     reports = len(list(Path.cwd().glob("hs_err_pid*.log")))
-    assert not classcache.starts_with(java, archive)
-    # The aborted JVM's crash report is not left in the working directory.
+    assert not classcache.starts_with(java, archive, tmp_path / "reports")
+    # The aborted JVM's crash report is in the folder given, not in the working directory.
     assert len(list(Path.cwd().glob("hs_err_pid*.log"))) == reports
+    assert list((tmp_path / "reports").glob("hs_err_check_*.log"))
     try:
         seen = _session(tmp_path, env)
         assert seen["GIVEN"] == "False" and seen["ANSWER"] == "42"

@@ -11,10 +11,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from walberg.apply.classcache import dump_options, prune, starts_with
-from walberg.apply.spark import build_session, find_java
+from walberg.apply.spark import build_session, find_java, temp_folder
 
 # Statements that load what a batch, a copy and a start-up use: catalog lookups, DDL, reading
 # Parquet, netting by window, writes, a MERGE and a delete by position.
@@ -48,7 +48,7 @@ def make(archive: Path) -> int:
     partial = archive.with_name(f"{archive.stem}.{os.getpid()}.partial")
     started = time.monotonic()
     try:
-        if archive.is_file() and starts_with(find_java(), archive):
+        if archive.is_file() and starts_with(find_java(), archive, temp_folder()):
             print(f"class-data archive there already: {archive}", flush=True)
             return 0
         with tempfile.TemporaryDirectory(prefix="walberg-warm-") as scratch:
@@ -57,10 +57,10 @@ def make(archive: Path) -> int:
                                     app_name="walberg-class-archive", class_cache=False)
             for statement in _WORKLOAD:
                 session.sql(statement).collect()
-            df = session.read.parquet(*_parquet(session, Path(scratch)))
+            df = session.read.parquet(_parquet(session, Path(scratch)))
             df.where("op <> 'D'").selectExpr("CAST(id AS BIGINT) AS id", "name").collect()
             _stop_and_wait(session)
-        if not partial.is_file() or not starts_with(find_java(), partial):
+        if not partial.is_file() or not starts_with(find_java(), partial, temp_folder()):
             print("the archive was not written, or a JVM does not start with it: not using it",
                   flush=True)
             return 1
@@ -74,12 +74,12 @@ def make(archive: Path) -> int:
         archive.with_suffix(".building").unlink(missing_ok=True)
 
 
-def _parquet(session: Any, scratch: Path) -> Sequence[str]:
+def _parquet(session: Any, scratch: Path) -> str:
     """A staged-looking Parquet file, written by Spark, for the workload to read back."""
     path = str(scratch / "staged")
     session.range(5000).selectExpr("id", "CAST(id AS STRING) AS name",
                                    "IF(id % 3 = 0, 'D', 'U') AS op").write.parquet(path)
-    return [path]
+    return path
 
 
 def _stop_and_wait(session: Any) -> None:

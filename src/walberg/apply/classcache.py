@@ -30,7 +30,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Mapping, Optional
@@ -90,13 +89,12 @@ def usable(archive: Optional[Path]) -> bool:
     return archive is not None and archive.is_file()
 
 
-def starts_with(java: Path, archive: Path) -> bool:
+def starts_with(java: Path, archive: Path, reports: Path) -> bool:
     """Whether a JVM starts with the archive (a damaged one makes it abort; about 0.2 s). A
-    good one is marked used (its modification time), for ``prune``."""
-    # An aborting JVM writes a crash report; not into the user's working directory.
-    reports = Path(tempfile.gettempdir()) / f"walberg-{os.getuid()}"
+    good one is marked used (its modification time), for ``prune``. An aborting JVM writes a
+    crash report: into the folder ``reports``, not the user's working directory."""
     try:
-        reports.mkdir(mode=0o700, exist_ok=True)
+        reports.mkdir(mode=0o700, parents=True, exist_ok=True)
         ok = subprocess.run([str(java), f"-XX:SharedArchiveFile={archive}", "-Xshare:auto",
                              "-Xlog:disable", f"-XX:ErrorFile={reports}/hs_err_check_%p.log",
                              "-version"], capture_output=True, timeout=120).returncode == 0

@@ -116,21 +116,27 @@ appender.main.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
 """
 
 
+def temp_folder() -> Path:
+    """walberg's per-user folder in the temp dir: the JVM's log, its log4j2 configurations
+    and the crash reports of class-data archive checks."""
+    return Path(tempfile.gettempdir()) / f"walberg-{os.getuid()}"
+
+
 def spark_log() -> Optional[Path]:
-    """Where the JVM's log goes: a file (default: walberg-spark.log in a per-user folder of
-    the temp dir), or None for the terminal (WALBERG_SPARK_LOG=-)."""
+    """Where the JVM's log goes: a file (default: walberg-spark.log in ``temp_folder``), or
+    None for the terminal (WALBERG_SPARK_LOG=-)."""
     chosen = os.environ.get("WALBERG_SPARK_LOG")
     if chosen == "-":
         return None
     if chosen:
         return Path(chosen)
-    return Path(tempfile.gettempdir()) / f"walberg-{os.getuid()}" / "walberg-spark.log"
+    return temp_folder() / "walberg-spark.log"
 
 
 def _log_config() -> Path:
     """A log4j2 configuration for this process's JVM (see ``_LOG4J``)."""
     target = spark_log()
-    folder = Path(tempfile.gettempdir()) / f"walberg-{os.getuid()}"
+    folder = temp_folder()
     folder.mkdir(mode=0o700, exist_ok=True)
     if target is None:
         text = _LOG4J + _LOG4J_CONSOLE
@@ -194,7 +200,7 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
     conf.update(extra)
     archive = classcache.archive_for(java, version, conf) if class_cache else None
     if archive is not None and not (classcache.usable(archive)
-                                    and classcache.starts_with(java, archive)):
+                                    and classcache.starts_with(java, archive, temp_folder())):
         classcache.discard(archive)
         _archive_wanted, archive = archive, None  # made after this session (stop_session)
     try:
