@@ -10,9 +10,10 @@ import pytest
 
 from conftest import make_config
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
-from walberg.apply.iceberg import normal_transform, spark_transform
+from walberg.apply.iceberg import IcebergSink, normal_transform, spark_transform
 from walberg.config import parse_config
 from walberg.errors import ConfigError
+from walberg.model import Layout
 from walberg.pipeline import Pipeline
 
 
@@ -103,6 +104,19 @@ def test_partitioned_copy_on_write_table_and_partition_evolution(
     assert files and all(f["content"] == 0 for f in files), "copy-on-write: no delete files"
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+    # A start with the same layout finds the table as the layout says: nothing to evolve.
+    sink = IcebergSink(spark)
+    layout = config.layout_for(table)
+    assert sink.partitioning(target) == ["days(created_at)", "bucket(4,customer_id)"]
+    assert sink.align(target, layout) == []
+    also = Layout(("truncate(4, note)",), layout.properties, layout.format_version,
+                  layout.write_mode)
+    assert sink.align(target, also) == ["drop partition field days(created_at)",
+                                        "drop partition field bucket(4,customer_id)",
+                                        "add partition field truncate(4,note)"]
+    assert sink.align(target, also) == []
+    assert IcebergSink(spark).partitioning(target) == ["truncate(4,note)"]
 
     # Partition evolution: a new spec for new data, the old files stay as they are.
     before = {f["file_path"] for f in lake.inspect.files().to_pylist()}

@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 
 from walberg.apply.batch import StagedTable, applied_rows, value_column
 from walberg.apply.keyindex import KeyIndex
-from walberg.apply.rowdelta import Positions, commit_row_delta, java_table, lake_entries, written_entries
-from walberg.apply.session import LakeSession
+from walberg.apply.rowdelta import Positions, commit_row_delta, lake_entries, written_entries
+from walberg.apply.session import LakeSession, java_table
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn
 

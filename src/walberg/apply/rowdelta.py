@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from walberg.apply.session import quote_target
+from walberg.apply.session import java_table, quote_target
 from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
 
@@ -52,14 +52,6 @@ class RowDeltaResult:
     deleted_rows: int
     added_files: tuple[str, ...] = ()  # the data files the commit wrote
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # deletes, new rows, commit
-
-
-def java_table(spark: Any, target: str) -> Any:
-    """``target`` (a quoted multi-part name) as an Iceberg Java table, refreshed."""
-    table = spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
-        spark._jsparkSession, quote_target(target))
-    table.refresh()
-    return table
 
 
 @dataclass(frozen=True)

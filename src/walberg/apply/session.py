@@ -35,6 +35,36 @@ def quote_target(target: str) -> str:
     return ".".join(quote(p) for p in target.split("."))
 
 
+def java_table(spark: Any, target: str) -> Any:
+    """``target`` as an Iceberg Java table, refreshed: its metadata, read on the driver, with
+    no Spark job and none of Spark SQL's parsing and planning."""
+    table = spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
+        spark._jsparkSession, quote_target(target))
+    table.refresh()
+    return table
+
+
+def find_java_table(spark: Any, target: str) -> Optional[Any]:
+    """``target`` as an Iceberg Java table (see ``java_table``), or None if it does not exist."""
+    try:
+        return java_table(spark, target)
+    except Exception as exc:
+        if _not_found(exc):
+            return None
+        raise
+
+
+def _not_found(exc: BaseException) -> bool:
+    """Whether a Java call failed because the table (or its namespace) does not exist. PySpark
+    turns Spark's exceptions into its own, with Spark's error class; others stay py4j's."""
+    error_class = getattr(exc, "getErrorClass", None)
+    if callable(error_class) and error_class() in ("TABLE_OR_VIEW_NOT_FOUND", "SCHEMA_NOT_FOUND"):
+        return True
+    java = getattr(exc, "java_exception", None)
+    return java is not None and str(java.getClass().getName()).endswith(
+        (".NoSuchTableException", ".NoSuchNamespaceException"))
+
+
 class LakeSession:
     """The Spark session and the source one sink writes for, shared by the sink's helpers."""
 

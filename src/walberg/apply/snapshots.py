@@ -11,6 +11,7 @@ from walberg.apply.session import (
     LSN_PROPERTY,
     OFFSET_PROPERTY,
     LakeSession,
+    java_table,
     quote_target,
 )
 from walberg.apply.spark import spark_call
@@ -44,11 +45,7 @@ class Snapshots:
 
     def iceberg_table(self, target: str) -> Any:
         """``target`` as an Iceberg Java table, refreshed (metadata on the driver only)."""
-        spark = self.lake.spark
-        table = spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
-            spark._jsparkSession, quote_target(target))
-        table.refresh()
-        return table
+        return java_table(self.lake.spark, target)
 
     def current_ancestry(self, target: str) -> Iterator[Any]:
         """The summary (a Java map) of the table's current snapshot and of each of its

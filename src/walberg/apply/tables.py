@@ -4,11 +4,20 @@ layout, and evolving the schema with the source's."""
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 from walberg.apply.evolution import Step
-from walberg.apply.session import LSN_COLUMN, OP_COLUMN, SOURCE_COLUMN, LakeSession, quote_target
+from walberg.apply.session import (
+    LSN_COLUMN,
+    OP_COLUMN,
+    SOURCE_COLUMN,
+    LakeSession,
+    find_java_table,
+    quote_target,
+)
 from walberg.apply.spark import spark_call
 from walberg.apply.types import quote, sql_string
 from walberg.errors import ApplyError, StorageUnavailable
@@ -75,20 +84,76 @@ def spark_transform(text: str) -> str:
     return f"{name}({width}, {quote(column)})" if width else f"{name}({quote(column)})"
 
 
+@dataclass(frozen=True)
+class TableFacts:
+    """What walberg checks of an existing table: its partition fields (normalised, see
+    ``normal_transform``), properties, format version and columns (name, Spark SQL type)."""
+
+    partitioning: list[str]
+    properties: dict[str, str]
+    format_version: int
+    columns: list[tuple[str, str]]
+
+
+def _spec_fields(table: Any) -> list[str]:
+    """The partition fields of a Java table's current spec, normalised; a field a v2 spec
+    dropped (a void transform) is left out."""
+    out: list[str] = []
+    schema = table.schema()
+    for field in table.spec().fields():
+        m = re.fullmatch(r"(\w+)(?:\[(\d+)\])?", str(field.transform().toString()))
+        if m is None or m.group(1) == "void":
+            continue
+        name, width = m.groups()
+        column = str(schema.findColumnName(field.sourceId()))
+        text = column if name == "identity" else (
+            f"{name}({width},{column})" if width else f"{name}({column})")
+        out.append(normal_transform(text))
+    return out
+
+
+def _facts(spark: Any, table: Any) -> TableFacts:
+    from pyspark.sql.types import StructType
+
+    jvm = spark._jvm
+    struct = StructType.fromJson(json.loads(
+        jvm.org.apache.iceberg.spark.SparkSchemaUtil.convert(table.schema()).json()))
+    return TableFacts(_spec_fields(table), {str(k): str(v) for k, v in table.properties().items()},
+                      int(table.operations().current().formatVersion()),
+                      [(f.name, f.dataType.simpleString()) for f in struct.fields])
+
+
 class Tables:
-    """DDL and evolution of the tables one sink writes. Keeps each table's schema as last read,
-    so that checking a batch's columns costs no Spark call while nothing changed."""
+    """DDL and evolution of the tables one sink writes. Keeps what it read of each table
+    (``TableFacts``) until it changes the table, so that checking a batch's columns costs no
+    Spark call while nothing changed. Facts are read through Iceberg's Java API: a table's
+    metadata, without Spark SQL's parsing and planning (the first statements of a process
+    cost seconds, and a run with nothing to apply makes no other)."""
 
     def __init__(self, lake: LakeSession) -> None:
         self.lake = lake
-        self._schemas: dict[str, list[tuple[str, str]]] = {}
+        self._facts: dict[str, TableFacts] = {}
+
+    def describe(self, target: str) -> Optional[TableFacts]:
+        """The table's facts, as last read (None: the table does not exist)."""
+        found = self._facts.get(target)
+        if found is None:
+            def read() -> Optional[TableFacts]:
+                table = find_java_table(self.lake.spark, target)
+                return None if table is None else _facts(self.lake.spark, table)
+
+            found = spark_call(f"reading the metadata of {target}", read)
+            if found is not None:
+                self._facts[target] = found
+        return found
 
     def exists(self, target: str) -> bool:
-        return self.lake.table_exists(target)
+        return self.describe(target) is not None
 
     def ensure_table(self, target: str, columns: Sequence[Column],
                      layout: Optional[Layout] = None) -> bool:
         """Create the Iceberg table for these source columns if it does not exist; True if made."""
+        self.forget(target)  # read afresh: someone else may have changed it since
         if self.exists(target):
             return False
         cols = ", ".join(f"{quote(c.name)} {self.lake.types.spark_type(c, target).sql}"
@@ -117,6 +182,7 @@ class Tables:
         catalog, namespace, _ = target.split(".")
         self.ensure_namespace(catalog, namespace)
         props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in table_properties(layout).items())
+        self.forget(target)
         parts = ""
         if layout is not None and layout.partition_by:
             parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"
@@ -135,6 +201,7 @@ class Tables:
     def ensure_changelog(self, target: str, columns: Sequence[Column],
                          layout: Optional[Layout] = None) -> bool:
         """Create a changelog table (one row per change) if it does not exist; True if made."""
+        self.forget(target)
         if self.exists(target):
             return False
         cols = ", ".join(f"{quote(c.name)} {self.lake.types.spark_type(c, target).sql}"
@@ -145,25 +212,14 @@ class Tables:
 
     def partitioning(self, target: str) -> list[str]:
         """The table's current partition fields, normalised (see ``normal_transform``)."""
-        rows = self.lake.sql(f"describing {target}",
-                             f"DESCRIBE TABLE EXTENDED {quote_target(target)}").collect()
-        # Spark prints a spec of identity fields only as "# Partition Information" (one row per
-        # column), any other as "# Partitioning" ("Part N" rows with the transform).
-        out: list[str] = []
-        section = ""
-        for r in rows:
-            name = (r["col_name"] or "").strip()
-            if name in ("# Partitioning", "# Partition Information"):
-                section = name
-            elif section and (not name or (name.startswith("#") and name != "# col_name")):
-                break
-            elif section == "# Partitioning" and name.startswith("Part "):
-                field = normal_transform(r["data_type"])
-                if not field.startswith("void("):  # a field dropped from a v2 spec
-                    out.append(field)
-            elif section == "# Partition Information" and name != "# col_name":
-                out.append(normal_transform(name))
-        return out
+        return list(self._known(target).partitioning)
+
+    def _known(self, target: str) -> TableFacts:
+        found = self.describe(target)
+        if found is None:
+            raise ApplyError(f"{target} does not exist in the catalog: was it dropped while "
+                             "walberg ran? Run walberg again to copy it anew.")
+        return found
 
     def align(self, target: str, layout: Layout) -> list[str]:
         """Evolve the partition spec and set the properties the layout asks for; returns what
@@ -171,7 +227,8 @@ class Tables:
         layout = self.shared(layout)
         done = self._align_partitioning(target, layout)
         done += self._align_properties(target, layout)
-        self._schemas.pop(target, None)
+        if done:
+            self.forget(target)
         return done
 
     def _align_partitioning(self, target: str, layout: Layout) -> list[str]:
@@ -193,13 +250,12 @@ class Tables:
 
     def _align_properties(self, target: str, layout: Layout) -> list[str]:
         t = quote_target(target)
-        rows = self.lake.sql(f"reading the properties of {target}",
-                             f"SHOW TBLPROPERTIES {t}").collect()
-        current = {r["key"]: r["value"] for r in rows}
+        facts = self._known(target)
+        current = facts.properties
         changed = {}
         for key, value in table_properties(layout).items():
             if key == "format-version":
-                now = int(current.get("format-version", "2"))
+                now = facts.format_version
                 if int(value) < now:
                     raise ApplyError(
                         f"{target} is Iceberg format version {now}; a table cannot go back to "
@@ -218,26 +274,24 @@ class Tables:
     def columns_match(self, target: str, columns: Sequence[Column]) -> bool:
         """Whether the Iceberg table has exactly these source columns (names and types)."""
         want = [(c.name, self.lake.types.spark_type(c, target).describe()) for c in columns]
-        if self._schemas.get(target) != want:
-            self._schemas[target] = self.schema(target)
-        return self._schemas[target] == want
+        if self.schema(target) != want:
+            self.forget(target)  # what was kept may be stale: decide on the table as it is
+        return self.schema(target) == want
 
     def forget(self, target: str) -> None:
-        """Drop the schema kept of ``target``: the next check reads it afresh."""
-        self._schemas.pop(target, None)
+        """Drop what is kept of ``target``: the next check reads it afresh."""
+        self._facts.pop(target, None)
 
     def schema(self, target: str) -> list[tuple[str, str]]:
         """The table's source columns as (name, Spark SQL type), in order."""
-        fields = spark_call(f"reading the schema of {target}",
-                            lambda: self.lake.spark.table(quote_target(target)).schema).fields
-        return [(f.name, f.dataType.simpleString()) for f in fields
-                if not f.name.startswith("_walberg_")]
+        return [(name, kind) for name, kind in self._known(target).columns
+                if not name.startswith("_walberg_")]
 
     def evolve(self, target: str, steps: Sequence[Step], after: dict[str, str]) -> None:
         """Apply schema steps (Iceberg metadata only: no data file is rewritten). ``after``
         places each added column after the named one, keeping the source's column order."""
         t = quote_target(target)
-        self._schemas.pop(target, None)
+        self.forget(target)
         for step in steps:
             if step.kind == "add":
                 where = (f" AFTER {quote(after[step.name])}" if after.get(step.name)
@@ -254,12 +308,11 @@ class Tables:
 
     def properties(self, target: str, prefix: str) -> dict[str, str]:
         """The table's properties whose key starts with ``prefix``."""
-        rows = self.lake.sql(f"reading the properties of {target}",
-                             f"SHOW TBLPROPERTIES {quote_target(target)}").collect()
-        return {r["key"]: r["value"] for r in rows if r["key"].startswith(prefix)}
+        return {k: v for k, v in self._known(target).properties.items() if k.startswith(prefix)}
 
     def set_property(self, target: str, key: str, value: Optional[str]) -> None:
         t = quote_target(target)
+        self.forget(target)
         if value is None:
             self.lake.sql(f"updating {target}",
                           f"ALTER TABLE {t} UNSET TBLPROPERTIES IF EXISTS ('{key}')")
