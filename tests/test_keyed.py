@@ -45,9 +45,13 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         cur.execute(f"INSERT INTO {text_keyed} SELECT 'k' || g, g FROM generate_series(1, 50) g")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table, text_keyed])
     target = config.target_for(table)
-    run_once(config, spark)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
     index = KeyIndex(config.index_dir / target)
     assert index.built and index.size == 3000, "the copy builds the index"
+    # from the copy's data files (no delete file yet), read on the driver
+    assert "data file(s) read on the driver): 3000 keys" in caplog.text, caplog.text[-2000:]
+    caplog.clear()
 
     rounds = [
         # Updates and deletes at keys spread over the table, new keys, a key deleted and
@@ -101,7 +105,8 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         cur.execute(f"DELETE FROM {table} WHERE id % 17 = 0")
     with caplog.at_level(logging.INFO, logger="walberg"):
         run_once(config, spark)
-    assert "rebuilt from the lake" in caplog.text
+    # The table has delete files by now: Spark reads it, applying them, and sorts it.
+    assert "rebuilt from the lake (read and sorted by Spark)" in caplog.text
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
 

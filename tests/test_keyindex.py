@@ -72,3 +72,35 @@ def test_entries_out_of_order_are_refused(tmp_path: Path) -> None:
         assert "ascending key order" in str(exc)
     else:
         raise AssertionError("unsorted entries were taken")
+
+
+@settings(max_examples=60, deadline=None)
+@given(files=st.lists(st.lists(st.integers(-10**12, 10**12), max_size=40), max_size=8),
+       run=st.integers(1, 50), group=st.integers(1, 15))
+def test_rebuild_from_files_sorts_on_disk(tmp_path_factory: object, files: list[list[int]],
+                                          run: int, group: int) -> None:
+    """Keys of data files in any order, sorted in runs on disk and merged: the index answers
+    as if built from the table read in key order, whatever the run and row-group sizes."""
+    folder: Path = tmp_path_factory.mktemp("index")  # type: ignore[attr-defined]
+    seen: set[int] = set()
+    model: Model = {}
+    contents: list[list[int]] = []
+    for n, keys in enumerate(files):
+        keys = [k for k in dict.fromkeys(keys) if k not in seen]  # each key in one row
+        seen.update(keys)
+        contents.append(keys)
+        model.update({k: (f"data-{n}.parquet", pos) for pos, k in enumerate(keys)})
+
+    def rows() -> Iterator[tuple[int, int, np.ndarray]]:
+        for n, keys in enumerate(contents):  # a row group at a time, as file_keys reads
+            for lo in range(0, len(keys), group):
+                yield n, lo, np.array(keys[lo:lo + group], np.int64)
+
+    scratch = folder / "scratch"
+    scratch.mkdir()
+    index = KeyIndex(folder / "index", chunk=7)
+    index.rebuild_from_files(5, [f"data-{n}.parquet" for n in range(len(contents))], rows(),
+                             scratch, run=run)
+    assert index.snapshot == 5 and index.size == len(model)
+    assert _answers(index, sorted(model) + [10**13]) == model
+    assert _answers(KeyIndex(folder / "index"), sorted(model)) == model

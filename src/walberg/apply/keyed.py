@@ -40,7 +40,14 @@ import pyarrow.parquet as pq
 
 from walberg.apply.batch import StagedTable, applied_rows, value_column
 from walberg.apply.keyindex import KeyIndex
-from walberg.apply.rowdelta import Positions, commit_row_delta, lake_entries, written_entries
+from walberg.apply.rowdelta import (
+    Positions,
+    commit_row_delta,
+    file_keys,
+    lake_entries,
+    plain_local_files,
+    written_entries,
+)
 from walberg.apply.session import LakeSession, java_table
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn
@@ -120,9 +127,20 @@ class KeyedApply:
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:
-                snapshot, sorted_entries = lake_entries(self.lake.spark, target, key, scratch)
-                found.rebuild(snapshot, sorted_entries)
-                log.info("key index of %s rebuilt from the lake: %d keys, in %.2f s", target,
+                plain = plain_local_files(self.lake.spark, target, key)
+                if plain is not None:
+                    # No delete file: every row of the data files is live. Their key columns
+                    # are read on the driver and sorted on disk, with no Spark job.
+                    snapshot, locations, paths, field_id = plain
+                    found.rebuild_from_files(snapshot, locations, file_keys(paths, field_id),
+                                             scratch)
+                    how = f"{len(locations)} data file(s) read on the driver"
+                else:
+                    snapshot, sorted_entries = lake_entries(self.lake.spark, target, key, scratch)
+                    found.rebuild(snapshot, sorted_entries)
+                    how = "read and sorted by Spark"
+                log.info("key index of %s rebuilt from the lake (%s): %d keys, in %.2f s",
+                         target, how,
                          found.size, time.monotonic() - started)
         return found
 

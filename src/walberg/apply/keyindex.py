@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -131,13 +132,17 @@ class KeyIndex:
 
     # ---- building ---------------------------------------------------------------------------
 
-    def rebuild(self, snapshot: Optional[int], entries: Iterator[tuple[np.ndarray, list[str],
-                                                                       np.ndarray]]) -> None:
+    def rebuild(self, snapshot: Optional[int],
+                entries: Iterator[tuple[np.ndarray, Any, np.ndarray]],
+                files: Optional[list[str]] = None) -> None:
         """Make the index anew from ``entries``: batches of (keys, data file paths,
         positions) in ascending key order across batches (the lake read sorted by key), for
-        the table at ``snapshot``."""
+        the table at ``snapshot``. With ``files``, each batch gives its rows' data files as
+        numbers in that list instead of paths."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._files, self._file_ids, self._deltas, self._delta_names = [], {}, [], []
+        self._files = list(files or [])
+        self._file_ids = {f: i for i, f in enumerate(self._files)}
+        self._deltas, self._delta_names = [], []
         base = f"base-{uuid.uuid4().hex}"
         folder = self.directory / base
         folder.mkdir()
@@ -151,14 +156,25 @@ class KeyIndex:
                 if (last is not None and keys[0] <= last) or np.any(keys[1:] <= keys[:-1]):
                     raise ValueError("key index entries must come in ascending key order, "
                                      "each key once")
-                ids = np.fromiter((self._file_id(x) for x in paths), dtype=np.int32,
-                                  count=len(keys))
+                ids = (np.asarray(paths, dtype=np.int32) if files is not None else
+                       np.fromiter((self._file_id(x) for x in paths), dtype=np.int32,
+                                   count=len(keys)))
                 keys.tofile(k)
                 ids.tofile(f)
                 np.asarray(positions, dtype=np.int64).tofile(p)
                 size, last = size + len(keys), int(keys[-1])
         self._base, self._base_size, self.snapshot = base, size, snapshot
         self._save()
+
+    def rebuild_from_files(self, snapshot: Optional[int], files: list[str],
+                           rows: Iterator[tuple[int, int, np.ndarray]], scratch: Path,
+                           run: int = 1 << 21) -> None:
+        """Make the index anew from the keys of data files, in any order: ``rows`` gives
+        (file number in ``files``, position of the first row, the keys of consecutive rows).
+        Sorted on disk under ``scratch`` in runs of ``run`` keys, then merged, so memory stays
+        bounded by the run whatever the table's size (about 50 bytes a key of the run: 100 MB
+        for the default run of 2M keys)."""
+        self.rebuild(snapshot, _external_sort(rows, scratch, run), files)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -291,3 +307,97 @@ class KeyIndex:
         width = np.dtype(dtype).itemsize
         return np.fromfile(self.directory / self._base / column, dtype=dtype, count=count,
                            offset=offset * width)
+
+
+def _external_sort(rows: Iterator[tuple[int, int, np.ndarray]], scratch: Path, run: int
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(keys, file numbers, positions) of ``rows`` (see ``KeyIndex.rebuild_from_files``) in
+    ascending key order, in batches: sorted runs of at most ``run`` entries written under
+    ``scratch``, then merged a block of each run at a time."""
+    runs: list[Path] = []
+    pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    held = 0
+
+    def spill() -> None:
+        nonlocal pending, held
+        keys = np.concatenate([p[0] for p in pending])
+        order = np.argsort(keys, kind="stable")
+        folder = Path(tempfile.mkdtemp(prefix="run-", dir=scratch))
+        keys[order].tofile(folder / "keys")
+        np.concatenate([p[1] for p in pending])[order].tofile(folder / "files")
+        np.concatenate([p[2] for p in pending])[order].tofile(folder / "positions")
+        runs.append(folder)
+        pending, held = [], 0
+
+    for file_number, first, keys in rows:
+        keys = np.asarray(keys, dtype=np.int64)
+        for lo in range(0, len(keys), run):
+            part = keys[lo:lo + run]
+            if held + len(part) > run:
+                spill()
+            pending.append((part, np.full(len(part), file_number, np.int32),
+                            np.arange(first + lo, first + lo + len(part), dtype=np.int64)))
+            held += len(part)
+    if not runs:  # everything fits in one run: sorted in memory
+        if pending:
+            keys = np.concatenate([p[0] for p in pending])
+            order = np.argsort(keys, kind="stable")
+            yield (keys[order], np.concatenate([p[1] for p in pending])[order],
+                   np.concatenate([p[2] for p in pending])[order])
+        return
+    if pending:
+        spill()
+    yield from _merge(runs, max(1 << 16, run // len(runs)))
+
+
+class _RunReader:
+    """A sorted run on disk, read a block at a time."""
+
+    def __init__(self, folder: Path, block: int) -> None:
+        self.folder, self.block = folder, block
+        self.size = (folder / "keys").stat().st_size // 8
+        self.offset = 0
+        self.keys = np.empty(0, np.int64)
+        self.files = np.empty(0, np.int32)
+        self.positions = np.empty(0, np.int64)
+
+    @property
+    def more(self) -> bool:
+        """Whether entries remain on disk past the block held."""
+        return self.offset < self.size
+
+    def fill(self) -> None:
+        count = min(self.block, self.size - self.offset)
+        self.keys = np.fromfile(self.folder / "keys", np.int64, count, offset=self.offset * 8)
+        self.files = np.fromfile(self.folder / "files", np.int32, count, offset=self.offset * 4)
+        self.positions = np.fromfile(self.folder / "positions", np.int64, count,
+                                     offset=self.offset * 8)
+        self.offset += count
+
+    def take(self, upto: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The held entries with a key of at most ``upto``; the rest stay held."""
+        n = int(np.searchsorted(self.keys, upto, side="right"))
+        out = (self.keys[:n], self.files[:n], self.positions[:n])
+        self.keys, self.files, self.positions = self.keys[n:], self.files[n:], self.positions[n:]
+        return out
+
+
+def _merge(folders: list[Path], block: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Sorted runs merged: each round takes, from every run's held block, the entries up to
+    the smallest last key among the blocks of runs that have more on disk (nothing past it can
+    come before it), so every round empties at least one block."""
+    readers = [_RunReader(f, block) for f in folders]
+    while True:
+        for r in readers:
+            if not len(r.keys) and r.more:
+                r.fill()
+        live = [r for r in readers if len(r.keys)]
+        if not live:
+            return
+        limits = [int(r.keys[-1]) for r in live if r.more]
+        upto = min(limits) if limits else int(np.iinfo(np.int64).max)
+        parts = [r.take(upto) for r in live]
+        keys = np.concatenate([p[0] for p in parts])
+        order = np.argsort(keys, kind="stable")
+        yield (keys[order], np.concatenate([p[1] for p in parts])[order],
+               np.concatenate([p[2] for p in parts])[order])

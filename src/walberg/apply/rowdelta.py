@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -151,6 +151,60 @@ def lake_entries(spark: Any, target: str, key: str, scratch: Path) -> tuple[Opti
         .selectExpr(f"CAST({_quote(key)} AS BIGINT) AS key", "_file AS file_path", "_pos AS pos") \
         .orderBy("key")
     return snapshot, _read_back(spark, frame, scratch)
+
+
+def plain_local_files(spark: Any, target: str, key: str
+                      ) -> Optional[tuple[Optional[int], list[str], list[Path], int]]:
+    """The data files of ``target``'s current snapshot, when every one is on this machine's disk
+    and no delete file applies to any (just after a copy, or a compaction): (snapshot, their
+    locations, their local paths, the key column's Iceberg field id). Then every row of those
+    files is live, and a row's position is its ordinal in its file. None otherwise."""
+    table = java_table(spark, target)
+    current = table.currentSnapshot()
+    if current is None:
+        return None
+    snapshot = int(current.snapshotId())
+    field = table.schema().findField(key)
+    if field is None:
+        return None
+    locations: list[str] = []
+    paths: list[Path] = []
+    tasks = table.newScan().useSnapshot(snapshot).planFiles()
+    try:
+        it = tasks.iterator()
+        while it.hasNext():
+            task = it.next()
+            if not task.deletes().isEmpty():
+                return None
+            location = str(task.file().location())
+            local = _local_path(location)
+            if local is None:
+                return None
+            locations.append(location)
+            paths.append(local)
+    finally:
+        tasks.close()
+    return snapshot, locations, paths, int(field.fieldId())
+
+
+def file_keys(paths: Sequence[Path], field_id: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(file number, position of the first row, keys) of every row of local Parquet data
+    files, a row group at a time. The key column is found by its Iceberg field id, so a file
+    written before the column was renamed is read right."""
+    for number, path in enumerate(paths):
+        parquet = pq.ParquetFile(path)
+        schema = parquet.schema_arrow
+        at = [i for i, f in enumerate(schema) if f.metadata and
+              f.metadata.get(b"PARQUET:field_id") == str(field_id).encode()]
+        if len(at) != 1:
+            raise ApplyError(f"{path} has no column with field id {field_id}: it is not a data "
+                             "file of this table as walberg knows it")
+        offset = 0
+        for group in range(parquet.num_row_groups):
+            column = parquet.read_row_group(group, columns=[schema.field(at[0]).name]).column(0)
+            keys = column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            yield number, offset, keys
+            offset += len(keys)
 
 
 def written_entries(spark: Any, files: tuple[str, ...], key: str, scratch: Path) -> Entries:
