@@ -1,5 +1,6 @@
-"""kill -9 at 14 moments at 7 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
-writer keeps changing rows: while writing a segment, between seal and apply, while decoding,
+"""kill -9 at 15 moments at 8 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
+writer keeps changing rows: inside the initial copy (its data files written on the driver, not
+yet committed), while writing a segment, between seal and apply, while decoding,
 inside the Spark commit, after the commit before the slot hears of it, and inside the apply by
 position (before its row delta, while its key index catches up with it); each followed by a
 restart. The last run ends with the lake equal to Postgres: no row lost, none duplicated."""
@@ -19,14 +20,14 @@ from lake import iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.model import Lsn
 
 HITS = (1, 3)  # the n-th pass of each point: the first, and one with a history behind it
-POINTS = {"segment-write": HITS, "seal": HITS, "decode": HITS, "commit": HITS,
+POINTS = {"copy-files": (1,), "segment-write": HITS, "seal": HITS, "decode": HITS, "commit": HITS,
           "committed": HITS,
           # Inside the apply by position (apply.keyed): before its row delta commits, and
           # while the key index is brought up to that commit.
           "row-delta": HITS, "indexed": (1, 2)}
 
 
-def test_kill_9_at_14_moments_loses_and_duplicates_nothing(
+def test_kill_9_at_15_moments_loses_and_duplicates_nothing(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
         unique: str) -> None:
     table = f"public.{unique}"

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from walberg.apply import copyfiles
 from walberg.apply.batch import (
     DLQ_REASON,
     OP_LABEL_SQL,
@@ -163,7 +164,15 @@ class Writes:
 
     def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
                   lsn: Lsn) -> None:
-        """Replace the table's contents with the initial copy, in one commit marked ``lsn``."""
+        """Replace the table's contents with the initial copy, in one commit marked ``lsn``:
+        written on the driver when staging left every column in its type (apply.copyfiles),
+        else by Spark."""
+        if copyfiles.write_copy(self.lake, self.tables, target, columns, files, lsn,
+                                self.lake.marks(lsn, None)) is not None:
+            self.lake.refresh(target)
+            spark_call(f"indexing the keys of {target}",
+                       lambda: self.keyed.prepare(target, columns))
+            return
         df = self.lake.read_staged(files)
         typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
         spark_call(
