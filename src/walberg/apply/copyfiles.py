@@ -99,11 +99,14 @@ def write_copy(lake: LakeSession, tables: Tables, target: str, columns: Sequence
         path = (local_folder or scratch) / name
         path.parent.mkdir(parents=True, exist_ok=True)
         sink = open(path, "wb")
-        options: dict[str, Any] = {"compression": codec, "use_dictionary": False,
-                                   "store_decimal_as_integer": True}
+        options: dict[str, Any] = {"compression": codec, "use_dictionary": False}
         if level is not None and codec in ("zstd", "gzip"):
             options["compression_level"] = int(level)
-        return pq.ParquetWriter(sink, schema, **options), sink, f"{folder}/{name}", path
+        try:  # decimals as INT32/INT64 where they fit, as Iceberg's own writer stores them
+            writer = pq.ParquetWriter(sink, schema, store_decimal_as_integer=True, **options)
+        except TypeError:  # an older pyarrow: fixed-length decimals, which every reader takes
+            writer = pq.ParquetWriter(sink, schema, **options)
+        return writer, sink, f"{folder}/{name}", path
 
     writer: Any = None
     sink: Any = None
