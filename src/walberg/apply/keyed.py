@@ -140,8 +140,7 @@ class KeyedApply:
                     found.rebuild(snapshot, sorted_entries)
                     how = "read and sorted by Spark"
                 log.info("key index of %s rebuilt from the lake (%s): %d keys, in %.2f s",
-                         target, how,
-                         found.size, time.monotonic() - started)
+                         target, how, found.size, time.monotonic() - started)
         return found
 
     def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]

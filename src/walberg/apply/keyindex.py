@@ -320,12 +320,11 @@ def _external_sort(rows: Iterator[tuple[int, int, np.ndarray]], scratch: Path, r
 
     def spill() -> None:
         nonlocal pending, held
-        keys = np.concatenate([p[0] for p in pending])
-        order = np.argsort(keys, kind="stable")
+        keys, files, positions = _by_key(pending)
         folder = Path(tempfile.mkdtemp(prefix="run-", dir=scratch))
-        keys[order].tofile(folder / "keys")
-        np.concatenate([p[1] for p in pending])[order].tofile(folder / "files")
-        np.concatenate([p[2] for p in pending])[order].tofile(folder / "positions")
+        keys.tofile(folder / "keys")
+        files.tofile(folder / "files")
+        positions.tofile(folder / "positions")
         runs.append(folder)
         pending, held = [], 0
 
@@ -340,14 +339,20 @@ def _external_sort(rows: Iterator[tuple[int, int, np.ndarray]], scratch: Path, r
             held += len(part)
     if not runs:  # everything fits in one run: sorted in memory
         if pending:
-            keys = np.concatenate([p[0] for p in pending])
-            order = np.argsort(keys, kind="stable")
-            yield (keys[order], np.concatenate([p[1] for p in pending])[order],
-                   np.concatenate([p[2] for p in pending])[order])
+            yield _by_key(pending)
         return
     if pending:
         spill()
     yield from _merge(runs, max(1 << 16, run // len(runs)))
+
+
+def _by_key(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keys, file numbers, positions) of ``parts`` together, sorted by key."""
+    keys = np.concatenate([p[0] for p in parts])
+    order = np.argsort(keys, kind="stable")
+    return (keys[order], np.concatenate([p[1] for p in parts])[order],
+            np.concatenate([p[2] for p in parts])[order])
 
 
 class _RunReader:
@@ -396,8 +401,4 @@ def _merge(folders: list[Path], block: int) -> Iterator[tuple[np.ndarray, np.nda
             return
         limits = [int(r.keys[-1]) for r in live if r.more]
         upto = min(limits) if limits else int(np.iinfo(np.int64).max)
-        parts = [r.take(upto) for r in live]
-        keys = np.concatenate([p[0] for p in parts])
-        order = np.argsort(keys, kind="stable")
-        yield (keys[order], np.concatenate([p[1] for p in parts])[order],
-               np.concatenate([p[2] for p in parts])[order])
+        yield _by_key([r.take(upto) for r in live])

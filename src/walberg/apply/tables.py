@@ -179,10 +179,10 @@ class Tables:
     def create(self, target: str, columns: str, layout: Optional[Layout] = None) -> None:
         """``CREATE TABLE IF NOT EXISTS`` (and its namespace) with walberg's properties;
         ``columns``: the column list as Spark SQL."""
+        self.forget(target)
         catalog, namespace, _ = target.split(".")
         self.ensure_namespace(catalog, namespace)
         props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in table_properties(layout).items())
-        self.forget(target)
         parts = ""
         if layout is not None and layout.partition_by:
             parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"

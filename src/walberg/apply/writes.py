@@ -170,15 +170,13 @@ class Writes:
         if copyfiles.write_copy(self.lake, self.tables, target, columns, files, lsn,
                                 self.lake.marks(lsn, None)) is not None:
             self.lake.refresh(target)
-            spark_call(f"indexing the keys of {target}",
-                       lambda: self.keyed.prepare(target, columns))
-            return
-        df = self.lake.read_staged(files)
-        typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
-        spark_call(
-            f"writing the initial copy of {target}",
-            lambda: self.lake.writer(typed, target, lsn).overwrite(self.lake.own_rows()),
-        )
+        else:
+            df = self.lake.read_staged(files)
+            typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
+            spark_call(
+                f"writing the initial copy of {target}",
+                lambda: self.lake.writer(typed, target, lsn).overwrite(self.lake.own_rows()),
+            )
         spark_call(f"indexing the keys of {target}", lambda: self.keyed.prepare(target, columns))
 
     def dead_letter_target(self, target: str) -> str:
