@@ -37,13 +37,17 @@ def _summary(warehouse: Path, target: str) -> dict[str, str]:
 def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spark: Any,
                                                warehouse: Path, tmp_path: Path, unique: str,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    table, text_keyed = f"public.{unique}", f"public.{unique}_t"
+    table, text_keyed, binary = f"public.{unique}", f"public.{unique}_t", f"public.{unique}_b"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, v int, note text)")
         cur.execute(f"INSERT INTO {table} SELECT g, g, 'n' || g FROM generate_series(1, 3000) g")
         cur.execute(f"CREATE TABLE {text_keyed} (id text PRIMARY KEY, v int)")
         cur.execute(f"INSERT INTO {text_keyed} SELECT 'k' || g, g FROM generate_series(1, 50) g")
-    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table, text_keyed])
+        # bytea is converted by Spark, so this table's new rows are written by Spark.
+        cur.execute(f"CREATE TABLE {binary} (id int PRIMARY KEY, b bytea, v int)")
+        cur.execute(f"INSERT INTO {binary} SELECT g, int4send(g), g FROM generate_series(1, 100) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique,
+                         [table, text_keyed, binary])
     target = config.target_for(table)
     with caplog.at_level(logging.INFO, logger="walberg"):
         run_once(config, spark)
@@ -63,7 +67,10 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
          f"INSERT INTO {table} VALUES (5, -5, 'back')",
          f"UPDATE {table} SET note = 'twice' WHERE id = 6",
          f"UPDATE {table} SET note = 'twice again' WHERE id = 6",
-         f"UPDATE {text_keyed} SET v = -v WHERE v % 2 = 0"],
+         f"UPDATE {text_keyed} SET v = -v WHERE v % 2 = 0",
+         f"UPDATE {binary} SET b = int4send(-id) WHERE id % 3 = 0",
+         f"DELETE FROM {binary} WHERE id % 10 = 0",
+         f"INSERT INTO {binary} VALUES (500, '\\x00ff', 5)"],
         # Rows the last batch wrote are changed again: their positions came from its new files.
         [f"UPDATE {table} SET v = 0 WHERE id BETWEEN 3001 AND 3100",
          f"DELETE FROM {table} WHERE id BETWEEN 3101 AND 3150",
@@ -76,11 +83,24 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         with pg_conn.cursor() as cur:
             for statement in statements:
                 cur.execute(statement)
-        run_once(config, spark)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="walberg"):
+            run_once(config, spark)
         assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+        if any("UPDATE" in s or "DELETE" in s for s in statements):
+            # Staging left every column typed: the new rows became data files on the driver.
+            assert f"{target} by position: " in caplog.text and \
+                "added (written on the driver)" in caplog.text, caplog.text[-3000:]
+        if any(binary in s for s in statements):
+            assert "Spark converts column(s) b" in caplog.text, caplog.text[-3000:]
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    # The files written on the driver read the same in Spark.
+    in_spark = sorted((r["id"], r["v"], r["note"]) for r in spark.table(target).collect())
+    assert in_spark == [(r["id"], r["v"], r["note"]) for r in postgres_rows(pg_conn, table)]
     assert iceberg_rows(warehouse, config.target_for(text_keyed)) == \
         postgres_rows(pg_conn, text_keyed)
+    assert iceberg_rows(warehouse, config.target_for(binary)) == [
+        {**r, "b": bytes(r["b"])} for r in postgres_rows(pg_conn, binary)]
 
     operations = _operations(warehouse, target)
     # copy, 2 row deltas, an append, a row delta: no MERGE's full rewrite in between.
@@ -88,10 +108,11 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
     last = _summary(warehouse, target)
     assert int(last["added-position-deletes"]) > 0 and "walberg.lsn" in last, last
     assert "added-equality-deletes" not in last, "never equality deletes"
-    # The rows a row delta adds are written into a staged snapshot first; the commit removes
-    # it from the metadata, so every snapshot a reader lists is one that walberg committed.
+    # The rows Spark adds in a row delta are written into a staged snapshot first; the commit
+    # removes it from the metadata, so every snapshot a reader lists is one walberg committed.
     assert all("wap.id" not in s.summary.additional_properties
-               for s in hadoop_table(warehouse, target).snapshots())
+               for t in (target, config.target_for(binary))
+               for s in hadoop_table(warehouse, t).snapshots())
     assert KeyIndex(config.index_dir / target).snapshot == \
         hadoop_table(warehouse, target).current_snapshot().snapshot_id
 

@@ -298,6 +298,15 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
         # An update that leaves the 1.5 MB TOASTed text untouched must keep it.
         cur.execute(f"UPDATE {table} SET i4 = 7 WHERE id IN (3, 103)")
     run()
+    with pg_conn.cursor() as cur:  # whole rows sent again: a batch applied by position
+        cur.execute(f"UPDATE {table} SET i4 = coalesce(i4, 0) + 1 WHERE id = ANY(%s)",
+                    ([i + 100 for i in range(1, len(ROWS) + 1) if i != 3],))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run()
+    # New rows as data files on the driver when no column needs Spark's convert.
+    assert ("added (written on the driver)" in caplog.text) == (copy_by == "driver"), \
+        caplog.text[-3000:]
 
     good = sorted({i for i in range(1, len(ROWS) + 1)} | {i + 100 for i in range(1, len(ROWS) + 1)})
     conn = connect(postgres.dsn)  # walberg's session settings: UTC, ISO intervals

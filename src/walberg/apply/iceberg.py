@@ -53,7 +53,7 @@ class IcebergSink:
         self.tables = Tables(self.lake)
         self.snapshots = Snapshots(self.lake)
         self.writes = Writes(self.lake, self.tables, self.snapshots,
-                             KeyedApply(self.lake, index_dir))
+                             KeyedApply(self.lake, self.tables, index_dir))
         self.maintenance = Maintenance(self.lake, self.snapshots)
         self.queries = Queries(self.lake)
 

@@ -31,13 +31,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from walberg.apply import datafiles
 from walberg.apply.batch import StagedTable, applied_rows, value_column
 from walberg.apply.keyindex import KeyIndex
 from walberg.apply.rowdelta import (
@@ -49,6 +50,7 @@ from walberg.apply.rowdelta import (
     written_entries,
 )
 from walberg.apply.session import LakeSession, java_table
+from walberg.apply.tables import Tables
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn
 
@@ -66,10 +68,12 @@ MAX_APPENDS = 64
 class KeyedApply:
     """Applies batches by position to the tables that allow it (see the module docstring)."""
 
-    def __init__(self, lake: LakeSession, root: Optional[Path]) -> None:
+    def __init__(self, lake: LakeSession, tables: Tables, root: Optional[Path]) -> None:
         """``root``: where the key indexes live (None: never by position)."""
         self.lake = lake
+        self.tables = tables
         self.root = root
+        self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
         self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
         self._swept = False
@@ -176,9 +180,11 @@ class KeyedApply:
 
     # ---- a batch ----------------------------------------------------------------------------
 
-    def apply(self, target: str, staged: StagedTable, netted: Any, lsn: Lsn, max_seq: int,
-              void: Sequence[tuple[int, int]], marks: Mapping[str, str]) -> None:
-        """Apply one table's batch (``netted``: its last change per key) as one row delta."""
+    def apply(self, target: str, staged: StagedTable, netted: Callable[[], Any], lsn: Lsn,
+              max_seq: int, void: Sequence[tuple[int, int]], marks: Mapping[str, str]) -> None:
+        """Apply one table's batch as one row delta. Its new rows are written on the driver
+        when ``apply.datafiles`` allows, else by Spark from ``netted()`` (the batch's last
+        change per key, as a DataFrame)."""
         columns = staged.columns
         k = self.key_of(target, columns)
         assert k is not None
@@ -190,19 +196,53 @@ class KeyedApply:
         spark = self.lake.spark
         with self._scratch() as scratch:
             deletes = Positions(hits.files, hits.positions, scratch) if len(hits.keys) else None
-            rows = self.lake.typed(netted.where("_wb_op <> 'D'"), target, columns, "_wb_lsn")
+            rows: Any = None
+            new_files: list[Any] = []
+            table = java_table(spark, target)
+            why = self._why_not_here(target, staged, table)
+            started = time.monotonic()
+            if why is None:
+                schema = datafiles.arrow_schema(table, columns, self.lake, target)
+                written = datafiles.write(spark, table, schema,
+                                          _new_rows(staged.files, schema, max_seq, void),
+                                          scratch, "walberg-rows")
+                new_files = datafiles.data_files(spark, table, written)
+            else:
+                rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
+                                       "_wb_lsn")
+            written_in = time.monotonic() - started
             crash_point("row-delta")
-            result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot)
+            result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
+                                      new_files)
             clock.append(time.monotonic())
             crash_point("indexed", delay=0.5)
             added = _concat(list(written_entries(spark, result.added_files, columns[k].name,
                                                  Path(scratch))))
         index.commit(result.snapshot_id, hits.keys, added)
         clock.append(time.monotonic())
-        log.info("%s by position: %d deleted, %d added; index lookup %.2f s, row delta %.2f s "
-                 "(deletes %.2f s, new rows %.2f s, commit %.2f s), index update %.2f s", target,
-                 result.deleted_rows, result.added_rows, clock[1] - clock[0],
-                 clock[2] - clock[1], *result.seconds, clock[3] - clock[2])
+        log.info("%s by position: %d deleted, %d added (%s); index lookup %.2f s, row delta "
+                 "%.2f s (deletes %.2f s, new rows %.2f s, commit %.2f s), index update %.2f s",
+                 target, result.deleted_rows, result.added_rows,
+                 "written on the driver" if why is None else "written by Spark",
+                 clock[1] - clock[0], clock[2] - clock[1], result.seconds[0],
+                 result.seconds[1] + written_in, result.seconds[2], clock[3] - clock[2])
+
+    def _why_not_here(self, target: str, staged: StagedTable, table: Any) -> Optional[str]:
+        """Why this batch's new rows are written by Spark (None: on the driver). Said in the
+        log once per table and reason."""
+        if not staged.unique_keys:
+            why: Optional[str] = "the batch was not netted per key when it was staged"
+        else:
+            why = datafiles.why_not(self.lake, self.tables, target, staged.columns, table,
+                                    datafiles.properties(table))
+        if why is None:
+            want = datafiles.staged_types(self.lake, target, staged.columns)
+            if any(pq.read_schema(f).types[:len(want)] != want for f in staged.files):
+                why = "its staged files are not in the columns' types"
+        if why is not None and self._told.get(target) != why:
+            self._told[target] = why
+            log.info("%s by position: new rows written by Spark, because %s", target, why)
+        return why
 
     def prepare(self, target: str, columns: Sequence[Column]) -> None:
         """After the table was (re)written whole (an initial copy): build its index now, so
@@ -257,3 +297,23 @@ def _concat(entries: Sequence[tuple[np.ndarray, list[str], np.ndarray]]
     return (np.concatenate([e[0] for e in entries]), [p for e in entries for p in e[1]],
             np.concatenate([e[2] for e in entries]))
 
+
+
+def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,
+              void: Sequence[tuple[int, int]]) -> Iterator[pa.Table]:
+    """The rows a netted batch adds (its applied inserts and updates), a row group at a time,
+    in the data files' schema: the staged values, and each change's LSN as ``_walberg_lsn``."""
+    values = len(schema) - 1
+    for path in files:
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.num_row_groups):
+            part = parquet.read_row_group(group)
+            seq = part.column("_wb_seq").to_numpy(zero_copy_only=False).astype(np.int64)
+            keep = applied_rows(seq, max_seq, void) & np.asarray(
+                pc.not_equal(part.column("_wb_op"), "D").to_numpy(zero_copy_only=False),
+                dtype=np.bool_)
+            if not keep.any():
+                continue
+            part = part.filter(pa.array(keep))
+            yield pa.Table.from_arrays(
+                [*part.columns[:values], part.column("_wb_lsn")], schema=schema)

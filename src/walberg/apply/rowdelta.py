@@ -9,9 +9,10 @@ same result is one row delta:
 - the rows to delete are written as a position-delete file: Parquet with the columns
   ``file_path`` and ``pos`` under the field ids the Iceberg spec reserves for them, sorted by
   both, written by Spark itself (so the work runs on the executors);
-- the new rows are written by Iceberg's own Spark writer into a *staged* snapshot
-  (write-audit-publish: ``spark.wap.id``), which is never part of the table's history; its
-  data files are taken from it;
+- the new rows come as data files written on the driver (``apply.datafiles``), or are
+  written by Iceberg's own Spark writer into a *staged* snapshot (write-audit-publish:
+  ``spark.wap.id``), which is never part of the table's history; its data files are taken
+  from it;
 - both go into one ``RowDelta`` with walberg's marks in its summary, validated against the
   snapshot the positions were read from: if a concurrent commit (a compaction, say) removed a
   data file the deletes point into, the commit fails instead of deleting the wrong rows.
@@ -36,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.datafiles import FIELD_ID_KEY, field_id_metadata
 from walberg.apply.session import java_table, quote_target
 from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
@@ -66,8 +68,10 @@ class Positions:
 
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                      deletes: "Optional[Any | Positions]",
-                     properties: Mapping[str, str], base_snapshot: Optional[int]) -> RowDeltaResult:
-    """Add ``rows`` (a DataFrame in the table's schema) and delete the rows at ``deletes``
+                     properties: Mapping[str, str], base_snapshot: Optional[int],
+                     data_files: Sequence[Any] = ()) -> RowDeltaResult:
+    """Add ``rows`` (a DataFrame in the table's schema) and ``data_files`` (Iceberg data files
+    written already, see ``apply.datafiles``) and delete the rows at ``deletes``
     (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
     ``properties`` in its summary. ``base_snapshot``: the snapshot the positions were read
     from (None: the table was empty); the commit fails if a data file they point into has
@@ -77,8 +81,8 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         raise ApplyError(f"{target} is partitioned: a row delta by position needs an "
                          "unpartitioned table (the caller merges instead)")
     added = deleted = 0
-    written: list[str] = []
-    new_files: list[Any] = []
+    written: list[str] = [str(f.location()) for f in data_files]
+    new_files: list[Any] = list(data_files)
     staged: Any = None
     clock = [time.monotonic()]
     try:
@@ -88,10 +92,11 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             files, deleted, referenced = _write_position_deletes(spark, table, deletes)
         else:
             files, deleted, referenced = [], 0, []
-        written = [f.location() for f in files]
+        written += [f.location() for f in files]
         clock.append(time.monotonic())
         if rows is not None:
-            staged, new_files = _stage_rows(spark, table, target, rows)  # refreshes ``table``
+            staged, rows_files = _stage_rows(spark, table, target, rows)  # refreshes ``table``
+            new_files += rows_files
         clock.append(time.monotonic())
         # One transaction: the row delta, and the staged snapshot's removal from the metadata
         # (readers and `history` see one snapshot a batch).
@@ -194,8 +199,8 @@ def file_keys(paths: Sequence[Path], field_id: int) -> Iterator[tuple[int, int, 
     for number, path in enumerate(paths):
         parquet = pq.ParquetFile(path)
         schema = parquet.schema_arrow
-        at = [i for i, f in enumerate(schema) if f.metadata and
-              f.metadata.get(b"PARQUET:field_id") == str(field_id).encode()]
+        at = [i for i, f in enumerate(schema)
+              if f.metadata and f.metadata.get(FIELD_ID_KEY) == str(field_id).encode()]
         if len(at) != 1:
             raise ApplyError(f"{path} has no column with field id {field_id}: it is not a data "
                              "file of this table as walberg knows it")
@@ -350,9 +355,8 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
     order = np.lexsort((deletes.positions, paths.astype(str)))
     schema = pa.schema([
         pa.field("file_path", pa.string(), nullable=False,
-                 metadata={b"PARQUET:field_id": str(FILE_PATH_ID).encode()}),
-        pa.field("pos", pa.int64(), nullable=False,
-                 metadata={b"PARQUET:field_id": str(POS_ID).encode()})])
+                 metadata=field_id_metadata(FILE_PATH_ID)),
+        pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
     local = deletes.scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
     pq.write_table(pa.table([pa.array(paths[order].tolist(), pa.string()),
                              pa.array(deletes.positions[order], pa.int64())], schema=schema),

@@ -86,7 +86,7 @@ class Writes:
         self.lake = lake
         self.tables = tables
         self.snapshots = snapshots
-        self.keyed = keyed if keyed is not None else KeyedApply(lake, None)
+        self.keyed = keyed if keyed is not None else KeyedApply(lake, tables, None)
         self._dead_lsn: dict[str, Optional[Lsn]] = {}
 
     def forget(self, target: str) -> None:
@@ -338,12 +338,26 @@ class Writes:
         when the batch only inserts (the table may hold some of them already)."""
         columns = staged.columns
         truncate = effective_truncate(max_seq, void, staged.truncates)
-        if staged.files:
-            df = self.lake.read_staged(staged.files)
-            df = df.where(seq_filter(max_seq, void, staged.truncates))
-        else:
-            df = None
 
+        def staged_rows() -> Any:
+            df = self.lake.read_staged(staged.files)
+            return df.where(seq_filter(max_seq, void, staged.truncates))
+
+        if (staged.files and not (staged.insert_only and not upsert)
+                and spark_call(f"reading the layout of {target}",
+                               lambda: self.keyed.takes(target, staged))):
+            # One row delta by position: no join over the table (see apply.keyed). Spark
+            # reads the staged rows only if the new rows cannot be written on the driver.
+            def netted() -> Any:
+                df = staged_rows()
+                return df if staged.unique_keys else _net(df, staged)
+
+            spark_call(f"applying a batch to {target} by position",
+                       lambda: self.keyed.apply(target, staged, netted, lsn, max_seq, void,
+                                                self.lake.marks(lsn, marks)))
+            return
+
+        df = staged_rows() if staged.files else None
         if staged.insert_only and df is not None and not upsert:
             typed = self.lake.typed(df, target, columns, "_wb_lsn")
             spark_call(f"appending to {target}",
@@ -365,13 +379,6 @@ class Writes:
             return
 
         assert df is not None
-        if spark_call(f"reading the layout of {target}", lambda: self.keyed.takes(target, staged)):
-            # One row delta by position: no join over the table (see apply.keyed).
-            netted = df
-            spark_call(f"applying a batch to {target} by position",
-                       lambda: self.keyed.apply(target, staged, netted, lsn, max_seq, void,
-                                                self.lake.marks(lsn, marks)))
-            return
         self._merge_by_key(target, staged, df, before_netting, lsn, marks)
 
     def _reload(self, target: str, columns: Sequence[Column], df: Optional[Any], lsn: Lsn,

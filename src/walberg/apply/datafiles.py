@@ -1,0 +1,174 @@
+"""Iceberg data files written on the driver from staged Parquet, without a Spark job.
+
+Staging (``apply.batch``) parses Postgres's text into each column's Arrow type, the one that
+reads back in Spark as exactly the table's type. For a table whose columns are all staged in
+their final type, Spark's part of a write is a rename plus ``_walberg_lsn``: cheap work that
+costs a cold process its first Spark SQL job (seconds). Here the staged row groups go straight
+into the table's data files instead: its column names and Iceberg field ids, decimals stored
+as integers (as Iceberg's own writer does), its compression and level, files rolled at its
+``write.target-file-size-bytes``. Each file's metrics are read from its footer by Iceberg's
+``ParquetUtil``, and the caller commits the files through Iceberg's API: the initial copy
+(``apply.copyfiles``) in an overwrite, a batch applied by position (``apply.keyed``) in its
+row delta.
+
+Which tables: of one source (not a fan-in table), unpartitioned, without a sort order, whose
+Iceberg columns are the source's plus ``_walberg_lsn``, with columns staged in their final
+type (integers, floats, numeric, boolean, date, timestamps, and text-like types held as
+strings) and a compression this writer makes. Arrays and bytea are converted by Spark, so
+tables with them keep Spark's path. Files go straight into a warehouse on this machine's disk,
+and through Hadoop's file system (the session's storage settings) elsewhere.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from walberg.apply.session import LSN_COLUMN, LakeSession
+from walberg.apply.tables import Tables
+from walberg.apply.types import SparkType
+from walberg.model import Column
+
+# Iceberg's write.parquet.compression-codec values this writer makes, as pyarrow names them.
+CODECS = {"zstd": "zstd", "snappy": "snappy", "gzip": "gzip", "uncompressed": "none"}
+DEFAULT_TARGET_BYTES = 512 * 1024 * 1024  # Iceberg's write.target-file-size-bytes default
+
+
+def final_when_staged(t: SparkType) -> bool:
+    """Whether staging leaves a column of this type as the table holds it (Spark's convert
+    would be a no-op): parsed into its Arrow type, or text kept as text."""
+    return t.staged is not None or (t.convert == "{}" and not t.array_dims and t.sql == "STRING")
+
+
+def properties(table: Any) -> dict[str, str]:
+    """The Iceberg table's properties, as Python strings."""
+    return {str(k): str(v) for k, v in table.properties().items()}
+
+
+def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
+            table: Any, props: Mapping[str, str]) -> Optional[str]:
+    """Why rows of this table are written by Spark instead (None: they can be written here)."""
+    if lake.source is not None:
+        return "the table is shared by several sources"
+    if not table.spec().isUnpartitioned():
+        return "the table is partitioned"
+    if not table.sortOrder().isUnsorted():
+        return "the table has a sort order"
+    slow = [c.name for c in columns if not final_when_staged(lake.types.spark_type(c, target))]
+    if slow:
+        return f"Spark converts column(s) {', '.join(slow)}"
+    codec = props.get("write.parquet.compression-codec", "zstd")
+    if codec.lower() not in CODECS:
+        return f"its compression is {codec}"
+    names = [str(f.name()) for f in table.schema().columns()]
+    if names != [c.name for c in columns] + [LSN_COLUMN] or not tables.columns_match(target,
+                                                                                     columns):
+        return "its columns are not the source's"
+    return None
+
+
+def staged_types(lake: LakeSession, target: str, columns: Sequence[Column]) -> list[pa.DataType]:
+    """The Arrow type each column is staged in (text-like columns: string)."""
+    return [lake.types.spark_type(c, target).staged or pa.string() for c in columns]
+
+
+FIELD_ID_KEY = b"PARQUET:field_id"  # where Arrow keeps a Parquet column's field id
+
+
+def field_id_metadata(field_id: int) -> dict[bytes, bytes]:
+    """An Arrow field's metadata that gives its Parquet column an Iceberg field id."""
+    return {FIELD_ID_KEY: str(field_id).encode()}
+
+
+def arrow_schema(table: Any, columns: Sequence[Column], lake: LakeSession,
+                 target: str) -> pa.Schema:
+    """The data files' schema: the table's column names and field ids, the staged types."""
+    iceberg = table.schema()
+    fields = [pa.field(c.name, t, metadata=field_id_metadata(iceberg.findField(c.name).fieldId()))
+              for c, t in zip(columns, staged_types(lake, target, columns), strict=True)]
+    fields.append(pa.field(LSN_COLUMN, pa.int64(),
+                           metadata=field_id_metadata(iceberg.findField(LSN_COLUMN).fieldId())))
+    return pa.schema(fields)
+
+
+def local_folder(spark: Any, location: str) -> Optional[Path]:
+    """The folder on this machine's disk that ``location`` names, if Hadoop's file system for
+    it is the local one (a path without a scheme is on the cluster's default file system)."""
+    path = spark._jvm.org.apache.hadoop.fs.Path(location)
+    fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
+    if str(fs.getUri().getScheme()) != "file":
+        return None
+    return Path(str(fs.makeQualified(path).toUri().getPath()))
+
+
+def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
+          scratch: Path, prefix: str) -> list[tuple[str, Path]]:
+    """Write ``parts`` (tables in ``schema``) as data files of ``table`` named ``prefix-*``:
+    in its data folder when that is on this disk, else under ``scratch`` for ``commit_files``
+    to upload. Returns (location, the file as written here) of each."""
+    props = properties(table)
+    codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
+    level = props.get("write.parquet.compression-level")
+    target_bytes = int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES))
+    folder = f"{str(table.location()).rstrip('/')}/data"
+    here = local_folder(spark, folder)
+    written: list[tuple[str, Path]] = []
+    writer: Any = None
+    sink: Any = None
+    options: dict[str, Any] = {"compression": codec, "use_dictionary": False}
+    if level is not None and codec in ("zstd", "gzip"):
+        options["compression_level"] = int(level)
+    try:
+        for part in parts:
+            if part.num_rows == 0:
+                continue
+            if writer is None:
+                name = f"{prefix}-{uuid.uuid4().hex}.parquet"
+                path = (here or scratch) / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                sink = open(path, "wb")
+                try:  # decimals as INT32/INT64 where they fit, as Iceberg's own writer does
+                    writer = pq.ParquetWriter(sink, schema, store_decimal_as_integer=True,
+                                              **options)
+                except TypeError:  # an older pyarrow: fixed-length decimals, read by all
+                    writer = pq.ParquetWriter(sink, schema, **options)
+                written.append((f"{folder}/{name}", path))
+            writer.write_table(part)
+            if sink.tell() >= target_bytes:
+                writer.close()
+                sink.close()
+                writer = sink = None
+    finally:
+        if writer is not None:
+            writer.close()
+        if sink is not None:
+            sink.close()
+    return written
+
+
+def data_files(spark: Any, table: Any, written: Sequence[tuple[str, Path]]) -> list[Any]:
+    """Put the files ``write`` made in the table's storage (uploaded through Hadoop's file
+    system unless they are there already) and describe each as an Iceberg data file, with the
+    metrics Iceberg reads from its footer."""
+    jvm = spark._jvm
+    iceberg = jvm.org.apache.iceberg
+    conf = spark._jsc.hadoopConfiguration()
+    metrics_config = iceberg.MetricsConfig.forTable(table)
+    files = []
+    for location, path in written:
+        dest = jvm.org.apache.hadoop.fs.Path(location)
+        fs = dest.getFileSystem(conf)
+        if local_folder(spark, location) is None:
+            fs.copyFromLocalFile(True, True, jvm.org.apache.hadoop.fs.Path(path.resolve().as_uri()),
+                                 dest)
+        metrics = iceberg.parquet.ParquetUtil.fileMetrics(table.io().newInputFile(location),
+                                                          metrics_config)
+        files.append(iceberg.DataFiles.builder(table.spec()).withPath(location)
+                     .withFormat(iceberg.FileFormat.PARQUET)
+                     .withFileSizeInBytes(fs.getFileStatus(dest).getLen())
+                     .withMetrics(metrics).build())
+    return files
