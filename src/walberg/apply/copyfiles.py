@@ -34,15 +34,8 @@ def write_copy(lake: LakeSession, tables: Tables, target: str, columns: Sequence
     (the log says why)."""
     spark = lake.spark
     table = java_table(spark, target)
-
-    def check() -> Optional[str]:
-        why = datafiles.why_not(lake, tables, target, columns, table, datafiles.properties(table))
-        want = datafiles.staged_types(lake, target, columns)
-        if why is None and any(pq.read_schema(f).types != want for f in files):
-            why = "its staged files are not in the columns' types"
-        return why
-
-    why = spark_call(f"checking {target} for a copy written on the driver", check)
+    why = spark_call(f"checking {target} for a copy written on the driver",
+                     lambda: datafiles.why_not_staged(lake, tables, target, columns, table, files))
     if why is not None:
         log.info("initial copy of %s: written by Spark, because %s", target, why)
         return None

@@ -71,6 +71,17 @@ def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Co
     return None
 
 
+def why_not_staged(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
+                   table: Any, files: Sequence[Path]) -> Optional[str]:
+    """``why_not``, and whether the staged ``files`` (a copy's or a batch's: ``c0..cN``, then
+    any change metadata) hold the columns in their types."""
+    why = why_not(lake, tables, target, columns, table, properties(table))
+    want = staged_types(lake, target, columns)
+    if why is None and any(pq.read_schema(f).types[:len(want)] != want for f in files):
+        why = "its staged files are not in the columns' types"
+    return why
+
+
 def staged_types(lake: LakeSession, target: str, columns: Sequence[Column]) -> list[pa.DataType]:
     """The Arrow type each column is staged in (text-like columns: string)."""
     return [lake.types.spark_type(c, target).staged or pa.string() for c in columns]

@@ -230,15 +230,9 @@ class KeyedApply:
     def _why_not_here(self, target: str, staged: StagedTable, table: Any) -> Optional[str]:
         """Why this batch's new rows are written by Spark (None: on the driver). Said in the
         log once per table and reason."""
-        if not staged.unique_keys:
-            why: Optional[str] = "the batch was not netted per key when it was staged"
-        else:
-            why = datafiles.why_not(self.lake, self.tables, target, staged.columns, table,
-                                    datafiles.properties(table))
-        if why is None:
-            want = datafiles.staged_types(self.lake, target, staged.columns)
-            if any(pq.read_schema(f).types[:len(want)] != want for f in staged.files):
-                why = "its staged files are not in the columns' types"
+        why = ("the batch was not netted per key when it was staged" if not staged.unique_keys
+               else datafiles.why_not_staged(self.lake, self.tables, target, staged.columns,
+                                             table, staged.files))
         if why is not None and self._told.get(target) != why:
             self._told[target] = why
             log.info("%s by position: new rows written by Spark, because %s", target, why)
