@@ -1,6 +1,7 @@
-"""kill -9 at 15 moments at 8 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
+"""kill -9 at 16 moments at 9 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
 writer keeps changing rows: inside the initial copy (its data files written on the driver, not
-yet committed), while writing a segment, between seal and apply, while decoding,
+yet committed), during a restart's check of the lake while the stream already writes segments,
+while writing a segment, between seal and apply, while decoding,
 inside the Spark commit, after the commit before the slot hears of it, and inside the apply by
 position (before its row delta, while its key index catches up with it); each followed by a
 restart. The last run ends with the lake equal to Postgres: no row lost, none duplicated."""
@@ -20,14 +21,14 @@ from lake import iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.model import Lsn
 
 HITS = (1, 3)  # the n-th pass of each point: the first, and one with a history behind it
-POINTS = {"copy-files": (1,), "segment-write": HITS, "seal": HITS, "decode": HITS, "commit": HITS,
-          "committed": HITS,
+POINTS = {"copy-files": (1,), "lake-check": (1,), "segment-write": HITS, "seal": HITS,
+          "decode": HITS, "commit": HITS, "committed": HITS,
           # Inside the apply by position (apply.keyed): before its row delta commits, and
           # while the key index is brought up to that commit.
           "row-delta": HITS, "indexed": (1, 2)}
 
 
-def test_kill_9_at_15_moments_loses_and_duplicates_nothing(
+def test_kill_9_at_16_moments_loses_and_duplicates_nothing(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
         unique: str) -> None:
     table = f"public.{unique}"
@@ -75,3 +76,41 @@ def test_kill_9_at_15_moments_loses_and_duplicates_nothing(
     assert killed == {p: len(hits) for p, hits in POINTS.items()}
     assert (lost, duplicated) == (0, 0)
     assert lake == source
+
+
+def test_a_restart_streams_while_the_lake_is_checked_and_confirms_nothing_early(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """A restart reads the backlog into segments while Spark starts (pipeline: streaming
+    begins before the lake is checked, with a slot that exists). Killed then, it has written
+    segments and told the slot nothing; the next run applies every change once."""
+    from walberg.source import postgres as pg
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 2000) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    run_once(config, spark)  # the copy; the slot exists from here on
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 1 WHERE id % 3 = 0")
+        cur.execute(f"DELETE FROM {table} WHERE id % 7 = 0")
+        cur.execute(f"INSERT INTO {table} SELECT g, 2, 'new' FROM generate_series(3001, 4000) g")
+    slot_before = pg.slot_state(pg_conn, config.postgres.slot)
+    assert slot_before is not None
+
+    env = dict(os.environ, WALBERG_CRASH_AT="lake-check:1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(path),
+                           "--once"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -9, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    written = [p for p in (tmp_path / "segments").iterdir()
+               if p.name.endswith((".sealed", ".active")) and p.stat().st_size > 0]
+    assert written, "the stream wrote segments while the lake was being checked"
+    slot_after = pg.slot_state(pg_conn, config.postgres.slot)
+    assert slot_after is not None and slot_after.confirmed_flush == slot_before.confirmed_flush, \
+        "nothing may be confirmed to the slot before the lake has been read"
+
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)

@@ -9,7 +9,9 @@ Points: ``segment-write`` (a frame appended, not yet sealed), ``seal`` (a segmen
 yet applied), ``decode`` (a chunk of changes decoded while staging), ``commit`` (half a second
 into a table's Spark commit, on a timer), ``staged`` (a staged file uploaded to the stage area
 for a cluster's executors, the commit that reads it not yet made), ``committed`` (a batch
-committed to Iceberg, its segments not yet removed and the slot not yet told).
+committed to Iceberg, its segments not yet removed and the slot not yet told), ``lake-check``
+(a second into a restart's check of the lake, while the stream already fills segments),
+``copy-files``, ``row-delta`` and ``indexed`` (see apply.copyfiles and apply.keyed).
 """
 
 from __future__ import annotations

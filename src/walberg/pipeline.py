@@ -186,18 +186,22 @@ class Pipeline:
             return self.report
         stream, target = started
 
-        # Whatever survived in sealed segments from an earlier run goes first.
-        applier.apply_ready(drain=True)
-        state.advance_applied(min(state.committed().values()))
-
-        thread = threading.Thread(target=applier.loop, name="walberg-apply", daemon=True)
-        thread.start()
-        state.set_received(state.last_received())
+        thread: Optional[threading.Thread] = None
         try:
-            reader.stream_with_reconnect(stream, target)
+            # Whatever is in sealed segments (from an earlier run, or streamed while the lake
+            # was checked) goes first.
+            applier.apply_ready(drain=True)
+            state.advance_applied(min(state.committed().values()))
+
+            thread = threading.Thread(target=applier.loop, name="walberg-apply", daemon=True)
+            thread.start()
+            # (forward only: the reader may have streamed while the lake was checked)
+            state.set_received(max(state.received, state.last_received()))
+            reader.stream(stream, target)
         finally:
             state.request_stop()
-            thread.join()
+            if thread is not None:
+                thread.join()
             reader.close()
         if state.error is not None:
             raise state.error

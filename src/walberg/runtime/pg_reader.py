@@ -5,6 +5,7 @@ when the connection is lost. It runs in the pipeline's main thread, beside the a
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -78,8 +79,14 @@ class PgReader:
         self._gauge_conn: Any = None
         self._oldest_unapplied_ts: Optional[float] = None  # when the oldest pending change came
         self._source = config.source_name or "postgres"  # the gauges' label
+        # Streaming that starts while the lake is still being checked (see _start_early).
+        self._early: Optional[threading.Thread] = None
+        self._early_error: Optional[BaseException] = None
+        self._lake_ready = threading.Event()  # the applier may run; the slot may be confirmed
+        self._halt_early = threading.Event()
 
     def close(self) -> None:
+        self._stop_early()  # (a run that failed before ``stream``)
         if self._gauge_conn is not None:
             self._gauge_conn.close()
             self._gauge_conn = None
@@ -159,6 +166,10 @@ class PgReader:
             if created:
                 log.info("created replication slot %s at %s", created.name,
                          created.consistent_point)
+            target = pg.current_wal_lsn(conn) if once else None
+            if created is None:
+                self._start_early(stream, target)
+                crash_point("lake-check", delay=1.0)  # while Spark starts and the stream runs
             sink = self.tables.sink
             for t, info in infos.items():
                 self.tables.ensure(t, info)
@@ -183,9 +194,9 @@ class PgReader:
             if owed:
                 self.copier.copy([infos[t] for t in owed], created,
                                  None if slot is None else slot.confirmed_flush)
-            target = pg.current_wal_lsn(conn) if once else None
             return stream, target
         except BaseException:
+            self._stop_early()
             for each in opened:
                 each.close()
             raise
@@ -194,6 +205,60 @@ class PgReader:
                 conn.close()
             except Exception:
                 pass
+
+    def _start_early(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
+        """Start streaming into segments now, in a thread, while the lake is checked (the Spark
+        session, the tables, their marks, copies owed): a backlog is read while Spark starts
+        instead of after. Only with a slot that exists already: a new slot's snapshot must
+        serve the copy before the stream starts, and an existing slot's copies use temporary
+        slots of their own. Until ``stream`` says the lake is ready, nothing is confirmed to
+        the slot and nothing is applied; the segments decide what is applied, as always."""
+        self.state.set_received(max(self.state.received, self.state.last_received()))
+        self._lake_ready.clear()
+        self._halt_early.clear()
+        self._early_error = None
+
+        def run() -> None:
+            try:
+                self.stream_with_reconnect(stream, target)
+            except BaseException as exc:  # raised in the main thread by ``stream``
+                self._early_error = exc
+                self.state.wake.set()
+
+        self._early = threading.Thread(target=run, name="walberg-read", daemon=True)
+        self._early.start()
+
+    def _stop_early(self) -> None:
+        """The start failed: stop the early streaming before its stream is closed."""
+        early, self._early = self._early, None
+        if early is not None:
+            self._halt_early.set()
+            early.join()
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds``; True if the run stopped (or the early streaming was halted)."""
+        end = time.monotonic() + seconds
+        while not self._halt_early.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if self.state.stop.wait(min(left, 0.2)):
+                return True
+        return True
+
+    def stream(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
+        """Stream until stopped (or, with a target, done): in this thread, or by letting the
+        streaming that started early go on from here (the lake is ready now)."""
+        early, self._early = self._early, None
+        if early is None:
+            self._lake_ready.set()
+            self.stream_with_reconnect(stream, target)
+            return
+        self._lake_ready.set()
+        while early.is_alive():
+            early.join(0.5)  # in steps, so that the main thread still takes signals
+        if self._early_error is not None:
+            raise self._early_error
 
     def _wait_for_free_slot(self, conn: Any, slot: pg.SlotState) -> Optional[pg.SlotState]:
         """Another process streams from our slot. A walberg that just died leaves its server
@@ -229,6 +294,8 @@ class PgReader:
                     if not stream.is_open:
                         stream.open()
                     self._stream_loop(stream, target)
+                    if self._halt_early.is_set():
+                        return
                     if self.state.error is None:
                         # Report the final position while the connection is still open.
                         stream.confirm(self.state.confirmable())
@@ -249,7 +316,7 @@ class PgReader:
                             "server is reachable: nothing is lost.") from None
                     log.warning("%s; reconnecting in %.1f s", exc, delay)
                     stream.close()
-                    if self.state.stop.wait(delay):
+                    if self._pause(delay):
                         return
                     delay = min(delay * 2, 30.0)
                     stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
@@ -311,9 +378,10 @@ class PgReader:
         interval = self.config.buffer.max_interval_seconds
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
         last_ask = last_gauges = 0.0
-        while not state.stop.is_set():
+        while not state.stop.is_set() and not self._halt_early.is_set():
             if state.error is not None:
                 return
+            ready = self._lake_ready.is_set()
             if store.pending_bytes() > backlog_limit:
                 # Spark is behind: stop reading for a moment (status updates keep flowing).
                 stream.confirm(state.confirmable())
@@ -344,7 +412,7 @@ class PgReader:
             idle = not at.in_txn and not streamed.pending and store.pending_bytes() == 0
             # (past the target, messages may wait unread: the server's WAL end says nothing then)
             reached = target is not None and not at.in_txn and at.received >= target
-            if idle and not reached and stream.wal_end > state.applied:
+            if ready and idle and not reached and stream.wal_end > state.applied:
                 # Nothing of ours is pending: positions up to the server's WAL end hold no
                 # change for our tables, so the slot may move on (keeps retained WAL bounded).
                 state.advance_applied(stream.wal_end)
