@@ -1,6 +1,7 @@
 """The Postgres reader: start-up (the source checked, the slot created or waited for, the tables
 made and copied where owed) and the replication stream written to segment files, reconnecting
-when the connection is lost. It runs in the pipeline's main thread, beside the applier."""
+when the connection is lost. It runs in the pipeline's main thread, beside the applier; with a
+slot that exists, the stream starts in a thread of its own during start-up (``_start_early``)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class PgReader:
         # Streaming that starts while the lake is still being checked (see _start_early).
         self._early: Optional[threading.Thread] = None
         self._early_error: Optional[BaseException] = None
-        self._lake_ready = threading.Event()  # the applier may run; the slot may be confirmed
+        self._lake_ready = threading.Event()  # the lake is read: the slot may follow WAL's end
         self._halt_early = threading.Event()
 
     def close(self) -> None:
@@ -211,8 +212,10 @@ class PgReader:
         session, the tables, their marks, copies owed): a backlog is read while Spark starts
         instead of after. Only with a slot that exists already: a new slot's snapshot must
         serve the copy before the stream starts, and an existing slot's copies use temporary
-        slots of their own. Until ``stream`` says the lake is ready, nothing is confirmed to
-        the slot and nothing is applied; the segments decide what is applied, as always."""
+        slots of their own. Nothing is applied or confirmed to the slot before the lake has
+        been read (the applied position stays at zero until then), and an idle slot does not
+        follow the server's WAL end before ``stream`` says the lake is ready; the segments
+        decide what is applied, as always."""
         self.state.set_received(max(self.state.received, self.state.last_received()))
         self._lake_ready.clear()
         self._halt_early.clear()
