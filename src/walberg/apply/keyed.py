@@ -292,7 +292,6 @@ def _concat(entries: Sequence[tuple[np.ndarray, list[str], np.ndarray]]
             np.concatenate([e[2] for e in entries]))
 
 
-
 def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,
               void: Sequence[tuple[int, int]]) -> Iterator[pa.Table]:
     """The rows a netted batch adds (its applied inserts and updates), a row group at a time,
