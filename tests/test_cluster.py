@@ -103,10 +103,16 @@ def _copy_stream_crash_and_restart(pg_conn: Any, postgres: Any, tmp_path: Path, 
     s3.create_bucket(Bucket=bucket)
     table, other = f"public.{unique}", f"public.{unique}_jdbc"
     with pg_conn.cursor() as cur:
+        # An array column is converted by Spark: that table's copy and new rows are staged
+        # for the executors (through the bucket). The other's new rows are written by the
+        # driver straight into the bucket (apply.datafiles).
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text, n numeric(9,2), "
+                    "a int[])")
+        cur.execute(f"CREATE TABLE {other} (id int PRIMARY KEY, v text, n numeric(9,2))")
         for name in (table, other):
-            cur.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text, n numeric(9,2))")
             cur.execute(f"INSERT INTO {name} SELECT g, 'v' || g, g / 8.0 "
                         "FROM generate_series(1, 3000) g")
+        cur.execute(f"UPDATE {table} SET a = ARRAY[id, -id]")
         cur.execute(f"ANALYZE {other}")
 
     # Two sources in one process and one Spark application: one copied by COPY and staged as
