@@ -195,8 +195,6 @@ class Pipeline:
 
             thread = threading.Thread(target=applier.loop, name="walberg-apply", daemon=True)
             thread.start()
-            # (forward only: the reader may have streamed while the lake was checked)
-            state.set_received(max(state.received, state.last_received()))
             reader.stream(stream, target)
         finally:
             state.request_stop()

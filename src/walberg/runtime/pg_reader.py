@@ -216,7 +216,7 @@ class PgReader:
         been read (the applied position stays at zero until then), and an idle slot does not
         follow the server's WAL end before ``stream`` says the lake is ready; the segments
         decide what is applied, as always."""
-        self.state.set_received(max(self.state.received, self.state.last_received()))
+        self._resume_after_segments()
         self._lake_ready.clear()
         self._halt_early.clear()
         self._early_error = None
@@ -230,6 +230,12 @@ class PgReader:
 
         self._early = threading.Thread(target=run, name="walberg-read", daemon=True)
         self._early.start()
+
+    def _resume_after_segments(self) -> None:
+        """Before the stream starts: what the sealed segments hold (or the lake, through the
+        applied position) is not written to segments again. Forward only: an early stream
+        halted by a failed start may have got further."""
+        self.state.set_received(max(self.state.received, self.state.last_received()))
 
     def _stop_early(self) -> None:
         """The start failed: stop the early streaming before its stream is closed."""
@@ -254,6 +260,7 @@ class PgReader:
         streaming that started early go on from here (the lake is ready now)."""
         early, self._early = self._early, None
         if early is None:
+            self._resume_after_segments()
             self._lake_ready.set()
             self.stream_with_reconnect(stream, target)
             return
