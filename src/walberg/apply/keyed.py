@@ -110,12 +110,14 @@ class KeyedApply:
         assert self.root is not None
         return self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", target)
 
-    def index(self, target: str, columns: Sequence[Column]) -> KeyIndex:
-        """The table's key index, brought to its current snapshot."""
+    def index(self, target: str, columns: Sequence[Column], table: Any = None) -> KeyIndex:
+        """The table's key index, brought to its current snapshot (that of ``table``, the
+        Iceberg Java table as just loaded; None: load it)."""
         found = self._indexes.get(target)
         if found is None:
             found = self._indexes[target] = KeyIndex(self._directory(target))
-        table = java_table(self.lake.spark, target)
+        if table is None:
+            table = java_table(self.lake.spark, target)
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if found.built and now == found.snapshot:
@@ -189,16 +191,16 @@ class KeyedApply:
         k = self.key_of(target, columns)
         assert k is not None
         clock = [time.monotonic()]
-        index = self.index(target, columns)
+        spark = self.lake.spark
+        table = java_table(spark, target)  # one load for the index, the new rows, the commit
+        index = self.index(target, columns, table)
         keys = _batch_keys(staged.files, value_column(k), max_seq, void)
         hits = index.lookup(keys)
         clock.append(time.monotonic())
-        spark = self.lake.spark
         with self._scratch() as scratch:
             deletes = Positions(hits.files, hits.positions, scratch) if len(hits.keys) else None
             rows: Any = None
             new_files: list[Any] = []
-            table = java_table(spark, target)
             why = self._why_not_here(target, staged, table)
             started = time.monotonic()
             if why is None:
@@ -213,7 +215,7 @@ class KeyedApply:
             written_in = time.monotonic() - started
             crash_point("row-delta")
             result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
-                                      new_files)
+                                      new_files, table)
             clock.append(time.monotonic())
             crash_point("indexed", delay=0.5)
             added = _concat(list(written_entries(spark, result.added_files, columns[k].name,

@@ -69,14 +69,15 @@ class Positions:
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                      deletes: "Optional[Any | Positions]",
                      properties: Mapping[str, str], base_snapshot: Optional[int],
-                     data_files: Sequence[Any] = ()) -> RowDeltaResult:
+                     data_files: Sequence[Any] = (), table: Any = None) -> RowDeltaResult:
     """Add ``rows`` (a DataFrame in the table's schema) and ``data_files`` (Iceberg data files
     written already, see ``apply.datafiles``) and delete the rows at ``deletes``
     (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
     ``properties`` in its summary. ``base_snapshot``: the snapshot the positions were read
     from (None: the table was empty); the commit fails if a data file they point into has
-    been removed since."""
-    table = java_table(spark, target)
+    been removed since. ``table``: the Iceberg Java table, if the caller has just loaded it."""
+    if table is None:
+        table = java_table(spark, target)
     if not table.spec().isUnpartitioned():
         raise ApplyError(f"{target} is partitioned: a row delta by position needs an "
                          "unpartitioned table (the caller merges instead)")
