@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from walberg.apply.session import LSN_COLUMN, LakeSession
+from walberg.apply.session import LSN_COLUMN, LakeSession, java_properties
 from walberg.apply.tables import Tables
 from walberg.apply.types import SparkType
 from walberg.model import Column
@@ -42,11 +42,6 @@ def final_when_staged(t: SparkType) -> bool:
     """Whether staging leaves a column of this type as the table holds it (Spark's convert
     would be a no-op): parsed into its Arrow type, or text kept as text."""
     return t.staged is not None or (t.convert == "{}" and not t.array_dims and t.sql == "STRING")
-
-
-def properties(table: Any) -> dict[str, str]:
-    """The Iceberg table's properties, as Python strings."""
-    return {str(k): str(v) for k, v in table.properties().items()}
 
 
 def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
@@ -75,7 +70,7 @@ def why_not_staged(lake: LakeSession, tables: Tables, target: str, columns: Sequ
                    table: Any, files: Sequence[Path]) -> Optional[str]:
     """``why_not``, and whether the staged ``files`` (a copy's or a batch's: ``c0..cN``, then
     any change metadata) hold the columns in their types."""
-    why = why_not(lake, tables, target, columns, table, properties(table))
+    why = why_not(lake, tables, target, columns, table, java_properties(table))
     want = staged_types(lake, target, columns)
     if why is None and any(pq.read_schema(f).types[:len(want)] != want for f in files):
         why = "its staged files are not in the columns' types"
@@ -116,16 +111,21 @@ def local_folder(spark: Any, location: str) -> Optional[Path]:
     return Path(str(fs.makeQualified(path).toUri().getPath()))
 
 
+def data_folder(table: Any) -> str:
+    """Where an Iceberg Java table's data files go."""
+    return f"{str(table.location()).rstrip('/')}/data"
+
+
 def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
           scratch: Path, prefix: str) -> list[tuple[str, Path]]:
     """Write ``parts`` (tables in ``schema``) as data files of ``table`` named ``prefix-*``:
-    in its data folder when that is on this disk, else under ``scratch`` for ``commit_files``
+    in its data folder when that is on this disk, else under ``scratch`` for ``data_files``
     to upload. Returns (location, the file as written here) of each."""
-    props = properties(table)
+    props = java_properties(table)
     codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
     level = props.get("write.parquet.compression-level")
     target_bytes = int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES))
-    folder = f"{str(table.location()).rstrip('/')}/data"
+    folder = data_folder(table)
     here = local_folder(spark, folder)
     written: list[tuple[str, Path]] = []
     writer: Any = None
@@ -169,11 +169,12 @@ def data_files(spark: Any, table: Any, written: Sequence[tuple[str, Path]]) -> l
     iceberg = jvm.org.apache.iceberg
     conf = spark._jsc.hadoopConfiguration()
     metrics_config = iceberg.MetricsConfig.forTable(table)
+    upload = local_folder(spark, data_folder(table)) is None  # as ``write`` decided
     files = []
     for location, path in written:
         dest = jvm.org.apache.hadoop.fs.Path(location)
         fs = dest.getFileSystem(conf)
-        if local_folder(spark, location) is None:
+        if upload:
             fs.copyFromLocalFile(True, True, jvm.org.apache.hadoop.fs.Path(path.resolve().as_uri()),
                                  dest)
         metrics = iceberg.parquet.ParquetUtil.fileMetrics(table.io().newInputFile(location),

@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from walberg.apply.datafiles import FIELD_ID_KEY, field_id_metadata
+from walberg.apply.datafiles import FIELD_ID_KEY, data_folder, field_id_metadata
 from walberg.apply.session import java_table, quote_target
 from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
@@ -316,7 +316,7 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[
     referenced = [r[0] for r in frame.select("file_path").distinct().collect()]
     if not referenced:
         return [], 0, []
-    folder = f"{table.location().rstrip('/')}/data/walberg-deletes-{uuid.uuid4().hex}"
+    folder = f"{data_folder(table)}/walberg-deletes-{uuid.uuid4().hex}"
     # One file per group of data files, each sorted by (file_path, pos) as the spec asks.
     parts = max(1, min(len(referenced), int(spark.sparkContext.defaultParallelism)))
     spark_call("writing position deletes", lambda: (
@@ -363,7 +363,7 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
                              pa.array(deletes.positions[order], pa.int64())], schema=schema),
                    local, compression="snappy")
     jvm = spark._jvm
-    name = f"{table.location().rstrip('/')}/data/{local.name}"
+    name = f"{data_folder(table)}/{local.name}"
     dest = jvm.org.apache.hadoop.fs.Path(name)
     fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
     spark_call("uploading position deletes", lambda: fs.copyFromLocalFile(

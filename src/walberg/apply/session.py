@@ -44,6 +44,11 @@ def java_table(spark: Any, target: str) -> Any:
     return table
 
 
+def java_properties(table: Any) -> dict[str, str]:
+    """An Iceberg Java table's properties, as Python strings."""
+    return {str(k): str(v) for k, v in table.properties().items()}
+
+
 def find_java_table(spark: Any, target: str) -> Optional[Any]:
     """``target`` as an Iceberg Java table (see ``java_table``), or None if it does not exist."""
     try:

@@ -16,6 +16,7 @@ from walberg.apply.session import (
     SOURCE_COLUMN,
     LakeSession,
     find_java_table,
+    java_properties,
     quote_target,
 )
 from walberg.apply.spark import spark_call
@@ -118,7 +119,7 @@ def _facts(spark: Any, table: Any) -> TableFacts:
     jvm = spark._jvm
     struct = StructType.fromJson(json.loads(
         jvm.org.apache.iceberg.spark.SparkSchemaUtil.convert(table.schema()).json()))
-    return TableFacts(_spec_fields(table), {str(k): str(v) for k, v in table.properties().items()},
+    return TableFacts(_spec_fields(table), java_properties(table),
                       int(table.operations().current().formatVersion()),
                       [(f.name, f.dataType.simpleString()) for f in struct.fields])
 
