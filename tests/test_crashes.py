@@ -1,19 +1,23 @@
-"""kill -9 at 16 moments at 9 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
+"""kill -9 at 17 moments at 10 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
 writer keeps changing rows: inside the initial copy (its data files written on the driver, not
 yet committed), during a restart's check of the lake while the stream already writes segments,
-while writing a segment, between seal and apply, while decoding,
-inside the Spark commit, after the commit before the slot hears of it, and inside the apply by
-position (before its row delta, while its key index catches up with it); each followed by a
-restart. The last run ends with the lake equal to Postgres: no row lost, none duplicated."""
+once the first batch has been staged during that check, while writing a segment, between seal
+and apply, while decoding, inside the Spark commit, after the commit before the slot hears of
+it, and inside the apply by position (before its row delta, while its key index catches up with
+it); each followed by a restart. The last run ends with the lake equal to Postgres: no row
+lost, none duplicated."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from conftest import make_config, run_once, writing
@@ -21,14 +25,15 @@ from lake import iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.model import Lsn
 
 HITS = (1, 3)  # the n-th pass of each point: the first, and one with a history behind it
-POINTS = {"copy-files": (1,), "lake-check": (1,), "segment-write": HITS, "seal": HITS,
+POINTS = {"copy-files": (1,), "lake-check": (1,), "early-staged": (1,),
+          "segment-write": HITS, "seal": HITS,
           "decode": HITS, "commit": HITS, "committed": HITS,
           # Inside the apply by position (apply.keyed): before its row delta commits, and
           # while the key index is brought up to that commit.
           "row-delta": HITS, "indexed": (1, 2)}
 
 
-def test_kill_9_at_16_moments_loses_and_duplicates_nothing(
+def test_kill_9_at_17_moments_loses_and_duplicates_nothing(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
         unique: str) -> None:
     table = f"public.{unique}"
@@ -113,4 +118,70 @@ def test_a_restart_streams_while_the_lake_is_checked_and_confirms_nothing_early(
         "nothing may be confirmed to the slot before the lake has been read"
 
     run_once(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+
+def test_a_restart_stages_its_first_batch_while_the_lake_is_checked_and_keeps_it_only_if_it_holds(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A restart stages its first batch from what it streams while the lake is checked
+    (PgStager.start_early), as if every table's mark lay before that batch. It is applied when
+    the lake agrees. After a kill between an Iceberg commit and the slot's confirmation the
+    slot sends again what the lake holds: that batch is thrown away and staged again the usual
+    way. Either way every change is applied once."""
+    from walberg.runtime.tables import PgTables
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 2000) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    run_once(config, spark)  # the copy; the slot exists from here on
+
+    def change(round_: int) -> None:
+        with pg_conn.cursor() as cur:
+            cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id % 5 = {round_}")
+            cur.execute(f"DELETE FROM {table} WHERE id % 11 = {round_}")
+            cur.execute(f"INSERT INTO {table} SELECT g, {round_}, 'new' FROM "
+                        f"generate_series({3000 + 1000 * round_}, {3499 + 1000 * round_}) g")
+
+    # 1. Killed after its Iceberg commit, before the slot heard of it.
+    change(1)
+    env = dict(os.environ, WALBERG_CRASH_AT="committed:1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(path),
+                           "--once"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -9, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+
+    # A lake check that lasts until the first batch is being staged, as a cold start's does
+    # (a Spark session starting); in this process the session is warm.
+    ensure = PgTables.ensure
+    staging_dir = config.segment_dir
+
+    def slow_ensure(self: Any, source: str, info: Any) -> None:
+        deadline = time.monotonic() + 60
+        while (not any(p.name.startswith("batch-") for p in staging_dir.iterdir())
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        ensure(self, source, info)
+
+    monkeypatch.setattr(PgTables, "ensure", slow_ensure)
+
+    # 2. The next run streams the killed run's transactions again with new ones: the batch it
+    # staged early holds transactions the lake has, so it is staged again.
+    change(2)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
+    assert "staging it again" in caplog.text
+    assert "was staged while the lake was read" not in caplog.text
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+    # 3. After a clean stop, the batch staged early is the one applied.
+    caplog.clear()
+    change(3)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        report = run_once(config, spark)
+    assert "was staged while the lake was read" in caplog.text
+    assert report.changes > 0
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)

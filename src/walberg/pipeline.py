@@ -178,29 +178,33 @@ class Pipeline:
                           lambda: maintain_tables(self.sink, self.config.maintenance,
                                                   self.targets.values()))
         reader = PgReader(self.config, store, state, self._tables, copier, relations,
-                          self._recopy, self.slot_wait_seconds)
+                          self._recopy, self.slot_wait_seconds, stager.start_early)
 
-        started = reader.start_with_retries(once)
-        if started is None:  # stopped while the source was unreachable
-            self.report.applied_lsn = state.applied
-            return self.report
-        stream, target = started
-
-        thread: Optional[threading.Thread] = None
         try:
-            # Whatever is in sealed segments (from an earlier run, or streamed while the lake
-            # was checked) goes first.
-            applier.apply_ready(drain=True)
-            state.advance_applied(min(state.committed().values()))
+            started = reader.start_with_retries(once)
+            if started is None:  # stopped while the source was unreachable
+                self.report.applied_lsn = state.applied
+                return self.report
+            stream, target = started
 
-            thread = threading.Thread(target=applier.loop, name="walberg-apply", daemon=True)
-            thread.start()
-            reader.stream(stream, target)
+            thread: Optional[threading.Thread] = None
+            try:
+                # Whatever is in sealed segments (from an earlier run, or streamed while the
+                # lake was checked, and perhaps staged then too) goes first.
+                applier.apply_ready(drain=True)
+                state.advance_applied(min(state.committed().values()))
+
+                thread = threading.Thread(target=applier.loop, name="walberg-apply",
+                                          daemon=True)
+                thread.start()
+                reader.stream(stream, target)
+            finally:
+                state.request_stop()
+                if thread is not None:
+                    thread.join()
+                reader.close()
         finally:
-            state.request_stop()
-            if thread is not None:
-                thread.join()
-            reader.close()
+            stager.discard_early()  # (a start that failed before the batch was taken)
         if state.error is not None:
             raise state.error
         self.report.applied_lsn = state.confirmable()

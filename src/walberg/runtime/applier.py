@@ -54,6 +54,7 @@ class Batch:
     txns: list[tuple[int, int, int, int]] = field(default_factory=list)  # for changelogs
     last_commit_ts: Optional[int] = None  # source commit time of its last transaction (µs, 2000)
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
+    unknown: bool = False  # Postgres, staged before the lake was read: met a table not known
     offsets: dict[Partition, int] = field(default_factory=dict)  # Kafka: next offset read
     dead: list[Any] = field(default_factory=list)  # Kafka: records that could not be staged
     # Kafka: (last seq, topic, partition, offset) of each record staged, in seq order

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from walberg import metrics
 from walberg.buffer import spill
@@ -64,7 +64,10 @@ class PgReader:
 
     def __init__(self, config: Config, store: SegmentStore, state: RunState, tables: PgTables,
                  copier: InitialCopy, relations: Relations, recopy: set[str],
-                 slot_wait_seconds: float) -> None:
+                 slot_wait_seconds: float, streaming_early: Callable[[], None] = lambda: None
+                 ) -> None:
+        """``streaming_early``: called when the stream starts before the lake is read (the
+        applier's side may stage what it writes meanwhile)."""
         self.config = config
         self.pg = config.postgres
         self.store = store
@@ -85,6 +88,7 @@ class PgReader:
         self._early_error: Optional[BaseException] = None
         self._lake_ready = threading.Event()  # the lake is read: the slot may follow WAL's end
         self._halt_early = threading.Event()
+        self._streaming_early = streaming_early
 
     def close(self) -> None:
         self._stop_early()  # (a run that failed before ``stream``)
@@ -230,6 +234,7 @@ class PgReader:
 
         self._early = threading.Thread(target=run, name="walberg-read", daemon=True)
         self._early.start()
+        self._streaming_early()
 
     def _resume_after_segments(self) -> None:
         """Before the stream starts: what the sealed segments hold (or the lake, through the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -16,6 +17,7 @@ from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, seq_fi
 from walberg.apply.iceberg import IcebergSink
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
+from walberg.faults import crash_point
 from walberg.model import Begin, Commit, Lsn, Relation, Truncate
 from walberg.runtime.applier import Batch
 from walberg.runtime.pg_decode import Chunk, Chunks
@@ -81,6 +83,10 @@ class PgStager:
         self._adopt = adopt
         self.report = report
         self.marks = LsnMarks(state, tables)
+        # A first batch staged while the lake is still being read (see start_early).
+        self._early: Optional[threading.Thread] = None
+        self._early_batch: Optional[Batch] = None
+        self._early_done = threading.Event()  # the lake is read: the early batch stops growing
 
     # ---- which segments ----------------------------------------------------------------------
 
@@ -98,13 +104,18 @@ class PgStager:
         return SegmentMeta(last, clean)
 
     def prepare_next(self, after: Optional[Batch]) -> Optional[Batch]:
-        """Choose the sealed segments of the next batch (those holding commits after what the
+        """The batch staged early (see ``start_early``) if it holds for the lake as read; else
+        choose the sealed segments of the next batch (those holding commits after what the
         lake holds) and decode them into staged Parquet. ``after`` is the batch before it, not
         yet committed: its segments are left out, except a last one that a transaction runs on
         from. The batch grows by the segments sealed while it is decoded, and while ``after``
         commits it waits for more (up to ``buffer.max_batch_bytes`` in all): when the source
         outpaces Spark, batches grow and the lake gets fewer, larger commits instead of falling
         further behind."""
+        if after is None and self._early is not None:
+            early = self._take_early()
+            if early is not None:
+                return early
         floor = after.lsn if after is not None else self.state.applied
         first_seq = 0
         if after is not None and after.cut:
@@ -153,19 +164,108 @@ class PgStager:
             batch.pop()
         return batch, end
 
+    # ---- staging before the lake is read --------------------------------------------------------
+
+    def start_early(self) -> None:
+        """The stream started before the lake was read (a slot that exists, see the reader's
+        ``_start_early``): stage the first batch now, in a thread, from the segments it writes,
+        while the Spark session starts and the tables are checked. It is staged as if every
+        table's mark lay before the first transaction it holds (the case after a clean stop),
+        and used only if the lake, once read, says so (``_take_early``); otherwise it is thrown
+        away and the batch staged again. Nothing is committed or confirmed from here."""
+        self.discard_early()  # (a start tried again)
+        self._early_done.clear()
+        self._early = threading.Thread(target=self._stage_early, name="walberg-prestage",
+                                       daemon=True)
+        self._early.start()
+
+    def _stage_early(self) -> None:
+        """The early batch: the sealed segments up to the last whole transaction, growing by the
+        segments sealed meanwhile until the lake is read (or the batch is full)."""
+        limit = self.config.buffer.max_batch_bytes
+        waited = 0.0
+
+        def grow(staged: list[SegmentInfo]) -> Optional[tuple[list[SegmentInfo], Lsn]]:
+            nonlocal waited
+            size = sum(info.size_bytes for info in staged)
+            started = time.monotonic()
+            try:
+                while size < limit and not self.state.stop.is_set():
+                    more, more_end = self._segments_after(staged[-1].seq, size)
+                    if more and more_end is not None:
+                        return more, more_end
+                    if self._early_done.wait(0.05):
+                        return None
+                return None
+            finally:
+                waited += time.monotonic() - started
+
+        try:
+            while True:
+                segments, end = self._segments_after(-1, 0)
+                if end is not None:
+                    break
+                if self._early_done.wait(0.05) or self.state.stop.is_set():
+                    return
+            batch = self.stage(segments, end, Lsn(0), grow, early=True)
+            batch.staged_s -= waited  # (the time it staged, not the time it waited for more)
+            self._early_batch = batch
+        except BaseException as exc:
+            # Staged again once the lake is read, where a real failure is raised and said.
+            log.debug("staging before the lake was read failed (staged again after): %s", exc)
+
+    def _take_early(self) -> Optional[Batch]:
+        """The early batch, once finished, if the lake holds what it assumed: every table has a
+        mark (none was owed a copy), no mark lies after the first transaction the batch holds
+        (so every transaction it staged is one the lake lacks: the same batch the usual way
+        would stage) and no table was met that the pipeline did not know."""
+        self._early_done.set()
+        thread, self._early = self._early, None
+        assert thread is not None
+        thread.join()
+        batch, self._early_batch = self._early_batch, None
+        if batch is None:
+            return None
+        crash_point("early-staged")
+        marks = self.state.committed()
+        first = min((Lsn(t[0]) for t in batch.txns), default=None)
+        holds = (not batch.unknown and first is not None and not self.state.halted()
+                 and all(t in marks and marks[t] <= first for t in self.tables.targets))
+        if not holds:
+            log.info("the batch staged while the lake was read does not match what the lake "
+                     "holds (a table's mark after %s): staging it again", first)
+            batch.builder.discard()
+            return None
+        batch.start = min(marks.values())
+        log.info("the first batch (%d changes, up to LSN %s) was staged while the lake was read",
+                 batch.changes, batch.lsn)
+        return batch
+
+    def discard_early(self) -> None:
+        """Stop staging early and drop what it staged (a start that failed, a run that ends)."""
+        self._early_done.set()
+        thread, self._early = self._early, None
+        if thread is not None:
+            thread.join()
+        batch, self._early_batch = self._early_batch, None
+        if batch is not None:
+            batch.builder.discard()
+
     # ---- staging -----------------------------------------------------------------------------
 
     def stage(self, segments: list[SegmentInfo], end: Lsn, floor: Lsn,
-              grow: Optional[Grow] = None) -> Batch:
+              grow: Optional[Grow] = None, early: bool = False) -> Batch:
         """Decode the segments' transactions up to ``end`` into staged Parquet, per table.
         Having reached ``end``, ``grow`` may hand more segments and a later end to go on to.
+        ``early``: before the lake is read (see ``start_early``), every transaction of a known
+        table is staged.
 
         Control messages go through the scalar decoder; Insert/Update/Delete messages are only
         routed here (a byte and a relation id per message) and decoded in columnar chunks."""
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
         builder = BatchBuilder(workdir, prep=self.tables.prep)
-        run = _Staging(self, builder, floor)
+        run = _Staging(self, builder, floor, early)
         try:
             end = run.read(segments, end, grow)
             run.chunks.flush_all()
@@ -184,9 +284,11 @@ class PgStager:
                      run.last_seq if run.cut else run.seq, run.changes,
                      time.monotonic() - started, lsn=end, start=floor, void=run.void,
                      txns=[(lsn, *t) for lsn, t in run.txns.items()],
-                     last_commit_ts=run.last_commit_ts, cut=run.cut)
+                     last_commit_ts=run.last_commit_ts, cut=run.cut, unknown=run.unknown)
 
-    def wanted(self, rel: Relation, txn: Begin) -> bool:
+    def wanted(self, rel: Relation, txn: Begin, early: bool = False) -> bool:
+        if early:
+            return rel.qualified_name in self.tables.targets
         if rel.qualified_name not in self.tables.targets and self.config.postgres.follow_publication:
             self._adopt(rel)
         if self.state.is_halted(rel.qualified_name):
@@ -228,10 +330,12 @@ class PgStager:
 class _Staging:
     """One batch being read: the transaction it is in, what it has staged so far."""
 
-    def __init__(self, stager: PgStager, builder: BatchBuilder, floor: Lsn) -> None:
+    def __init__(self, stager: PgStager, builder: BatchBuilder, floor: Lsn, early: bool) -> None:
         self.stager = stager
         self.builder = builder
         self.floor = floor
+        self.early = early
+        self.unknown = False  # (early) a relation of a table the pipeline does not know
         self.chunks = Chunks(builder)
         self.decoder = Decoder()
         self.seq = 0
@@ -306,7 +410,7 @@ class _Staging:
         if self.txn is None:
             return False
         before = self.builder.columns_of(msg.qualified_name)
-        if before is not None and before != msg.columns and self.stager.wanted(msg, self.txn):
+        if before is not None and before != msg.columns and self._wants(msg, self.txn):
             if self.last_end is None:  # ALTER amid this transaction's changes
                 raise SchemaChanged(msg.qualified_name)
             # The table's columns changed (ALTER TABLE): this batch ends with the
@@ -342,4 +446,10 @@ class _Staging:
 
     def _wanted_chunks(self, txn: Begin) -> dict[int, Chunk]:
         return {oid: self.chunks.for_relation(rel) for oid, rel in self.decoder.relations.items()
-                if self.stager.wanted(rel, txn)}
+                if self._wants(rel, txn)}
+
+    def _wants(self, rel: Relation, txn: Begin) -> bool:
+        wanted = self.stager.wanted(rel, txn, self.early)
+        if self.early and not wanted and self.stager.config.postgres.follow_publication:
+            self.unknown = True  # adopted (and copied) only once the lake is read
+        return wanted
