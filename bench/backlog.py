@@ -9,8 +9,9 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
 1. A table (id bigint key, name text, amount numeric(12,2), n int) of N rows is copied into
    Iceberg by `walberg run --once` in a process of its own (a cold JVM), next to `COPY ... TO
    STDOUT` of the same table.
-2. A no-op `walberg run --once` (nothing to apply): the fixed cost of a run (process, JVM,
-   Spark session, catalog, slot); and the same without the class-data archive
+2. A no-op `walberg run --once` (nothing to apply), three times, their median: the fixed
+   cost of a run (process, JVM, Spark session, catalog, slot); and the same without the
+   class-data archive
    (WALBERG_CLASS_CACHE=off), what the first run on a machine pays.
 3. A backlog of --changes changes is committed: half inserts of new keys, three tenths updates
    and two tenths deletes of keys drawn at random over the whole table, in transactions of
@@ -141,7 +142,10 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
     copy_to_stdout_s = make_table(cur, name, rows)
     config = write_config(server.dsn, work, name)
     copy_s = walberg_once(config, "copy")
-    noop_s = walberg_once(config, "noop")
+    # Three no-op runs, their median: one cold start varies by a second or more on a shared
+    # machine, and the net apply time is a difference of two of them.
+    noops = sorted(walberg_once(config, f"noop{i}") for i in range(3))
+    noop_s = noops[1]
     # The same without the class-data archive: a machine's first run, or WALBERG_CLASS_CACHE=off.
     noop_bare_s = walberg_once(config, "noop-bare", {**os.environ, "WALBERG_CLASS_CACHE": "off"})
     cur.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
@@ -167,7 +171,8 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
                  "walberg_rows_per_s": rows / copy_s,
                  "ratio": copy_to_stdout_s / copy_s},
-        "noop_run_once_s": noop_s, "noop_without_class_archive_s": noop_bare_s,
+        "noop_run_once_s": noop_s, "noop_runs_s": noops,
+        "noop_without_class_archive_s": noop_bare_s,
         "apply_run_once_s": apply_s, "apply_net_s": net_s,
         "apply_batch_s": batch_seconds(config, "apply"),
         "pg_recvlogical_s": recv_s,
@@ -226,11 +231,14 @@ def main() -> int:
     out = save_results(results, args.out)
     print(f"\ncold `walberg run --once` backlog of {args.changes:,} random-key changes, "
           f"{results['cores']} cores")
-    print(f"{'table rows':>12} {'no-op run':>10} {'(no archive)':>12} {'apply net':>10} "
+    print(f"{'table rows':>12} {'no-op run':>10} {'(3 runs)':>10} {'(no archive)':>12} "
+          f"{'apply run':>10} {'apply net':>10} "
           f"{'recvlogical':>12} {'ratio':>6} {'growth':>7} {'copy rows/s':>12} {'copy ratio':>11}")
     for s in results["sizes"]:
-        print(f"{s['rows']:>12,} {s['noop_run_once_s']:>9.1f}s "
-              f"{s['noop_without_class_archive_s']:>11.1f}s {s['apply_net_s']:>9.1f}s "
+        runs = "-".join(f"{x:.1f}" for x in (s["noop_runs_s"][0], s["noop_runs_s"][-1]))
+        print(f"{s['rows']:>12,} {s['noop_run_once_s']:>9.1f}s {runs:>10} "
+              f"{s['noop_without_class_archive_s']:>11.1f}s {s['apply_run_once_s']:>9.1f}s "
+              f"{s['apply_net_s']:>9.1f}s "
               f"{s['pg_recvlogical_s']:>11.1f}s {s['ratio']:>6.2f} {s['growth']:>6.2f}x "
               f"{s['copy']['walberg_rows_per_s']:>12,.0f} {s['copy']['ratio']:>11.2f}")
     if args.compare_merge:
