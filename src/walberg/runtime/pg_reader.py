@@ -409,7 +409,9 @@ class PgReader:
             if reached:
                 stream.keepalive()
                 self._await_progress()
-            for wal_start, payload in () if reached else stream.messages(timeout=0.2):
+            # (--once: a short wait when idle, so that the run ends soon after the lake is read)
+            wait = 0.05 if target is not None else 0.2
+            for wal_start, payload in () if reached else stream.messages(timeout=wait):
                 if payload[0] in CHANGE_TAGS and streamed.chunk_xid is None and not at.skipping:
                     # The common case, without a call of its own (per change, it counts): a
                     # change of the transaction being written.
