@@ -270,11 +270,18 @@ def main() -> int:
         writer.flat_out(args.seconds)
         written_s = time.monotonic() - start
         end_lsn = writer.last
-        caught_up = wait_until(lambda: committed_lsn(port) >= end_lsn, 1800,
-                               "walberg to commit the flat-out phase")
-        walberg_s = caught_up - start
-        live_s = wait_until(lambda: slot_flushed(cur, f"live_{name}") >= end_lsn, 600,
-                            "pg_recvlogical to read the flat-out phase live") - start
+        # Both watched in one loop: each one's time is when it first passed the last commit.
+        done: dict[str, float] = {}
+
+        def both() -> bool:
+            if "walberg" not in done and committed_lsn(port) >= end_lsn:
+                done["walberg"] = time.monotonic() - start
+            if "live" not in done and slot_flushed(cur, f"live_{name}") >= end_lsn:
+                done["live"] = time.monotonic() - start
+            return len(done) == 2
+
+        wait_until(both, 1800, "walberg and pg_recvlogical to read the flat-out phase")
+        walberg_s, live_s = done["walberg"], done["live"]
         live.terminate()
         live.wait(30)
         cur.execute(f"SELECT pg_drop_replication_slot('live_{name}')")
