@@ -195,11 +195,13 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic()
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` in MB (0 once it is gone)."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory of ``pid`` in MB (0 once it is gone); ``field``: VmRSS (all of it),
+    RssAnon (the process's own memory) or RssFile (pages of mapped files, such as the key
+    index's, which the kernel may drop and read again)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -219,11 +221,14 @@ class Sampler(threading.Thread):
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.python_mb, self.jvm_mb = pid, 0.0, 0.0
+        self.python_anon_mb = self.python_file_mb = 0.0
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(1.0):
             self.python_mb = max(self.python_mb, rss_mb(self.pid))
+            self.python_anon_mb = max(self.python_anon_mb, rss_mb(self.pid, "RssAnon"))
+            self.python_file_mb = max(self.python_file_mb, rss_mb(self.pid, "RssFile"))
             self.jvm_mb = max(self.jvm_mb, sum(rss_mb(c) for c in children(self.pid)))
 
 
@@ -315,7 +320,9 @@ def main() -> int:
             "buckets": {str(k): v for k, v in sorted(phase.items())},
         }
         sampler.stop.set()
-        results["peak_rss_mb"] = {"python": sampler.python_mb, "jvm": sampler.jvm_mb}
+        results["peak_rss_mb"] = {"python": sampler.python_mb, "jvm": sampler.jvm_mb,
+                                  "python_anon": sampler.python_anon_mb,
+                                  "python_file": sampler.python_file_mb}
     finally:
         if proc is not None:
             proc.terminate()
@@ -338,8 +345,10 @@ def main() -> int:
           f"{'n/a' if p50 is None else f'{p50:.1f}'} s (target < 3), p99 "
           f"{'n/a' if p99 is None else f'{p99:.1f}'} s (target < 10), "
           f"{s['batches']:.0f} batches")
-    print(f"  peak RSS: walberg's Python process {results['peak_rss_mb']['python']:.0f} MB, "
-          f"its JVM {results['peak_rss_mb']['jvm']:.0f} MB")
+    rss = results["peak_rss_mb"]
+    print(f"  peak RSS: walberg's Python process {rss['python']:.0f} MB (its own memory "
+          f"{rss['python_anon']:.0f} MB, mapped files {rss['python_file']:.0f} MB, each at its "
+          f"own peak), its JVM {rss['jvm']:.0f} MB")
     print(f"  results in {out}")
     return 0
 
