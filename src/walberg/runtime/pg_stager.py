@@ -128,20 +128,28 @@ class PgStager:
         if end is None or end <= floor:
             return None
         committed = after.committed if after is not None else None
-        limit = self.config.buffer.max_batch_bytes
 
-        def grow(staged: list[SegmentInfo]) -> Optional[tuple[list[SegmentInfo], Lsn]]:
-            size = sum(info.size_bytes for info in staged)
-            while not self.state.stop.is_set() and size < limit:
-                more, more_end = self._segments_after(staged[-1].seq, size)
-                if more and more_end is not None:
-                    return more, more_end
-                if committed is None or committed.is_set():
-                    return None
-                committed.wait(0.05)
-            return None
+        def while_committing() -> bool:
+            if committed is None or committed.is_set():
+                return False
+            committed.wait(0.05)
+            return True
 
-        return self.stage(batch, end, floor, grow)
+        return self.stage(batch, end, floor, lambda staged: self._grow(staged, while_committing))
+
+    def _grow(self, staged: list[SegmentInfo], wait: Callable[[], bool]
+              ) -> Optional[tuple[list[SegmentInfo], Lsn]]:
+        """More sealed segments for a batch that reached its end, and their end; ``wait``
+        waits a moment for more to be sealed, or says (False) that the batch ends here. Up to
+        ``buffer.max_batch_bytes`` in all."""
+        size = sum(info.size_bytes for info in staged)
+        while not self.state.stop.is_set() and size < self.config.buffer.max_batch_bytes:
+            more, more_end = self._segments_after(staged[-1].seq, size)
+            if more and more_end is not None:
+                return more, more_end
+            if not wait():
+                return None
+        return None
 
     def _segments_after(self, seq: int, size: int) -> tuple[list[SegmentInfo], Optional[Lsn]]:
         """The sealed segments after ``seq`` up to the last one that ends a transaction, and that
@@ -182,21 +190,13 @@ class PgStager:
     def _stage_early(self) -> None:
         """The early batch: the sealed segments up to the last whole transaction, growing by the
         segments sealed meanwhile until the lake is read (or the batch is full)."""
-        limit = self.config.buffer.max_batch_bytes
         waited = 0.0
 
         def grow(staged: list[SegmentInfo]) -> Optional[tuple[list[SegmentInfo], Lsn]]:
             nonlocal waited
-            size = sum(info.size_bytes for info in staged)
             started = time.monotonic()
-            try:
-                while size < limit and not self.state.stop.is_set():
-                    more, more_end = self._segments_after(staged[-1].seq, size)
-                    if more and more_end is not None:
-                        return more, more_end
-                    if self._early_done.wait(0.05):
-                        return None
-                return None
+            try:  # (until the lake is read)
+                return self._grow(staged, lambda: not self._early_done.wait(0.05))
             finally:
                 waited += time.monotonic() - started
 
@@ -219,11 +219,7 @@ class PgStager:
         mark (none was owed a copy), no mark lies after the first transaction the batch holds
         (so every transaction it staged is one the lake lacks: the same batch the usual way
         would stage) and no table was met that the pipeline did not know."""
-        self._early_done.set()
-        thread, self._early = self._early, None
-        assert thread is not None
-        thread.join()
-        batch, self._early_batch = self._early_batch, None
+        batch = self._finish_early()
         if batch is None:
             return None
         crash_point("early-staged")
@@ -243,13 +239,18 @@ class PgStager:
 
     def discard_early(self) -> None:
         """Stop staging early and drop what it staged (a start that failed, a run that ends)."""
+        batch = self._finish_early()
+        if batch is not None:
+            batch.builder.discard()
+
+    def _finish_early(self) -> Optional[Batch]:
+        """Have the early staging end its batch (it stops growing) and hand it over, if any."""
         self._early_done.set()
         thread, self._early = self._early, None
         if thread is not None:
             thread.join()
         batch, self._early_batch = self._early_batch, None
-        if batch is not None:
-            batch.builder.discard()
+        return batch
 
     # ---- staging -----------------------------------------------------------------------------
 
