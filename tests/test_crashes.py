@@ -91,14 +91,7 @@ def test_a_restart_streams_while_the_lake_is_checked_and_confirms_nothing_early(
     segments and told the slot nothing; the next run applies every change once."""
     from walberg.source import postgres as pg
 
-    table = f"public.{unique}"
-    with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
-        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 2000) g")
-    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
-    run_once(config, spark)  # the copy; the slot exists from here on
+    table, config, path = _copied(pg_conn, postgres, spark, warehouse, tmp_path, unique)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 1 WHERE id % 3 = 0")
         cur.execute(f"DELETE FROM {table} WHERE id % 7 = 0")
@@ -106,10 +99,7 @@ def test_a_restart_streams_while_the_lake_is_checked_and_confirms_nothing_early(
     slot_before = pg.slot_state(pg_conn, config.postgres.slot)
     assert slot_before is not None
 
-    env = dict(os.environ, WALBERG_CRASH_AT="lake-check:1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(path),
-                           "--once"], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == -9, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    _killed_once_at(path, "lake-check:1")
     written = [p for p in (tmp_path / "segments").iterdir()
                if p.name.endswith((".sealed", ".active")) and p.stat().st_size > 0]
     assert written, "the stream wrote segments while the lake was being checked"
@@ -131,14 +121,7 @@ def test_a_restart_stages_its_first_batch_while_the_lake_is_checked_and_keeps_it
     way. Either way every change is applied once."""
     from walberg.runtime.tables import PgTables
 
-    table = f"public.{unique}"
-    with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
-        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 2000) g")
-    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
-    run_once(config, spark)  # the copy; the slot exists from here on
+    table, config, path = _copied(pg_conn, postgres, spark, warehouse, tmp_path, unique)
 
     def change(round_: int) -> None:
         with pg_conn.cursor() as cur:
@@ -149,10 +132,7 @@ def test_a_restart_stages_its_first_batch_while_the_lake_is_checked_and_keeps_it
 
     # 1. Killed after its Iceberg commit, before the slot heard of it.
     change(1)
-    env = dict(os.environ, WALBERG_CRASH_AT="committed:1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(path),
-                           "--once"], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == -9, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    _killed_once_at(path, "committed:1")
 
     # A lake check that lasts until the first batch is being staged, as a cold start's does
     # (a Spark session starting); in this process the session is warm.
@@ -185,3 +165,26 @@ def test_a_restart_stages_its_first_batch_while_the_lake_is_checked_and_keeps_it
     assert "was staged while the lake was read" in caplog.text
     assert report.changes > 0
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+
+def _copied(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+            unique: str) -> tuple[str, Any, Path]:
+    """A table of 2,000 rows copied into the lake by a run in this process (the slot exists
+    from here on): the table, its pipeline's config and that config as a file."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 2000) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    run_once(config, spark)
+    return table, config, path
+
+
+def _killed_once_at(path: Path, crash_at: str) -> None:
+    """`walberg run --once` as a command, killed (-9) at ``crash_at`` (WALBERG_CRASH_AT)."""
+    env = dict(os.environ, WALBERG_CRASH_AT=crash_at, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", "run", "-c", str(path),
+                           "--once"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -9, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
