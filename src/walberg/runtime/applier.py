@@ -209,12 +209,14 @@ class Applier:
             self.sink.release_staged(batch.builder.directory)
         crash_point("committed")
         self.stager.applied(batch)
-        self.state.progress.set()
         self.batches += 1
         self.changes += batch.changes
         done_with = self.stager.done_with(batch)
         self.store.remove(done_with)
         self.state.forget_segments([info.seq for info in done_with])
+        # (after the segments are gone: a reader woken before would see them still pending
+        # and wait once more)
+        self.state.progress.set()
         metrics.BATCHES.inc()
         metrics.SEGMENTS_APPLIED.inc(len(done_with))
         metrics.BATCH_CHANGES.observe(batch.changes)
