@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lake import duckdb_rows, hadoop_table, iceberg_rows
-from walberg.apply.rowdelta import commit_row_delta, java_table
+from walberg.apply.rowdelta import commit_row_delta, java_table, warm
 from walberg.errors import ApplyError
 
 ROWS = 2000
@@ -131,3 +131,11 @@ def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
         assert iceberg_rows(warehouse, target) == rows
     assert duckdb_rows(warehouse, target) == rows
     assert sorted(index.lookup(np.array(sorted(model))).keys.tolist()) == sorted(model)
+
+
+def test_the_commit_code_is_loaded_ahead_on_files_of_its_own(spark: Any, tmp_path: Path) -> None:
+    """What a run loads while it reads the lake, when a batch is on its way: a data and a
+    delete file's metrics, their manifests written and read back; nothing in any table."""
+    assert warm(spark, tmp_path) == 2
+    made = sorted(p.suffix for p in tmp_path.iterdir() if p.suffix != ".crc")  # (Hadoop's)
+    assert made == [".avro", ".avro", ".parquet", ".parquet"]

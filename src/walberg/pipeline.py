@@ -93,6 +93,8 @@ class Pipeline:
             self._sink = IcebergSink(self._session, self.types, self._tag,
                                      stage_root(self.config, self._session),
                                      self.config.index_dir)
+            if self._state.staging_early.is_set():
+                self._sink.warm()  # a batch is coming: its commit's code loads meanwhile
         return self._session
 
     @property

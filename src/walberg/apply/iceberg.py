@@ -61,6 +61,10 @@ class IcebergSink:
     def spark(self) -> Any:
         return self.lake.spark
 
+    def warm(self) -> None:
+        """A batch is on its way: load the JVM code of its commit now, in the background."""
+        self.writes.keyed.warm()
+
     @property
     def types(self) -> TypeMap:
         return self.lake.types

@@ -29,6 +29,7 @@ import logging
 import re
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -38,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from walberg.apply import datafiles
+from walberg.apply import datafiles, rowdelta
 from walberg.apply.batch import StagedTable, applied_rows, value_column
 from walberg.apply.keyindex import KeyIndex
 from walberg.apply.rowdelta import (
@@ -77,6 +78,25 @@ class KeyedApply:
         self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
         self._swept = False
+
+    def warm(self) -> None:
+        """Load the JVM code of a row delta's commit now, in a thread, while the caller goes on
+        reading the lake (see ``rowdelta.warm``): a run's first batch applied by position then
+        commits as fast as later ones. Best effort: a failure is logged at debug level."""
+        if self.root is None or self.lake.source is not None:
+            return
+        scratch = self._scratch()  # (swept of what a killed run left, here, before the thread)
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                with scratch as folder:
+                    rowdelta.warm(self.lake.spark, folder)
+                log.debug("row delta's JVM code loaded in %.2f s", time.monotonic() - started)
+            except Exception as exc:
+                log.debug("loading the row delta's JVM code failed: %s", exc)
+
+        threading.Thread(target=run, name="walberg-warm", daemon=True).start()
 
     def forget(self, target: str) -> None:
         """The table may have been replaced or repartitioned: look at it afresh."""

@@ -38,6 +38,8 @@ class RunState:
         self.wake = threading.Event()  # reader -> applier: a segment was sealed
         self.progress = threading.Event()  # applier -> reader: a batch was applied
         self.stop = threading.Event()
+        # stager -> pipeline: a batch is being staged before the lake is read.
+        self.staging_early = threading.Event()
 
     # ---- positions ---------------------------------------------------------------------------
 
