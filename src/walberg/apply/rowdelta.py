@@ -461,14 +461,12 @@ def warm(spark: Any, scratch: Path) -> int:
     parquet = iceberg.FileFormat.PARQUET
     config = iceberg.MetricsConfig.getDefault()
     made = []
-    for path, build in ((data, lambda m, n, s: iceberg.DataFiles.builder(spec).withPath(n)
-                         .withFormat(parquet).withFileSizeInBytes(s).withMetrics(m).build()),
-                        (deletes, lambda m, n, s: iceberg.FileMetadata.deleteFileBuilder(spec)
-                         .ofPositionDeletes().withPath(n).withFormat(parquet)
-                         .withFileSizeInBytes(s).withMetrics(m).build())):
+    for path, builder in ((data, iceberg.DataFiles.builder(spec)),
+                          (deletes, iceberg.FileMetadata.deleteFileBuilder(spec).ofPositionDeletes())):
         name = path.resolve().as_uri()
         metrics = iceberg.parquet.ParquetUtil.fileMetrics(io.newInputFile(name), config)
-        made.append(build(metrics, name, path.stat().st_size))
+        made.append(builder.withPath(name).withFormat(parquet)
+                    .withFileSizeInBytes(path.stat().st_size).withMetrics(metrics).build())
     snapshot = spark._jvm.java.lang.Long.valueOf(1)
     entries = 0
     for number, (kind, file) in enumerate((("write", made[0]), ("writeDeleteManifest", made[1]))):
