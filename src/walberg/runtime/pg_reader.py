@@ -223,6 +223,7 @@ class PgReader:
         self._resume_after_segments()
         self._lake_ready.clear()
         self._halt_early.clear()
+        self.state.read_to_target.clear()
         self._early_error = None
 
         def run() -> None:
@@ -426,6 +427,8 @@ class PgReader:
                 at.received >= target or stream.wal_end >= target)
             if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
                 self.seal(clean=not at.in_txn)
+            if caught_up and not store.active_bytes() and not streamed.pending:
+                state.read_to_target.set()  # (an early batch need not wait for more)
             idle = not at.in_txn and not streamed.pending and store.pending_bytes() == 0
             # (past the target, messages may wait unread: the server's WAL end says nothing then)
             reached = target is not None and not at.in_txn and at.received >= target

@@ -143,12 +143,14 @@ class PgStager:
         waits a moment for more to be sealed, or says (False) that the batch ends here. Up to
         ``buffer.max_batch_bytes`` in all."""
         size = sum(info.size_bytes for info in staged)
+        waiting = True
         while not self.state.stop.is_set() and size < self.config.buffer.max_batch_bytes:
             more, more_end = self._segments_after(staged[-1].seq, size)
             if more and more_end is not None:
                 return more, more_end
-            if not wait():
+            if not waiting:
                 return None
+            waiting = wait()  # (then one more look: a segment sealed as the wait ended)
         return None
 
     def _segments_after(self, seq: int, size: int) -> tuple[list[SegmentInfo], Optional[Lsn]]:
@@ -189,14 +191,16 @@ class PgStager:
 
     def _stage_early(self) -> None:
         """The early batch: the sealed segments up to the last whole transaction, growing by the
-        segments sealed meanwhile until the lake is read (or the batch is full)."""
+        segments sealed meanwhile until the lake is read, the batch is full, or a --once run's
+        reader has sealed all it reads (then the batch is finished before the lake is read)."""
         waited = 0.0
 
         def grow(staged: list[SegmentInfo]) -> Optional[tuple[list[SegmentInfo], Lsn]]:
             nonlocal waited
             started = time.monotonic()
-            try:  # (until the lake is read)
-                return self._grow(staged, lambda: not self._early_done.wait(0.05))
+            try:
+                return self._grow(staged, lambda: not (self.state.read_to_target.is_set()
+                                                       or self._early_done.wait(0.05)))
             finally:
                 waited += time.monotonic() - started
 
@@ -204,6 +208,7 @@ class PgStager:
             while True:
                 segments, end = self._segments_after(-1, 0)
                 if end is not None:
+                    self.state.staging_early.set()
                     break
                 if self._early_done.wait(0.05) or self.state.stop.is_set():
                     return
@@ -246,6 +251,7 @@ class PgStager:
     def _finish_early(self) -> Optional[Batch]:
         """Have the early staging end its batch (it stops growing) and hand it over, if any."""
         self._early_done.set()
+        self.state.staging_early.clear()
         thread, self._early = self._early, None
         if thread is not None:
             thread.join()

@@ -40,6 +40,8 @@ class RunState:
         self.stop = threading.Event()
         # stager -> pipeline: a batch is being staged before the lake is read.
         self.staging_early = threading.Event()
+        # reader -> stager: a --once run has sealed every change up to where it stops.
+        self.read_to_target = threading.Event()
 
     # ---- positions ---------------------------------------------------------------------------
 
