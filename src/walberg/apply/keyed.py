@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -41,13 +42,14 @@ import pyarrow.parquet as pq
 
 from walberg.apply import datafiles, rowdelta
 from walberg.apply.batch import StagedTable, applied_rows, value_column
-from walberg.apply.keyindex import KeyIndex
+from walberg.apply.keyindex import Hits, KeyIndex
 from walberg.apply.rowdelta import (
     Positions,
     commit_row_delta,
     file_keys,
     lake_entries,
     plain_local_files,
+    position_delete_file,
     written_entries,
 )
 from walberg.apply.session import LakeSession, java_table
@@ -206,7 +208,9 @@ class KeyedApply:
               max_seq: int, void: Sequence[tuple[int, int]], marks: Mapping[str, str]) -> None:
         """Apply one table's batch as one row delta. Its new rows are written on the driver
         when ``apply.datafiles`` allows, else by Spark from ``netted()`` (the batch's last
-        change per key, as a DataFrame)."""
+        change per key, as a DataFrame). The rows to delete are looked up in the index and
+        written as a position-delete file in a thread meanwhile (numpy and Arrow leave the
+        GIL to the other)."""
         columns = staged.columns
         k = self.key_of(target, columns)
         assert k is not None
@@ -214,11 +218,19 @@ class KeyedApply:
         spark = self.lake.spark
         table = java_table(spark, target)  # one load for the index, the new rows, the commit
         index = self.index(target, columns, table)
-        keys = _batch_keys(staged.files, value_column(k), max_seq, void)
-        hits = index.lookup(keys)
         clock.append(time.monotonic())
-        with self._scratch() as scratch:
-            deletes = Positions(hits.files, hits.positions, scratch) if len(hits.keys) else None
+        with self._scratch() as scratch, \
+                ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
+
+            def look_up() -> tuple[Hits, Optional[Positions], float]:
+                started = time.monotonic()
+                hits = index.lookup(_batch_keys(staged.files, value_column(k), max_seq, void))
+                deletes = None if not len(hits.keys) else Positions(
+                    hits.files, hits.positions, scratch,
+                    position_delete_file(hits.files, hits.positions, scratch))
+                return hits, deletes, time.monotonic() - started
+
+            looked_up = pool.submit(look_up)
             rows: Any = None
             new_files: list[Any] = []
             why = self._why_not_here(target, staged, table)
@@ -233,6 +245,7 @@ class KeyedApply:
                 rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
                                        "_wb_lsn")
             written_in = time.monotonic() - started
+            hits, deletes, lookup_s = looked_up.result()
             crash_point("row-delta")
             result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
                                       new_files, table)
@@ -242,12 +255,13 @@ class KeyedApply:
                                                  Path(scratch))))
         index.commit(result.snapshot_id, hits.keys, added)
         clock.append(time.monotonic())
-        log.info("%s by position: %d deleted, %d added (%s); index lookup %.2f s, row delta "
-                 "%.2f s (deletes %.2f s, new rows %.2f s, commit %.2f s), index update %.2f s",
+        log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
+                 "(new rows %.2f s, beside them the lookup and delete file %.2f s; deletes "
+                 "%.2f s, commit %.2f s), index update %.2f s",
                  target, result.deleted_rows, result.added_rows,
                  "written on the driver" if why is None else "written by Spark",
-                 clock[1] - clock[0], clock[2] - clock[1], result.seconds[0],
-                 result.seconds[1] + written_in, result.seconds[2], clock[3] - clock[2])
+                 clock[1] - clock[0], clock[2] - clock[1], result.seconds[1] + written_in,
+                 lookup_s, result.seconds[0], result.seconds[2], clock[3] - clock[2])
 
     def _why_not_here(self, target: str, staged: StagedTable, table: Any) -> Optional[str]:
         """Why this batch's new rows are written by Spark (None: on the driver). Said in the

@@ -64,6 +64,23 @@ class Positions:
     files: list[str]
     positions: np.ndarray
     scratch: Path
+    written: Optional[Path] = None  # their file, if written already (``position_delete_file``)
+
+
+def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path) -> Path:
+    """The rows at ``positions`` of data files ``files`` as one position-delete Parquet file in
+    ``scratch``: sorted by file and position, the spec's field ids on its two columns."""
+    paths = np.asarray(files, dtype=object)
+    order = np.lexsort((positions, paths.astype(str)))
+    schema = pa.schema([
+        pa.field("file_path", pa.string(), nullable=False,
+                 metadata=field_id_metadata(FILE_PATH_ID)),
+        pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
+    local = scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
+    pq.write_table(pa.table([pa.array(paths[order].tolist(), pa.string()),
+                             pa.array(positions[order], pa.int64())], schema=schema),
+                   local, compression="snappy")
+    return local
 
 
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
@@ -346,22 +363,13 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[
 
 def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
                              ) -> tuple[list[Any], int, list[str]]:
-    """Write ``deletes`` as one position-delete Parquet file on the driver (sorted by file and
-    position, the spec's field ids on its two columns) and put it in the table's data folder
-    through Hadoop's file system, whatever the warehouse's storage. No Spark job: the
-    positions are on the driver already."""
+    """Write ``deletes`` as one position-delete Parquet file on the driver (unless written
+    already) and put it in the table's data folder through Hadoop's file system, whatever the
+    warehouse's storage. No Spark job: the positions are on the driver already."""
     if not deletes.files:
         return [], 0, []
-    paths = np.asarray(deletes.files, dtype=object)
-    order = np.lexsort((deletes.positions, paths.astype(str)))
-    schema = pa.schema([
-        pa.field("file_path", pa.string(), nullable=False,
-                 metadata=field_id_metadata(FILE_PATH_ID)),
-        pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
-    local = deletes.scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
-    pq.write_table(pa.table([pa.array(paths[order].tolist(), pa.string()),
-                             pa.array(deletes.positions[order], pa.int64())], schema=schema),
-                   local, compression="snappy")
+    local = deletes.written or position_delete_file(deletes.files, deletes.positions,
+                                                    deletes.scratch)
     jvm = spark._jvm
     name = f"{data_folder(table)}/{local.name}"
     dest = jvm.org.apache.hadoop.fs.Path(name)
@@ -373,7 +381,7 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
     delete = (jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec())
               .ofPositionDeletes().withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
               .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
-    return [delete], len(paths), sorted(set(deletes.files))
+    return [delete], len(deletes.files), sorted(set(deletes.files))
 
 
 def _may_expire(table: Any) -> bool:
