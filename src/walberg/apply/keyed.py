@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from walberg.apply import datafiles, rowdelta
 from walberg.apply.batch import StagedTable, applied_rows, value_column
-from walberg.apply.keyindex import Hits, KeyIndex
+from walberg.apply.keyindex import Hits, KeyIndex, sorted_unique
 from walberg.apply.rowdelta import (
     Positions,
     commit_row_delta,
@@ -317,7 +317,7 @@ def _batch_keys(files: Sequence[Path], key: str, max_seq: int,
         parts.append(np.asarray(values, dtype=np.int64)[applied_rows(seq, max_seq, void)])
     if not parts:
         return np.empty(0, np.int64)
-    return np.unique(np.concatenate(parts))
+    return sorted_unique(np.concatenate(parts))
 
 
 def _concat(entries: Sequence[tuple[np.ndarray, list[str], np.ndarray]]

@@ -49,6 +49,16 @@ class _Run:
     positions: np.ndarray
 
 
+def sorted_unique(keys: np.ndarray) -> np.ndarray:
+    """The distinct values of ``keys`` (int64), ascending. A sort and a compare: several times
+    faster than ``np.unique`` on integer keys, and free on keys sorted and distinct already."""
+    keys = np.asarray(keys, dtype=np.int64)
+    if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+        keys = np.sort(keys)
+        keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
+    return keys
+
+
 def _sorted_unique_last(keys: np.ndarray, *columns: np.ndarray) -> tuple[np.ndarray, ...]:
     """Sort by key; where a key repeats, keep its last entry."""
     order = np.argsort(keys, kind="stable")
@@ -198,7 +208,7 @@ class KeyIndex:
 
     def lookup(self, keys: np.ndarray) -> Hits:
         """The current row of each of ``keys`` that the table holds."""
-        queries = np.unique(np.asarray(keys, dtype=np.int64))
+        queries = sorted_unique(keys)
         found_keys: list[np.ndarray] = []
         found_ids: list[np.ndarray] = []
         found_pos: list[np.ndarray] = []

@@ -70,14 +70,17 @@ class Positions:
 def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path) -> Path:
     """The rows at ``positions`` of data files ``files`` as one position-delete Parquet file in
     ``scratch``: sorted by file and position, the spec's field ids on its two columns."""
-    paths = np.asarray(files, dtype=object)
-    order = np.lexsort((positions, paths.astype(str)))
+    # Sorted by the rank of each row's path among the few distinct ones, not by the strings.
+    distinct = sorted(set(files))
+    rank = {path: i for i, path in enumerate(distinct)}
+    ranks = np.fromiter((rank[f] for f in files), dtype=np.int32, count=len(files))
+    order = np.lexsort((positions, ranks))
     schema = pa.schema([
         pa.field("file_path", pa.string(), nullable=False,
                  metadata=field_id_metadata(FILE_PATH_ID)),
         pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
     local = scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
-    pq.write_table(pa.table([pa.array(paths[order].tolist(), pa.string()),
+    pq.write_table(pa.table([pa.array(distinct, pa.string()).take(pa.array(ranks[order])),
                              pa.array(positions[order], pa.int64())], schema=schema),
                    local, compression="snappy")
     return local
