@@ -225,9 +225,8 @@ class KeyedApply:
             def look_up() -> tuple[Hits, Optional[Positions], float]:
                 started = time.monotonic()
                 hits = index.lookup(_batch_keys(staged.files, value_column(k), max_seq, void))
-                deletes = None if not len(hits.keys) else Positions(
-                    hits.files, hits.positions, scratch,
-                    position_delete_file(hits.files, hits.positions, scratch))
+                deletes = None if not len(hits.keys) else position_delete_file(
+                    hits.files, hits.positions, scratch)
                 return hits, deletes, time.monotonic() - started
 
             looked_up = pool.submit(look_up)

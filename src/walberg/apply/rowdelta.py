@@ -58,16 +58,16 @@ class RowDeltaResult:
 
 @dataclass(frozen=True)
 class Positions:
-    """Rows to delete, known on the driver: the data file and position of each, and a local
-    folder to write their position-delete file in before it is uploaded to the table."""
+    """Rows to delete, known on the driver, as a position-delete file written on this machine
+    (``position_delete_file``) for the commit to put in the table."""
 
-    files: list[str]
-    positions: np.ndarray
-    scratch: Path
-    written: Optional[Path] = None  # their file, if written already (``position_delete_file``)
+    local: Path
+    rows: int
+    data_files: list[str]  # the data files they point into, sorted
 
 
-def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path) -> Path:
+def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path
+                         ) -> Positions:
     """The rows at ``positions`` of data files ``files`` as one position-delete Parquet file in
     ``scratch``: sorted by file and position, the spec's field ids on its two columns."""
     # Sorted by the rank of each row's path among the few distinct ones, not by the strings.
@@ -83,7 +83,7 @@ def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: P
     pq.write_table(pa.table([pa.array(distinct, pa.string()).take(pa.array(ranks[order])),
                              pa.array(positions[order], pa.int64())], schema=schema),
                    local, compression="snappy")
-    return local
+    return Positions(local, len(files), distinct)
 
 
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
@@ -366,13 +366,12 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[
 
 def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
                              ) -> tuple[list[Any], int, list[str]]:
-    """Write ``deletes`` as one position-delete Parquet file on the driver (unless written
-    already) and put it in the table's data folder through Hadoop's file system, whatever the
-    warehouse's storage. No Spark job: the positions are on the driver already."""
-    if not deletes.files:
+    """Put the position-delete file written on the driver in the table's data folder through
+    Hadoop's file system, whatever the warehouse's storage. No Spark job: the positions were
+    on the driver already."""
+    if not deletes.rows:
         return [], 0, []
-    local = deletes.written or position_delete_file(deletes.files, deletes.positions,
-                                                    deletes.scratch)
+    local = deletes.local
     jvm = spark._jvm
     name = f"{data_folder(table)}/{local.name}"
     dest = jvm.org.apache.hadoop.fs.Path(name)
@@ -384,7 +383,7 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
     delete = (jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec())
               .ofPositionDeletes().withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
               .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
-    return [delete], len(deletes.files), sorted(set(deletes.files))
+    return [delete], deletes.rows, deletes.data_files
 
 
 def _may_expire(table: Any) -> bool:
@@ -455,20 +454,14 @@ def warm(spark: Any, scratch: Path) -> int:
     io = iceberg.hadoop.HadoopFileIO(conf)
     spec = iceberg.PartitionSpec.unpartitioned()
     data = scratch / f"warm-{uuid.uuid4().hex}.parquet"
-    deletes = scratch / f"warm-deletes-{uuid.uuid4().hex}.parquet"
     pq.write_table(pa.table(
         [pa.array([1], pa.int64()), pa.array(["a"]), pa.array([1], pa.decimal128(12, 2))],
         schema=pa.schema([pa.field("k", pa.int64(), metadata=field_id_metadata(1)),
                           pa.field("s", pa.string(), metadata=field_id_metadata(2)),
                           pa.field("d", pa.decimal128(12, 2), metadata=field_id_metadata(3))])),
         data, compression="zstd", store_decimal_as_integer=True)
-    pq.write_table(pa.table([pa.array([data.resolve().as_uri()]), pa.array([0], pa.int64())],
-                            schema=pa.schema([
-                                pa.field("file_path", pa.string(), nullable=False,
-                                         metadata=field_id_metadata(FILE_PATH_ID)),
-                                pa.field("pos", pa.int64(), nullable=False,
-                                         metadata=field_id_metadata(POS_ID))])),
-                   deletes, compression="snappy")
+    deletes = position_delete_file([data.resolve().as_uri()], np.zeros(1, np.int64),
+                                   scratch).local
     parquet = iceberg.FileFormat.PARQUET
     config = iceberg.MetricsConfig.getDefault()
     made = []
