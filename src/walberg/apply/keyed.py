@@ -81,11 +81,16 @@ class KeyedApply:
         self._positional: dict[str, bool] = {}
         self._swept = False
 
+    @property
+    def _enabled(self) -> bool:
+        """Whether any table may go by position: a place for the indexes, one source."""
+        return self.root is not None and self.lake.source is None
+
     def warm(self) -> None:
         """Load the JVM code of a row delta's commit now, in a thread, while the caller goes on
         reading the lake (see ``rowdelta.warm``): a run's first batch applied by position then
         commits as fast as later ones. Best effort: a failure is logged at debug level."""
-        if self.root is None or self.lake.source is not None:
+        if not self._enabled:
             return
         scratch = self._scratch()  # (swept of what a killed run left, here, before the thread)
 
@@ -110,7 +115,7 @@ class KeyedApply:
     def key_of(self, target: str, columns: Sequence[Column]) -> Optional[int]:
         """The position of the table's one integer key column, if the table is applied by
         position; None if it takes the MERGE."""
-        if self.root is None or self.lake.source is not None:
+        if not self._enabled:
             return None
         keys = [i for i, c in enumerate(columns) if c.is_key]
         if len(keys) != 1 or len(keys) == len(columns):
