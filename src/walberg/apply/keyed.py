@@ -66,6 +66,10 @@ INTEGER_KEYS = ("INT", "BIGINT")
 # place (a deleted key has no entry left to move).
 FOLLOWED = ("append", "replace")
 MAX_APPENDS = 64
+# Past this many rows in the files to follow (a compaction of a large table, mostly), the index
+# is rebuilt instead: every key moved, and reading the keys anew beats merging that many moves
+# into the index, entry by entry (10M rows after `walberg maintain`: 1.6 s instead of 11.6 s).
+FOLLOW_MAX_ROWS = 2_000_000
 
 
 class KeyedApply:
@@ -151,14 +155,17 @@ class KeyedApply:
             return found
         key = columns[[c.is_key for c in columns].index(True)].name
         appended = self._appends_since(table, found.snapshot, now) if found.built else None
+        if appended is not None and appended[1] > FOLLOW_MAX_ROWS:
+            appended = None
         started = time.monotonic()
         with self._scratch() as scratch:
             if appended is not None:
-                entries = list(written_entries(self.lake.spark, tuple(appended), key, scratch))
+                files = tuple(appended[0])
+                entries = list(written_entries(self.lake.spark, files, key, scratch))
                 assert now is not None
                 found.commit(now, np.empty(0, np.int64), _concat(entries))
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
-                         len(appended), time.monotonic() - started)
+                         len(files), time.monotonic() - started)
             else:
                 plain = plain_local_files(self.lake.spark, target, key)
                 if plain is not None:
@@ -177,21 +184,24 @@ class KeyedApply:
         return found
 
     def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]
-                       ) -> Optional[list[str]]:
+                       ) -> Optional[tuple[list[str], int]]:
         """The data files added by the appends and compactions that lead from snapshot
-        ``since`` to ``now``, oldest first; None if anything else happened in between (or the
-        way back is lost)."""
+        ``since`` to ``now``, oldest first, and the rows they hold; None if anything else
+        happened in between (or the way back is lost)."""
         files: list[str] = []
+        rows = 0
         at = now
         for _ in range(MAX_APPENDS):
             if at == since:
-                return files
+                return files, rows
             if at is None:
                 return None
             snap = table.snapshot(at)
             if snap is None or str(snap.operation()) not in FOLLOWED:
                 return None
-            files[:0] = [str(f.location()) for f in snap.addedDataFiles(table.io())]
+            added = list(snap.addedDataFiles(table.io()))
+            files[:0] = [str(f.location()) for f in added]
+            rows += sum(int(f.recordCount()) for f in added)
             parent = snap.parentId()
             at = None if parent is None else int(parent)
         return None
