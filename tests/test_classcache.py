@@ -27,17 +27,24 @@ from walberg.apply import classcache
 from walberg.apply.spark import build_session, check_java, find_java, stop_session
 java = find_java()
 archive = classcache.archive_for(java, check_java(java), {})
-session = build_session("local[1]", "lake", sys.argv[1], {}, {})
+# With a second argument: a session for a `--once` run, with those options of the user's own.
+short = len(sys.argv) > 2
+own = {"spark.driver.extraJavaOptions": sys.argv[2]} if short else {}
+session = build_session("local[1]", "lake", sys.argv[1], {}, own, short_lived=short)
 options = session.sparkContext.getConf().get("spark.driver.extraJavaOptions")
 print("ARCHIVE", archive)
 print("GIVEN", f"SharedArchiveFile={archive}" in options)
+jvm = session._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+print("JIT_GC", " ".join(sorted(a for a in jvm.getInputArguments()
+                                if a.startswith("-XX:") and ("Tiered" in a or "GC" in a))))
 print("ANSWER", session.sql("SELECT 6 * 7").collect()[0][0])
 stop_session(session)
 """
 
 
-def _session(tmp_path: Path, env: dict[str, str]) -> dict[str, str]:
-    proc = subprocess.run([sys.executable, "-c", SESSION, str(tmp_path / "warehouse")],
+def _session(tmp_path: Path, env: dict[str, str], *own_options: str) -> dict[str, str]:
+    proc = subprocess.run([sys.executable, "-c", SESSION, str(tmp_path / "warehouse"),
+                           *own_options],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Nothing from the JVM about the archive reaches the terminal.
@@ -119,7 +126,17 @@ def test_made_checked_used_and_a_damaged_one_replaced(monkeypatch: pytest.Monkey
 
     # The next session's JVM is given it, and works.
     seen = _session(tmp_path, env)
-    assert seen == {"ARCHIVE": str(archive), "GIVEN": "True", "ANSWER": "42"}
+    assert seen == {"ARCHIVE": str(archive), "GIVEN": "True", "ANSWER": "42",
+                    "JIT_GC": ""}  # the JVM's own defaults: no JIT or collector chosen
+    # A `--once` run's JVM starts on C1 alone and the serial collector, from the same archive.
+    # Options of the user's own decide what they name: their collector (two would keep the JVM
+    # from starting), with walberg's JIT setting still added.
+    seen = _session(tmp_path, env, "-Dwalberg.test=1")
+    assert seen["GIVEN"] == "True" and seen["ANSWER"] == "42"
+    assert seen["JIT_GC"] == "-XX:+UseSerialGC -XX:TieredStopAtLevel=1", seen
+    seen = _session(tmp_path, env, "-XX:+UseG1GC")
+    assert seen["GIVEN"] == "True" and seen["ANSWER"] == "42"
+    assert seen["JIT_GC"] == "-XX:+UseG1GC -XX:TieredStopAtLevel=1", seen
 
     # A damaged archive (cut short, as a full disk would leave it) makes a JVM abort. The
     # session starts without it, drops it, and has it made again in the background.

@@ -35,7 +35,8 @@ def open_session(config: Config) -> Any:
            for src in [config.source, *config.sources.values()]):
         jars.append(jdbc.driver_jar())  # the parallel initial copy's readers need it
     session = build_session(config.spark.master, cat.name, config.warehouse, props,
-                            {**storage_conf, **config.spark.conf}, jars=jars + storage_jars)
+                            {**storage_conf, **config.spark.conf}, jars=jars + storage_jars,
+                            short_lived=not _patient)
     probe = _probe(config)
     watch = None if probe is None else StorageWatch(session._jvm, probe, st.timeout_seconds)
     if watch is not None:
@@ -50,7 +51,8 @@ def _probe(config: Config) -> Optional[storage.S3Probe]:
 
 
 # Whether a storage outage is waited out (``walberg run``) or ends the run (``--once``):
-# what the storage watch of a session opened later is told.
+# what the storage watch of a session opened later is told. A session opened for a ``--once``
+# run also starts its JVM for a short life (spark.short_lived_options).
 _patient = True
 
 

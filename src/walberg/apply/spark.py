@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -191,9 +192,12 @@ def _log_config() -> Path:
 
 def build_session(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
                   extra_conf: dict[str, str], app_name: str = "walberg",
-                  jars: Sequence[str] = (), class_cache: bool = True) -> Any:
+                  jars: Sequence[str] = (), class_cache: bool = True,
+                  short_lived: bool = False) -> Any:
     """One SparkSession per process, with the Iceberg catalog `catalog` configured. With
-    ``class_cache``, the driver's JVM starts from a class-data archive (apply.classcache)."""
+    ``class_cache``, the driver's JVM starts from a class-data archive (apply.classcache); with
+    ``short_lived`` (a run that ends when it has caught up), from the options of
+    ``short_lived_options``."""
     global _archive_wanted
     java = find_java()
     version = check_java(java)
@@ -232,8 +236,10 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
     # Jars a catalog or storage needs go with the Iceberg jar (and any the user lists), so
     # executors on a cluster get them too.
     conf["spark.jars"] = ",".join([str(jar), *jars, *filter(None, [extra.pop("spark.jars", "")])])
+    own_options = extra.pop("spark.driver.extraJavaOptions", "")
     java_options = " ".join(filter(None, [f"-Dlog4j2.configurationFile=file:{log_conf}",
-                                          extra.pop("spark.driver.extraJavaOptions", "")]))
+                                          short_lived_options(own_options) if short_lived
+                                          else "", own_options]))
     conf.update(extra)
     archive = classcache.archive_for(java, version, conf) if class_cache else None
     if archive is not None and not (classcache.usable(archive) and _archive_starts(java, archive)):
@@ -256,6 +262,29 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
     raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(failure)}. "
                              f"Check spark.master and spark.conf, and that {java} is Java 11 "
                              "or 17.") from None
+
+
+# A driver that lives for seconds spends most of them starting, and on two cores the JIT's
+# optimizing compiler (C2) and the G1 collector's threads take CPU that the reader, the staging
+# and PostgreSQL's decoding want at the same time. Measured on this project's machines, the
+# whole machine's CPU for a `run --once` of a 10M-row table: with nothing to do, 8-10 CPU-s with
+# the JVM's defaults and 4.5-6 with C1 alone and the serial collector; with 150k-200k changes,
+# 12-13 and 7-7.5. A MERGE of 200k changes into 10M rows took 21-28 s either way. Long work is
+# another matter: `walberg maintain` compacting those 10M rows took 44-46 s instead of 34-38,
+# so a streaming `walberg run` and the other commands keep the JVM's defaults.
+_SHORT_LIVED = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
+
+
+def short_lived_options(own_options: str) -> str:
+    """The JVM options for a driver of a run that ends when it has caught up, leaving out those
+    that the user's own ``spark.driver.extraJavaOptions`` decide: a JIT setting of theirs wins,
+    and a second garbage collector would keep the JVM from starting."""
+    chosen = []
+    if not re.search(r"-XX:[+-]?(TieredCompilation|TieredStopAtLevel)", own_options):
+        chosen.append(_SHORT_LIVED[0])
+    if not re.search(r"-XX:[+-]Use\w*GC\b", own_options):
+        chosen.append(_SHORT_LIVED[1])
+    return " ".join(chosen)
 
 
 def _archive_starts(java: Path, archive: Path) -> bool:
