@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,7 +170,7 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
         merge = {"merge_run_once_s": merge_s, "merge_changes": more,
                  "merge_net_s": max(merge_s - noop_s, 1e-3),
                  "merge_batch_s": batch_seconds(config.with_name(f"{name}-merge.yaml"), "merge")}
-    return {
+    result = {
         "rows": rows, "changes": made,
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
                  "walberg_rows_per_s": rows / copy_s,
@@ -182,6 +183,13 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
         "walberg_changes_per_s": made / net_s, "pg_recvlogical_changes_per_s": made / recv_s,
         "ratio": recv_s / net_s, **merge,
     }
+    # Only the logs are kept: the table's files, segments and key index go (1 GB at 50M rows),
+    # and its slot, which would hold the WAL of the next sizes' loads.
+    cur.execute(f"SELECT pg_drop_replication_slot('slot_{name}')")
+    cur.execute(f"DROP TABLE {name}")
+    shutil.rmtree(work / "warehouse" / "bench" / name, ignore_errors=True)
+    shutil.rmtree(work / f"segments_{name}", ignore_errors=True)
+    return result
 
 
 def class_archive() -> dict[str, Any]:
