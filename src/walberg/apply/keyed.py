@@ -156,17 +156,14 @@ class KeyedApply:
             return found
         key = columns[[c.is_key for c in columns].index(True)].name
         appended = self._appends_since(table, found.snapshot, now) if found.built else None
-        if appended is not None and appended[1] > FOLLOW_MAX_ROWS:
-            appended = None
         started = time.monotonic()
         with self._scratch() as scratch:
             if appended is not None:
-                files = tuple(appended[0])
-                entries = list(written_entries(self.lake.spark, files, key, scratch))
+                entries = list(written_entries(self.lake.spark, tuple(appended), key, scratch))
                 assert now is not None
                 found.commit(now, np.empty(0, np.int64), _concat(entries))
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
-                         len(files), time.monotonic() - started)
+                         len(appended), time.monotonic() - started)
             else:
                 plain = plain_local_files(self.lake.spark, target, key)
                 if plain is not None:
@@ -185,24 +182,26 @@ class KeyedApply:
         return found
 
     def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]
-                       ) -> Optional[tuple[list[str], int]]:
+                       ) -> Optional[list[str]]:
         """The data files added by the appends and compactions that lead from snapshot
-        ``since`` to ``now``, oldest first, and the rows they hold; None if anything else
-        happened in between (or the way back is lost)."""
+        ``since`` to ``now``, oldest first; None if anything else happened in between, if they
+        hold more than FOLLOW_MAX_ROWS rows, or if the way back is lost."""
         files: list[str] = []
         rows = 0
         at = now
         for _ in range(MAX_APPENDS):
             if at == since:
-                return files, rows
+                return files
             if at is None:
                 return None
             snap = table.snapshot(at)
             if snap is None or str(snap.operation()) not in FOLLOWED:
                 return None
             added = list(snap.addedDataFiles(table.io()))
-            files[:0] = [str(f.location()) for f in added]
             rows += sum(int(f.recordCount()) for f in added)
+            if rows > FOLLOW_MAX_ROWS:
+                return None
+            files[:0] = [str(f.location()) for f in added]
             parent = snap.parentId()
             at = None if parent is None else int(parent)
         return None
