@@ -31,7 +31,8 @@ _names = itertools.count(1)
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[EmbeddedPostgres]:
     # Its own temp dir: pytest's are private to root, and the server may run as another user.
-    server = EmbeddedPostgres()
+    # Prepared transactions on: the two-phase commit tests PREPARE on this server.
+    server = EmbeddedPostgres(settings={"max_prepared_transactions": "10"})
     server.start()
     yield server
     server.stop()
