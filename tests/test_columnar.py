@@ -71,6 +71,7 @@ def test_columnar_equals_scalar(case: tuple[int, list[object]]) -> None:
             assert new_rows[i] == want.new
             if isinstance(want, Update) and want.old is not None:
                 assert got.has_old[i] and old_rows[i] == want.old
+                assert got.old_full[i] == (want.old_kind == "O")
             else:
                 assert not got.has_old[i]
 

@@ -12,7 +12,7 @@ from walberg.apply.batch import BatchBuilder
 from walberg.errors import DecodeError
 from walberg.faults import crash_point
 from walberg.model import Lsn, Op, Relation
-from walberg.source.columnar import Changes, Malformed, decode_changes
+from walberg.source.columnar import Changes, Malformed, TupleColumns, decode_changes
 from walberg.source.pgoutput import Decoder, Tag
 
 
@@ -103,6 +103,7 @@ def stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
                     same &= pc.or_(eq, both_null).to_numpy(zero_copy_only=False)
             key_changed = is_update_with_old & ~same
     source, columns = rel.qualified_name, rel.columns
+    new = changes.new if changes.old is None else _unchanged_from_old(changes)
     new_rows = np.flatnonzero(~is_delete)
     if len(new_rows):
         ops = np.where((tag[new_rows] == Tag.INSERT) | key_changed[new_rows],
@@ -110,8 +111,8 @@ def stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
         take = pa.array(new_rows)
         builder.add_columns(
             source, columns, ops, seq[new_rows], lsn[new_rows],
-            [v.take(take) for v in changes.new.values],
-            [None if u is None else u[new_rows] for u in changes.new.unchanged])
+            [v.take(take) for v in new.values],
+            [None if u is None else u[new_rows] for u in new.unchanged])
     old_rows = np.flatnonzero(is_delete | key_changed)
     if len(old_rows):
         assert changes.old is not None
@@ -120,3 +121,27 @@ def stage_changes(builder: BatchBuilder, rel: Relation, changes: Changes,
             source, columns, np.full(len(old_rows), Op.DELETE.value),
             np.where(key_changed[old_rows], seq[old_rows] - 1, seq[old_rows]), lsn[old_rows],
             [v.take(take) for v in changes.old.values], [None] * len(columns))
+
+
+def _unchanged_from_old(changes: Changes) -> TupleColumns:
+    """The new tuples, with each value they mark unchanged taken from an old tuple that is the
+    whole row: under REPLICA IDENTITY FULL the old row is sent with its TOASTed values inline,
+    so the change carries the value (as PostgreSQL's own subscriber takes it) instead of
+    leaving it to be found in the lake, where a table without a key never looks."""
+    new, old = changes.new, changes.old
+    assert old is not None
+    full = changes.old_full & (changes.tag == Tag.UPDATE)
+    values, unchanged = list(new.values), list(new.unchanged)
+    for i, u in enumerate(new.unchanged):
+        if u is None:
+            continue
+        take = u & full
+        old_unchanged = old.unchanged[i]
+        if old_unchanged is not None:
+            take &= ~old_unchanged
+        if not bool(take.any()):
+            continue
+        values[i] = pc.if_else(pa.array(take), old.values[i], new.values[i])
+        left = u & ~take
+        unchanged[i] = left if bool(left.any()) else None
+    return TupleColumns(values, unchanged)

@@ -48,6 +48,7 @@ class Changes:
     new: TupleColumns  # null for deletes
     old: Optional[TupleColumns]  # the old key/row where one was sent (else null), or None
     has_old: Bools
+    old_full: Bools  # the old tuple is the whole row ('O', REPLICA IDENTITY FULL), not the key
 
 
 def _be(buf: npt.NDArray[np.uint8], pos: Ints, width: int) -> Ints:
@@ -149,7 +150,7 @@ def decode_changes(payloads: Sequence[bytes], ncols: int, streamed: bool = False
     new_part, new_end = _tuples(buf, new_pos[rows] + 1, ncols, ends[rows])
     if bool((new_end != ends[rows]).any()):
         raise Malformed("trailing bytes after the new tuple")
-    return Changes(tag, _scatter(new_part, rows, n), old, has_old)
+    return Changes(tag, _scatter(new_part, rows, n), old, has_old, marker == _O)
 
 
 def _scatter(part: TupleColumns, rows: npt.NDArray[np.intp], n: int) -> TupleColumns:
