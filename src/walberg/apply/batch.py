@@ -103,7 +103,7 @@ class StagedTable:
     dead_letters: Optional[Path] = None  # staged rows for the dead-letter table
     dead_rows: int = 0
     # An UPDATE that changed the key and left a TOASTed value unsent: its value lives under
-    # the old key (see apply.writes's _carry_moved).
+    # the old key (see apply.writes's _carry_unchanged).
     moved_unchanged: bool = False
     # No key occurs twice among the staged rows: the batch needs no netting per key.
     unique_keys: bool = False

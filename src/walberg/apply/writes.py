@@ -63,23 +63,27 @@ def _net(df: Any, staged: StagedTable) -> Any:
     """The last change per key of a batch, each carrying the TOASTed values an earlier change
     of the batch carried (see ``_fill_unchanged``). A hash aggregate, no sort; skipped when
     staging found no key twice, each row then being its key's last change already."""
-    from pyspark.sql.functions import max_by, struct
-
     keys = [value_column(i) for i, c in enumerate(staged.columns) if c.is_key]
     if staged.unchanged_columns:
         df = _fill_unchanged(df, keys, sorted(staged.unchanged_columns))
-    return (df.groupBy(*keys)
-            .agg(max_by(struct(*[c for c in df.columns if c not in keys]), "_wb_seq")
-                 .alias("_wb_last"))
-            .select(*keys, "_wb_last.*"))
+    return _last_change(df, keys)
+
+
+def _last_change(df: Any, keys: Sequence[str]) -> Any:
+    """Each key's change with the highest ``_wb_seq`` (``keys``: column names as Spark SQL
+    takes them)."""
+    from pyspark.sql.functions import col, max_by, struct
+
+    names = [k.strip("`") for k in keys]
+    rest = [c for c in df.columns if c not in names]
+    return (df.groupBy(*[col(k) for k in keys])
+            .agg(max_by(struct(*[col(f"`{c}`") for c in rest]), "_wb_seq").alias("_wb_last"))
+            .select(*[col(k) for k in keys], "_wb_last.*"))
 
 
 class Writes:
     """Every commit of data to the tables one sink writes. Keeps what each dead-letter table
     already holds (the LSN of its last commit), so a replayed batch adds no dead letter twice."""
-
-    # Key changes of one row within one batch that are followed through (a -> b -> c ...).
-    MOVE_CHAIN = 4
 
     def __init__(self, lake: LakeSession, tables: Tables, snapshots: Snapshots,
                  keyed: Optional[KeyedApply] = None) -> None:
@@ -348,12 +352,12 @@ class Writes:
                                lambda: self.keyed.takes(target, staged))):
             # One row delta by position: no join over the table (see apply.keyed). Spark
             # reads the staged rows only if the new rows cannot be written on the driver.
-            def netted() -> Any:
+            def last_changes() -> Any:
                 df = staged_rows()
                 return df if staged.unique_keys else _net(df, staged)
 
             spark_call(f"applying a batch to {target} by position",
-                       lambda: self.keyed.apply(target, staged, netted, lsn, max_seq, void,
+                       lambda: self.keyed.apply(target, staged, last_changes, lsn, max_seq, void,
                                                 self.lake.marks(lsn, marks)))
             return
 
@@ -370,43 +374,49 @@ class Writes:
                                  marks=marks)
             return
 
-        before_netting = df
-        if df is not None and not staged.unique_keys:
-            df = _net(df, staged)
+        meta = ["_wb_op", "_wb_unchanged", "_wb_seq"]
+        netted: Optional[Any] = None
+        if df is not None and staged.moved_unchanged:
+            # A key change left a TOASTed value unsent: follow each row back through its key
+            # changes to where the value was sent (or to the lake), then net.
+            typed = self.lake.typed(df, target, columns, "_wb_lsn", keep=meta)
+            typed = self._carry_unchanged(target, staged, typed, from_lake=truncate is None)
+            netted = _last_change(typed, [quote(c.name) for c in columns if c.is_key])
+        elif df is not None:
+            if not staged.unique_keys:
+                df = _net(df, staged)
+            netted = self.lake.typed(df, target, columns, "_wb_lsn", keep=meta)
 
         if truncate is not None:
-            self._reload(target, columns, df, lsn, marks)
+            self._reload(target, netted, lsn, marks)
             return
 
-        assert df is not None
-        self._merge_by_key(target, staged, df, before_netting, lsn, marks)
+        assert netted is not None
+        self._merge_by_key(target, staged, netted, lsn, marks)
 
-    def _reload(self, target: str, columns: Sequence[Column], df: Optional[Any], lsn: Lsn,
+    def _reload(self, target: str, typed: Optional[Any], lsn: Lsn,
                 marks: Optional[Mapping[str, str]]) -> None:
         """A TRUNCATE voids everything before it: the table (this source's rows of it) becomes
-        exactly what follows, ``df`` netted per key (None: nothing)."""
-        from pyspark.sql.functions import col, lit
+        exactly what follows, ``typed`` netted per key (None: nothing)."""
+        from pyspark.sql.functions import lit
 
-        if df is None:
+        if typed is None:
             empty = self.lake.spark.table(quote_target(target)).where(lit(False))
             spark_call(f"truncating {target}",
                        lambda: self.lake.writer(empty, target, lsn, marks)
                        .overwrite(self.lake.own_rows()))
             return
-        typed = self.lake.typed(df.where(col("_wb_op") != "D"), target, columns, "_wb_lsn")
+        rows = typed.where("_wb_op <> 'D'").drop("_wb_op", "_wb_unchanged", "_wb_seq")
         spark_call(f"truncating and reloading {target}",
-                   lambda: self.lake.writer(typed, target, lsn, marks)
+                   lambda: self.lake.writer(rows, target, lsn, marks)
                    .overwrite(self.lake.own_rows()))
 
-    def _merge_by_key(self, target: str, staged: StagedTable, df: Any, before_netting: Any,
-                      lsn: Lsn, marks: Optional[Mapping[str, str]]) -> None:
-        """MERGE the last change per key (``df``) into the table: deletes, updates (keeping
-        what the lake has of a TOASTed value the change did not carry) and inserts."""
+    def _merge_by_key(self, target: str, staged: StagedTable, typed: Any, lsn: Lsn,
+                      marks: Optional[Mapping[str, str]]) -> None:
+        """MERGE the last change per key (``typed``: the table's columns, ``_wb_op``,
+        ``_wb_unchanged``, ``_wb_seq``) into the table: deletes, updates (keeping what the lake
+        has of a TOASTed value the change did not carry) and inserts."""
         columns = staged.columns
-        typed = self.lake.typed(df, target, columns, "_wb_lsn",
-                                keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
-        if staged.moved_unchanged and before_netting is not None:
-            typed = self._carry_moved(target, columns, staged, before_netting, typed)
         names = [c.name for c in columns] + [LSN_COLUMN]
         on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
         if self.lake.source is not None:
@@ -507,63 +517,92 @@ class Writes:
                     f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})",
                     lsn, marks)
 
-    def _carry_moved(self, target: str, columns: Sequence[Column], staged: StagedTable,
-                     rows: Any, typed: Any) -> Any:
-        """An UPDATE that changed the key and left a TOASTed value unsent became a delete of
-        the old key (sequence s-1) and an insert of the new one (s) that lacks the value. Take
-        it from the old key as it stood just before: its last earlier change in the batch that
-        carried the value, else the lake's row. Chains of key changes in one batch are
-        followed ``MOVE_CHAIN`` links deep."""
-        from pyspark.sql.functions import col, lit
+    def _carry_unchanged(self, target: str, staged: StagedTable, every: Any,
+                         from_lake: bool) -> Any:
+        """Fill in the TOASTed values that UPDATEs left unsent, in a batch where a key change
+        did (``every``: the batch's rows, typed, not netted). A row's unsent value is its
+        predecessor's: for an UPDATE, the change before it of the same key (back to that
+        key's last INSERT, or the lake's row); for the insert half of a key change (sequence
+        s, its delete half s-1 names the old key), the old key's last change before s-1. Each
+        pass fills every row whose predecessor has the value, so a chain of key changes and
+        updates of any length is followed to where the value was sent; the passes stop when
+        one fills nothing. ``from_lake``: a value not sent in the batch is the lake's (not so
+        after a TRUNCATE). Returns the batch's rows, filled."""
+        from pyspark.sql import Window
+        from pyspark.sql.functions import col, expr, last, length, lit, max_by, struct, when
+        from pyspark.sql.functions import sum as sum_
 
+        columns = staged.columns
         names = [c.name for c in columns]
-        every = self.lake.typed(rows, target, columns, "_wb_lsn",
-                                keep=["_wb_op", "_wb_unchanged", "_wb_seq"])
-        lake = (self.lake.spark.table(quote_target(target)).where(self.lake.own_rows())
-                .select(*[quote(n) for n in names])
-                .withColumn("_wb_seq", lit(-1).cast("bigint"))
-                .withColumn("_wb_unchanged", lit(None).cast("string")))
-        for _ in range(self.MOVE_CHAIN):
-            every = self._fill_moved_once(columns, sorted(staged.unchanged_columns), every,
-                                          lake).localCheckpoint()
-        moved = "_wb_op = 'I' AND _wb_unchanged IS NOT NULL"
-        seqs = typed.where(moved).select(col("_wb_seq").alias("_s"))
-        fixed = every.join(seqs, every["_wb_seq"] == seqs["_s"]).drop("_s")
-        return typed.where(f"NOT ({moved})").unionByName(fixed.select(*typed.columns))
+        keys = [quote(c.name) for c in columns if c.is_key]
+        unchanged = sorted(staged.unchanged_columns)
+        if from_lake:
+            # The lake's row of each key the batch touches heads that key's history.
+            touched = every.select(*keys).distinct()
+            lake = (self.lake.spark.table(quote_target(target)).where(self.lake.own_rows())
+                    .join(touched, [k.strip("`") for k in keys], "left_semi"))
+            meta = ("_wb_op", "_wb_unchanged", "_wb_seq")
+            heads = lake.select(*[col(quote(c)) for c in every.columns if c not in meta],
+                                lit("L").alias("_wb_op"),
+                                lit(None).cast("string").alias("_wb_unchanged"),
+                                lit(-1).cast("bigint").alias("_wb_seq"))
+            every = every.unionByName(heads).localCheckpoint()
 
-    @staticmethod
-    def _fill_moved_once(columns: Sequence[Column], unchanged: list[int], every: Any,
-                         lake: Any) -> Any:
-        from pyspark.sql.functions import col, expr, max_by, struct, when
+        def marked(i: int) -> Any:
+            return col("_wb_unchanged").contains(f",{i},")
 
-        names = [c.name for c in columns]
-        keys = [c.name for c in columns if c.is_key]
-        links = every.where("_wb_op = 'D'").select(
-            *[col(quote(k)).alias(f"_o{j}") for j, k in enumerate(keys)],
-            (col("_wb_seq") + 1).alias("_m_seq"))
-        history = every.where("_wb_op <> 'D'").select(
-            *[quote(n) for n in names], "_wb_seq", "_wb_unchanged").unionByName(lake)
-        is_moved = "_wb_op = 'I' AND _wb_unchanged IS NOT NULL"
-        moved = every.where(is_moved)
-        wanted = moved.select(col("_wb_seq").alias("_m")).join(links, col("_m") == col("_m_seq"))
-        on = None
-        for j, k in enumerate(keys):
-            cond = history[quote(k)].eqNullSafe(wanted[f"_o{j}"])
-            on = cond if on is None else on & cond
-        assert on is not None
-        joined = wanted.join(history, on & (history["_wb_seq"] < wanted["_m_seq"]))
-        marks = col("_wb_unchanged")
-        found = joined.groupBy("_m_seq").agg(*[
-            max_by(struct(col(quote(names[i])).alias("v")),
-                   when(marks.isNull() | ~marks.contains(f",{i},"), col("_wb_seq")))
-            .alias(f"_f{i}") for i in unchanged])
-        filled = moved.join(found, moved["_wb_seq"] == found["_m_seq"], "left")
-        for i in unchanged:
-            hit = col("_wb_unchanged").contains(f",{i},") & col(f"_f{i}").isNotNull()
-            filled = (filled.withColumn(names[i], when(hit, col(f"_f{i}.v"))
-                                        .otherwise(col(quote(names[i]))))
-                      .withColumn("_wb_unchanged", when(hit, expr(
-                          f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
-                          .otherwise(col("_wb_unchanged"))))
-        filled = filled.drop("_m_seq", *[f"_f{i}" for i in unchanged])
-        return every.where(f"NOT ({is_moved})").unionByName(filled)
+        def filled(df: Any, i: int, found: Any) -> Any:
+            hit = marked(i) & found.isNotNull()
+            return (df.withColumn(names[i], when(hit, found.getField("v"))
+                                  .otherwise(col(quote(names[i]))))
+                    .withColumn("_wb_unchanged", when(hit, expr(
+                        f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
+                        .otherwise(col("_wb_unchanged"))))
+
+        def left(df: Any) -> int:
+            return int(df.select(sum_(length(col("_wb_unchanged")))).first()[0] or 0)
+
+        remaining = left(every)
+        while remaining:
+            # An UPDATE takes the value from the last change of its key since the key's last
+            # INSERT (a segment) that has it.
+            by_key = Window.partitionBy(*keys).orderBy("_wb_seq").rowsBetween(
+                Window.unboundedPreceding, Window.currentRow)
+            every = every.withColumn("_wb_seg", sum_(
+                when(col("_wb_op").isin("I", "L"), 1).otherwise(0)).over(by_key))
+            in_segment = Window.partitionBy(*keys, "_wb_seg").orderBy("_wb_seq").rowsBetween(
+                Window.unboundedPreceding, Window.currentRow)
+            for i in unchanged:
+                source = (col("_wb_op") != "D") & (col("_wb_unchanged").isNull() | ~marked(i))
+                found = last(when(source, struct(col(quote(names[i])).alias("v"))), True) \
+                    .over(in_segment)
+                every = filled(every, i, when(col("_wb_op") == "U", found))
+            every = every.drop("_wb_seg")
+            # The insert half of a key change takes it from the old key's last change before.
+            moved = every.where("_wb_op = 'I' AND _wb_unchanged IS NOT NULL")
+            links = every.where("_wb_op = 'D'").select(
+                *[col(k).alias(f"_o{j}") for j, k in enumerate(keys)],
+                (col("_wb_seq") + 1).alias("_m_seq"))
+            wanted = moved.select(col("_wb_seq").alias("_m")).join(
+                links, col("_m") == col("_m_seq")).drop("_m")
+            history = every.where("_wb_op <> 'D'")
+            on = None
+            for j, k in enumerate(keys):
+                cond = history[k].eqNullSafe(wanted[f"_o{j}"])
+                on = cond if on is None else on & cond
+            assert on is not None
+            before = wanted.join(history, on & (history["_wb_seq"] < wanted["_m_seq"] - 1))
+            last_before = before.groupBy("_m_seq").agg(max_by(struct(
+                *[col(quote(names[i])).alias(f"v{i}") for i in unchanged],
+                col("_wb_unchanged").alias("u")), col("_wb_seq")).alias("_p"))
+            every = every.join(last_before, every["_wb_seq"] == last_before["_m_seq"], "left")
+            for i in unchanged:
+                has = col("_p").isNotNull() & (col("_p.u").isNull()
+                                               | ~col("_p.u").contains(f",{i},"))
+                every = filled(every, i, when(has, struct(col(f"_p.v{i}").alias("v"))))
+            every = every.drop("_m_seq", "_p").localCheckpoint()
+            now = left(every)
+            if now == remaining:
+                break
+            remaining = now
+        return every.where("_wb_op <> 'L'")
