@@ -115,10 +115,20 @@ def tables(p: Probe) -> str:
     for info in infos.values():
         pg.require_key(info)
     p.lake.learn_types(p.source, p.conn, infos)
-    # What lands of each table: the publication's row filter and column list.
+    # What lands of each table: the publication's row filter and column list; and what does
+    # not: the rows of inheritance children, tables of their own.
+    lines = [i.describe_publishing() for i in infos.values()]
+    for table in infos:
+        children = [c for c in pg.inheritance_children(p.conn, table) if c not in infos]
+        if children:
+            lines.append(
+                f"{table} has inheritance children ({', '.join(children)}): their rows are not "
+                f"in {table}'s lake table (PostgreSQL publishes and its subscriber copies each "
+                "child as a table of its own); to mirror them, add them to "
+                "source.postgres.tables")
     return (f"{len(infos)} table(s) exist with a usable replica identity and column types "
             "walberg maps; what lands of each:\n" +
-            "\n".join(f"         {i.describe_publishing()}" for i in infos.values()))
+            "\n".join(f"         {line}" for line in lines))
 
 
 def publication(p: Probe) -> str:

@@ -133,7 +133,7 @@ def table_extent(cur: Any, info: TableInfo, key: Optional[str]) -> tuple[int, in
     table = quote_table(info.qualified_name)
     if key is not None:
         col = sql_identifier(key)
-        cur.execute(f"SELECT min({col}), max({col}) FROM {table}")
+        cur.execute(f"SELECT min({col}), max({col}) FROM {info.own_rows_sql()}")
         lo, hi = cur.fetchone()
         return (0, 0) if lo is None else (int(lo), int(hi))
     cur.execute("SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
@@ -147,7 +147,7 @@ def text_query(info: TableInfo, span: Span, key: Optional[str]) -> str:
     stream give, so the apply stage types it the same way."""
     cols = ", ".join(f"{sql_identifier(c.name)}::text AS c{i}" for i, c in enumerate(info.columns))
     published = "" if info.row_filter is None else f" AND ({info.row_filter})"
-    return (f"SELECT {cols} FROM {quote_table(info.qualified_name)} "
+    return (f"SELECT {cols} FROM {info.own_rows_sql()} "
             f"WHERE {span.predicate(key)}{published}")
 
 

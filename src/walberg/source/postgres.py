@@ -70,18 +70,27 @@ class TableInfo:
     # (None: every row) and whether a column list leaves columns out.
     row_filter: Optional[str] = None
     column_list: bool = False
+    # A partitioned table (its rows are its partitions', published under its name); an
+    # ordinary table's rows are its own, without those of any inheritance children.
+    partitioned: bool = False
 
     @property
     def qualified_name(self) -> str:
         return f"{self.schema}.{self.name}"
 
+    def own_rows_sql(self) -> str:
+        """The table as a FROM item with the rows the stream sends under its name: an ordinary
+        table ONLY, since each inheritance child is published as a table of its own (as
+        PostgreSQL's subscriber copies it); a partitioned table with its partitions."""
+        table = quote_table(self.qualified_name)
+        return table if self.partitioned else f"ONLY {table}"
+
     def rows_sql(self) -> str:
         """A FROM item with exactly the rows the publication publishes of the table, for the
-        initial copy and verify: the table itself, or it filtered by the row filter."""
-        table = quote_table(self.qualified_name)
+        initial copy and verify: the table's own rows, or those filtered by the row filter."""
         if self.row_filter is None:
-            return table
-        return f"(SELECT * FROM {table} WHERE {self.row_filter}) AS published"
+            return self.own_rows_sql()
+        return f"(SELECT * FROM {self.own_rows_sql()} WHERE {self.row_filter}) AS published"
 
     def describe_publishing(self) -> str:
         """What lands of the table, in words, for ``walberg check``."""
@@ -107,7 +116,8 @@ def describe_table(conn: Any, table: str, publications: Sequence[str] = ()) -> T
     with conn.cursor() as cur:
         cur.execute(
             """SELECT c.oid, c.relreplident, c.reltuples::bigint,
-                      EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)
+                      EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
+                      c.relkind = 'p'
                FROM pg_class c
                JOIN pg_namespace n ON n.oid = c.relnamespace
                WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')""",
@@ -119,7 +129,7 @@ def describe_table(conn: Any, table: str, publications: Sequence[str] = ()) -> T
                 f"table {table} (from source.postgres.tables) does not exist in the source "
                 "database. Create it, or fix the name (schema.table, case-sensitive)."
             )
-        oid, identity, estimate, has_pk = row
+        oid, identity, estimate, has_pk, partitioned = row
         cur.execute(
             """SELECT a.attname, a.atttypid, a.atttypmod,
                       coalesce(a.attnum = ANY(i.indkey), false), a.attndims, a.attgenerated <> ''
@@ -146,7 +156,27 @@ def describe_table(conn: Any, table: str, publications: Sequence[str] = ()) -> T
     )
     return TableInfo(schema, name, oid, identity, cols, max(int(estimate), 0),
                      {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk),
-                     published.row_filter, published.column_list)
+                     published.row_filter, published.column_list, bool(partitioned))
+
+
+def inheritance_children(conn: Any, table: str) -> list[str]:
+    """The tables that inherit from ``table`` (directly or further down; schema.table), not
+    partitions: their rows are not the table's own."""
+    schema, name = split_name(table)
+    with conn.cursor() as cur:
+        cur.execute(
+            """WITH RECURSIVE down(oid) AS (
+                   SELECT i.inhrelid FROM pg_inherits i
+                   JOIN pg_class p ON p.oid = i.inhparent
+                   JOIN pg_namespace n ON n.oid = p.relnamespace
+                   WHERE n.nspname = %s AND p.relname = %s AND p.relkind = 'r'
+                   UNION
+                   SELECT i.inhrelid FROM pg_inherits i JOIN down ON i.inhparent = down.oid)
+               SELECT n.nspname || '.' || c.relname FROM down
+               JOIN pg_class c ON c.oid = down.oid
+               JOIN pg_namespace n ON n.oid = c.relnamespace ORDER BY 1""",
+            (schema, name))
+        return [r[0] for r in cur.fetchall()]
 
 
 @dataclass(frozen=True)
@@ -320,10 +350,14 @@ def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
     if missing is None:
         with conn.cursor() as cur:
             # Partitioned tables: changes arrive under the root's name, as one table.
+            # An ordinary table ONLY: its inheritance children are tables of their own, sent
+            # under their own names (walberg copies and streams a table's own rows).
             cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} "
                                 "WITH (publish_via_partition_root = true)").format(
                 sql.Identifier(publication),
-                sql.SQL(", ").join(sql.Identifier(*split_name(t)) for t in tables)))
+                sql.SQL(", ").join(
+                    sql.Identifier(*split_name(t)) if t in partitioned
+                    else sql.SQL("ONLY ") + sql.Identifier(*split_name(t)) for t in tables)))
         return True
     if missing:
         raise SourceError(missing_tables_message(publication, missing))
