@@ -53,6 +53,23 @@ def spark(warehouse: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
+def subscriber(postgres: EmbeddedPostgres) -> Iterator[Any]:
+    """``subscriber(name, publications, ddl, ...)``: a PostgreSQL subscriber of the test server
+    (see tests/subscriber.py), dropped when the test ends."""
+    from subscriber import Subscriber
+
+    made: list[Subscriber] = []
+
+    def make(name: str, publications: list[str], ddl: str, **options: Any) -> Subscriber:
+        made.append(Subscriber(postgres, name, publications, ddl, **options))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+@pytest.fixture
 def pg_conn(postgres: EmbeddedPostgres) -> Iterator[Any]:
     conn = psycopg2.connect(postgres.dsn)
     conn.autocommit = True

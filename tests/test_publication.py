@@ -5,18 +5,15 @@ publications, in a database of its own on the test server."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import psycopg2
 import pytest
 
 from conftest import insert_lsn, make_config, run_once
 from lake import iceberg_rows, postgres_rows
 from walberg.config import parse_config
 from walberg.lake.services import Lake
-from walberg.model import Lsn
 from walberg.ops.check import check
 from walberg.ops.resync import plan, resync
 from walberg.ops.verify import verify
@@ -35,70 +32,6 @@ def _with_publications(postgres: Any, warehouse: Path, tmp_path: Path, name: str
         "spark": {"master": "local[2]"},
     }
     return parse_config(raw, tmp_path, "test config")
-
-
-class Subscriber:
-    """A PostgreSQL logical-replication subscriber of ``publications``, in a database of its own
-    on the same server (its slot made beforehand: a subscription cannot create a slot on its
-    own server)."""
-
-    def __init__(self, postgres: Any, name: str, publications: list[str], ddl: str) -> None:
-        self.postgres, self.name = postgres, name
-        self.dsn = postgres.dsn.rsplit("/", 1)[0] + f"/{name}"
-        admin = psycopg2.connect(postgres.dsn)
-        admin.autocommit = True
-        with admin.cursor() as cur:
-            cur.execute(f"CREATE DATABASE {name}")
-            cur.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (name,))
-        admin.close()
-        self.conn = psycopg2.connect(self.dsn)
-        self.conn.autocommit = True
-        with self.conn.cursor() as cur:
-            cur.execute(ddl)
-            cur.execute(f"CREATE SUBSCRIPTION {name} CONNECTION %s PUBLICATION "
-                        f"{', '.join(publications)} WITH (create_slot = false, slot_name = %s)",
-                        (postgres.dsn, name))
-
-    def caught_up(self, lsn: Lsn, timeout: float = 60.0) -> None:
-        """Wait until every table is synchronised and the subscriber has applied up to ``lsn``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.conn.cursor() as cur:
-                cur.execute("SELECT count(*) FROM pg_subscription_rel WHERE srsubstate <> 'r'")
-                syncing = cur.fetchone()[0]
-                cur.execute("SELECT coalesce(max(latest_end_lsn)::text, '0/0') "
-                            "FROM pg_stat_subscription")
-                applied = Lsn.parse(cur.fetchone()[0])
-            if not syncing and applied >= lsn:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"subscriber {self.name} did not catch up to {lsn}")
-
-    def rows(self, table: str) -> list[dict[str, Any]]:
-        return postgres_rows(self.conn, table)
-
-    def close(self) -> None:
-        with self.conn.cursor() as cur:
-            cur.execute(f"DROP SUBSCRIPTION {self.name}")  # drops its slot on the publisher too
-        self.conn.close()
-        admin = psycopg2.connect(self.postgres.dsn)
-        admin.autocommit = True
-        with admin.cursor() as cur:
-            cur.execute(f"DROP DATABASE {self.name} WITH (FORCE)")
-        admin.close()
-
-
-@pytest.fixture
-def subscriber(postgres: Any) -> Iterator[Any]:
-    made: list[Subscriber] = []
-
-    def make(name: str, publications: list[str], ddl: str) -> Subscriber:
-        made.append(Subscriber(postgres, name, publications, ddl))
-        return made[-1]
-
-    yield make
-    for each in made:
-        each.close()
 
 
 @pytest.mark.parametrize("method", ["copy", "jdbc"])
