@@ -13,6 +13,7 @@ generated columns are compared with a subscriber in test_publication.py."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -125,7 +126,7 @@ def _differences(lake: list[dict[str, Any]], subscribed: list[dict[str, Any]]) -
     """What differs, column by column, for a readable failure."""
     if len(lake) != len(subscribed):
         return [f"{len(lake)} rows in the lake, {len(subscribed)} in the subscriber"]
-    return [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(lake, subscribed))
+    return [(i, k, a.get(k), b.get(k)) for i, (a, b) in enumerate(zip(lake, subscribed, strict=True))
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)][:10]
 
 
@@ -395,3 +396,47 @@ def test_ddl_between_transactions(ctx: dict[str, Any]) -> None:
     s.sync()
     assert set(s.lake("d")[0]) == {"a", "bee", "c", "e"}
     s.verified("d", "a = 10")
+
+
+@pytest.mark.parametrize("seed", [7, 28])
+def test_randomized_key_changes_and_toast(ctx: dict[str, Any], seed: int) -> None:
+    """A randomized soak in small: inserts, updates that leave a TOASTed value unsent, key
+    changes, value changes and deletes in random order over a few batches, in transactions of
+    a few statements (seeded, so a failure repeats)."""
+    rng = random.Random(seed)
+    s = Scenario(ctx, "CREATE TABLE {t_r} (id bigint PRIMARY KEY, n int, body text);",
+                 {"r": "id"})
+    t = s.t("r")
+    live = list(range(1, 21))
+    s.raw(*[f"INSERT INTO {t} VALUES ({i}, 0, {BIG.format(seed=i)})" for i in live])
+    s.sync()
+    fresh = 1000
+    for _ in range(3):
+        statements = []
+        for _ in range(60):
+            roll = rng.random()
+            if roll < 0.1 or not live:
+                fresh += 1
+                big = BIG.format(seed=fresh) if rng.random() < 0.7 else "'small'"
+                statements.append(f"INSERT INTO {t} VALUES ({fresh}, 0, {big})")
+                live.append(fresh)
+                continue
+            row = rng.choice(live)
+            if roll < 0.45:
+                statements.append(f"UPDATE {t} SET n = n + 1 WHERE id = {row}")
+            elif roll < 0.75:
+                fresh += 1
+                statements.append(f"UPDATE {t} SET id = {fresh} WHERE id = {row}")
+                live[live.index(row)] = fresh
+            elif roll < 0.85:
+                value = BIG.format(seed=rng.randrange(10**6)) if rng.random() < 0.5 else "'set'"
+                statements.append(f"UPDATE {t} SET body = {value} WHERE id = {row}")
+            else:
+                statements.append(f"DELETE FROM {t} WHERE id = {row}")
+                live.remove(row)
+        while statements:
+            size = rng.randint(1, 5)
+            s.raw("BEGIN", *statements[:size], "COMMIT")
+            statements = statements[size:]
+        s.sync()
+    s.verified("r", f"id = {live[0]}")
