@@ -74,6 +74,11 @@ class PostgresSource(_Model):
     reconnect_max_seconds: float = Field(
         300.0, ge=0, description="keep reconnecting a lost source for this long before failing"
     )
+    failover_slot: Optional[bool] = Field(
+        None, description="make the slot a failover slot (PostgreSQL 17+), which standbys with "
+                          "sync_replication_slots = on keep in step, so that a promoted "
+                          "standby has it; unset: on where the server supports it (an existing "
+                          "slot is altered to one at start)")
     initial_copy: CopySettings = Field(default_factory=lambda: CopySettings(),  # type: ignore[call-arg]
                                        description="how the initial copy reads tables")
 

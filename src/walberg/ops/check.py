@@ -147,7 +147,27 @@ def replication_slot(p: Probe) -> str:
     if state is None:
         return f"slot {slot} missing: walberg will create it"
     used = f", in use by server pid {state.active_pid}" if state.active_pid else ""
-    return f"slot {slot} at {state.confirmed_flush} (wal_status {state.wal_status}){used}"
+    room = ("" if state.safe_wal_size is None
+            else f", {state.safe_wal_size / 2**20:.0f} MiB of WAL before the server drops it")
+    return f"slot {slot} at {state.confirmed_flush} (wal_status {state.wal_status}{room}){used}"
+
+
+def failover(p: Probe) -> str:
+    """Whether a failover to a standby would keep the slot (reported, not required: a server
+    before PostgreSQL 17, or one without standbys, is fine as it is)."""
+    src = p.source.postgres
+    if not pg.supports_failover_slots(p.conn):
+        return (f"PostgreSQL {pg.server_version(p.conn) // 10000} has no failover slots (17+): "
+                "a promoted standby would not have the slot, and `walberg resync` would copy "
+                "the tables again")
+    if src.failover_slot is False:
+        return ("source.postgres.failover_slot is false: a promoted standby will not have the "
+                "slot; set it to true (or remove it) to keep the slot through a failover")
+    good, missing = pg.failover_readiness(p.conn, src.dsn, src.slot)
+    if missing:
+        raise Terminal("a failover would lose the slot:\n" +
+                       "\n".join(f"         {line}" for line in missing))
+    return "; ".join(good)
 
 
 POSTGRES_REACH: list[Item] = [("postgres reachable", postgres_reachable)]
@@ -157,6 +177,7 @@ POSTGRES_ITEMS: list[Item] = [
     ("tables", tables),
     ("publication", publication),
     ("replication slot", replication_slot),
+    ("failover", failover),
 ]
 
 

@@ -89,6 +89,9 @@ class PgReader:
         self._lake_ready = threading.Event()  # the lake is read: the slot may follow WAL's end
         self._halt_early = threading.Event()
         self._streaming_early = streaming_early
+        # The source server as first met (system identifier, timeline): a reconnect that
+        # finds another system, or a promoted standby, is checked against it.
+        self._server: Optional[tuple[str, int]] = None
 
     def close(self) -> None:
         self._stop_early()  # (a run that failed before ``stream``)
@@ -167,10 +170,16 @@ class PgReader:
                                        self.pg.status_interval_seconds)
             opened.append(stream)
             stream.open()
-            created = stream.create_slot() if slot is None else None
+            self._same_server(stream, slot is not None)
+            failover = self._failover_wanted(conn)
+            created = stream.create_slot(failover=failover) if slot is None else None
             if created:
-                log.info("created replication slot %s at %s", created.name,
-                         created.consistent_point)
+                log.info("created replication slot %s at %s%s", created.name,
+                         created.consistent_point, " (a failover slot)" if failover else "")
+            elif failover and slot is not None and slot.failover is False:
+                stream.make_failover()
+                log.info("replication slot %s is a failover slot now: standbys with "
+                         "sync_replication_slots = on keep it in step", self.pg.slot)
             target = pg.current_wal_lsn(conn) if once else None
             if created is None:
                 self._start_early(stream, target)
@@ -210,6 +219,62 @@ class PgReader:
                 conn.close()
             except Exception:
                 pass
+
+    def _failover_wanted(self, conn: Any) -> bool:
+        """Whether the slot is to be a failover slot: as configured, else wherever the server
+        has them (PostgreSQL 17+). Asked of an older server, it is reported, not required."""
+        supported = pg.supports_failover_slots(conn)
+        if self.pg.failover_slot and not supported:
+            log.warning("source.postgres.failover_slot is set, but PostgreSQL %s has no "
+                        "failover slots (they exist from 17 on): the slot is an ordinary one, "
+                        "and a promoted standby will not have it",
+                        pg.server_version(conn) // 10000)
+        return supported and self.pg.failover_slot is not False
+
+    def _same_server(self, stream: ReplicationStream, slot_exists: bool) -> None:
+        """Check the server ``stream`` reached against the one met first. Another system (a
+        different cluster behind the same address) has no position in common with the lake:
+        stop. The same system on a new timeline is a promoted standby (a failover): it may go
+        on only if it has the slot and the lake holds nothing the old primary wrote after the
+        standby branched off, since LSNs from there on are the new primary's own."""
+        system, timeline = stream.identify()
+        if self._server is None:
+            self._server = (system, timeline)
+            return
+        known_system, known_timeline = self._server
+        if system != known_system:
+            raise Terminal(
+                f"source.postgres.dsn now reaches another PostgreSQL server (system identifier "
+                f"{system}, was {known_system}): its WAL positions have nothing in common with "
+                "what the lake holds, so walberg stops rather than skip or repeat changes. If "
+                "this server is the source from now on, run `walberg resync -c <pipeline.yaml>` "
+                "to copy the tables from it.")
+        if timeline == known_timeline:
+            return
+        held = max([self.state.received, self.state.applied,
+                    *self.state.committed().values()])
+        if not slot_exists:
+            raise Terminal(
+                f"the source failed over (timeline {known_timeline} -> {timeline}) to a server "
+                f"without replication slot {self.pg.slot}: the slot was not synchronised to "
+                "the standby, so the changes since the lake's last commit cannot be read there. "
+                "Run `walberg resync -c <pipeline.yaml>` to copy the tables again; to survive "
+                "the next failover, see docs/operations.md#failover (failover slots, "
+                "sync_replication_slots on the standby, synchronized_standby_slots on the "
+                "primary).")
+        switch = stream.timeline_switch(known_timeline)
+        if switch is not None and held > switch:
+            raise Terminal(
+                f"the source failed over (timeline {known_timeline} -> {timeline}); the new "
+                f"primary branched off at {switch}, but walberg had read the old primary up to "
+                f"{held}: the transactions in between were lost with the old primary and must "
+                "not stay in the lake. Run `walberg resync -c <pipeline.yaml>`; set "
+                "synchronized_standby_slots on the primary so that walberg never reads past "
+                "what the standby has (docs/operations.md#failover).")
+        log.warning("the source failed over (timeline %s -> %s); replication slot %s was "
+                    "synchronised to the new primary: streaming on from it", known_timeline,
+                    timeline, self.pg.slot)
+        self._server = (system, timeline)
 
     def _start_early(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
         """Start streaming into segments now, in a thread, while the lake is checked (the Spark
@@ -309,6 +374,7 @@ class PgReader:
                 try:
                     if not stream.is_open:
                         stream.open()
+                        self._same_server(stream, self._slot_exists())
                     self._stream_loop(stream, target)
                     if self._halt_early.is_set():
                         return
@@ -339,6 +405,13 @@ class PgReader:
                                                self.pg.status_interval_seconds)
         finally:
             stream.close()
+
+    def _slot_exists(self) -> bool:
+        conn = pg.connect(self.pg.dsn)
+        try:
+            return pg.slot_state(conn, self.pg.slot) is not None
+        finally:
+            conn.close()
 
     def _slot_gone(self) -> Optional[Terminal]:
         """After a lost connection: a slot the server invalidated or someone dropped will not

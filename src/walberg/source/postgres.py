@@ -380,20 +380,31 @@ class SlotState:
     restart_lsn: Lsn
     wal_status: Optional[str]
     active_pid: Optional[int]
+    # A failover slot (PostgreSQL 17+), synchronised to standbys; None before 17.
+    failover: Optional[bool] = None
+    # WAL the server may still write before it invalidates the slot (max_slot_wal_keep_size);
+    # None when unlimited.
+    safe_wal_size: Optional[int] = None
+
+
+def supports_failover_slots(conn: Any) -> bool:
+    """Failover slots (synchronised to physical standbys) exist from PostgreSQL 17 on."""
+    return server_version(conn) >= 170000
 
 
 def slot_state(conn: Any, slot: str) -> Optional[SlotState]:
+    failover = "failover" if supports_failover_slots(conn) else "NULL::bool"
     with conn.cursor() as cur:
         cur.execute(
-            """SELECT plugin, confirmed_flush_lsn::text, restart_lsn::text, wal_status, active_pid,
-                      database = current_database()
-               FROM pg_replication_slots WHERE slot_name = %s""",
+            f"""SELECT plugin, confirmed_flush_lsn::text, restart_lsn::text, wal_status,
+                       active_pid, database = current_database(), {failover}, safe_wal_size
+                FROM pg_replication_slots WHERE slot_name = %s""",
             (slot,),
         )
         row = cur.fetchone()
     if row is None:
         return None
-    plugin, flush, restart, wal_status, pid, same_db = row
+    plugin, flush, restart, wal_status, pid, same_db, is_failover, safe = row
     if plugin != "pgoutput" or not same_db:
         raise SourceError(
             f"replication slot {slot} (source.postgres.slot) exists but is not a pgoutput slot "
@@ -409,7 +420,8 @@ def slot_state(conn: Any, slot: str) -> Optional[SlotState]:
             "stays for time travel)."
         )
     return SlotState(slot, plugin, Lsn.parse(flush) if flush else Lsn(0),
-                     Lsn.parse(restart) if restart else Lsn(0), wal_status, pid)
+                     Lsn.parse(restart) if restart else Lsn(0), wal_status, pid, is_failover,
+                     None if safe is None else int(safe))
 
 
 def drop_slot(conn: Any, slot: str) -> bool:
@@ -497,3 +509,97 @@ def describe_backend(conn: Any, pid: int) -> str:
     app, addr, since = row
     return (f"server process {pid} for application {app or '(unnamed)'} from "
             f"{addr or 'a local socket'}, connected since {since}")
+
+
+def other_hosts(dsn: str, conn: Any) -> list[str]:
+    """The DSNs of the hosts ``dsn`` names besides the one ``conn`` reached (libpq's several
+    hosts, ``host=a,b port=1,2``): the standbys a failover would promote, one DSN each."""
+    params = psycopg2.extensions.parse_dsn(dsn)
+    hosts = (params.get("host") or "").split(",")
+    ports = (params.get("port") or "5432").split(",")
+    if len(hosts) < 2:
+        return []
+    if len(ports) == 1:
+        ports = ports * len(hosts)
+    with conn.cursor() as cur:
+        cur.execute("SELECT inet_server_port()")
+        here = str(cur.fetchone()[0])
+    params.pop("target_session_attrs", None)
+    return [psycopg2.extensions.make_dsn(**{**params, "host": h, "port": port})
+            for h, port in zip(hosts, ports, strict=True) if port != here]
+
+
+def failover_readiness(conn: Any, dsn: str, slot: str) -> tuple[list[str], list[str]]:
+    """Whether a failover to a standby would keep walberg's slot: (what is in place, what is
+    missing, each with the setting to change). PostgreSQL 17+: the slot is a failover slot,
+    the primary's synchronized_standby_slots names the standbys' slots (so that no change
+    reaches walberg before the standbys have it), and each standby ``dsn`` names besides the
+    primary has sync_replication_slots and hot_standby_feedback on and holds a synchronised
+    copy of the slot."""
+    good: list[str] = []
+    missing: list[str] = []
+    state = slot_state(conn, slot)
+    if state is None:
+        good.append(f"slot {slot} will be created as a failover slot")
+    elif state.failover:
+        good.append(f"slot {slot} is a failover slot")
+    else:
+        missing.append(f"slot {slot} is not a failover slot: walberg run makes it one at start "
+                       "(unless source.postgres.failover_slot is false)")
+    with conn.cursor() as cur:
+        cur.execute("SHOW synchronized_standby_slots")
+        waits_for = cur.fetchone()[0]
+        cur.execute("SELECT count(*) FROM pg_stat_replication")
+        standbys = int(cur.fetchone()[0])
+    if waits_for:
+        names = [n.strip() for n in waits_for.split(",") if n.strip()]
+        with conn.cursor() as cur:
+            cur.execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' "
+                        "AND slot_name = ANY(%s)", (names,))
+            present = {r[0] for r in cur.fetchall()}
+        absent = [n for n in names if n not in present]
+        if absent:
+            missing.append(f"synchronized_standby_slots names {', '.join(absent)}, which this "
+                           "server does not have as a physical slot: logical decoding waits "
+                           "for it, so walberg receives nothing. A promoted standby keeps the "
+                           "old primary's setting: clear it there, or name its own standbys' "
+                           "slots.")
+        else:
+            good.append(f"synchronized_standby_slots = '{waits_for}'")
+    elif standbys:
+        missing.append("the primary's synchronized_standby_slots is empty: walberg may read "
+                       "changes a standby does not have yet, which a failover loses. Run ALTER "
+                       "SYSTEM SET synchronized_standby_slots = '<the standbys' physical slots>'; "
+                       "SELECT pg_reload_conf();")
+    for other in other_hosts(dsn, conn):
+        where = redact(other)
+        try:
+            standby = connect(other)
+        except Transient as exc:
+            missing.append(f"standby {where}: cannot connect ({exc})")
+            continue
+        try:
+            with standby.cursor() as cur:
+                cur.execute("SELECT pg_is_in_recovery()")
+                if not cur.fetchone()[0]:
+                    missing.append(f"{where} is not a standby (it accepts writes)")
+                    continue
+                cur.execute("SELECT name, setting FROM pg_settings WHERE name IN "
+                            "('sync_replication_slots', 'hot_standby_feedback')")
+                settings = dict(cur.fetchall())
+                for name in ("sync_replication_slots", "hot_standby_feedback"):
+                    if settings.get(name) != "on":
+                        missing.append(f"standby {where}: {name} is off. Run ALTER SYSTEM SET "
+                                       f"{name} = on; SELECT pg_reload_conf(); (and a "
+                                       "primary_conninfo with dbname, a primary_slot_name)")
+                cur.execute("SELECT synced FROM pg_replication_slots WHERE slot_name = %s "
+                            "AND NOT temporary", (slot,))
+                row = cur.fetchone()
+            if row is not None and row[0]:
+                good.append(f"standby {where} holds slot {slot}, synchronised")
+            elif not missing:
+                missing.append(f"standby {where} does not hold slot {slot} yet (its slot "
+                               "synchronisation copies it once the primary's slot has moved on)")
+        finally:
+            standby.close()
+    return good, missing

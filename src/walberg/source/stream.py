@@ -51,14 +51,17 @@ class ReplicationStream:
         self._conn = connect(self.dsn, replication=True)
         self._cur = self._conn.cursor()
 
-    def create_slot(self, name: Optional[str] = None, temporary: bool = False) -> CreatedSlot:
+    def create_slot(self, name: Optional[str] = None, temporary: bool = False,
+                    failover: bool = False) -> CreatedSlot:
         """Create a pgoutput slot and export its snapshot. The snapshot stays valid only while this
-        connection runs no other command, so copy the tables before calling ``start``."""
+        connection runs no other command, so copy the tables before calling ``start``.
+        ``failover``: a failover slot, synchronised to standbys (PostgreSQL 17+)."""
         name = name or self.slot
         kind = "TEMPORARY " if temporary else ""
+        options = "SNAPSHOT 'export'" + (", FAILOVER true" if failover else "")
         try:
             self._cur.execute(
-                f"CREATE_REPLICATION_SLOT \"{name}\" {kind}LOGICAL pgoutput (SNAPSHOT 'export')"
+                f"CREATE_REPLICATION_SLOT \"{name}\" {kind}LOGICAL pgoutput ({options})"
             )
             row = self._cur.fetchone()
         except psycopg2.Error as exc:
@@ -71,6 +74,47 @@ class ReplicationStream:
                 "(ALTER ROLE ... REPLICATION) and max_replication_slots must have room."
             ) from None
         return CreatedSlot(row[0], Lsn.parse(row[1]), row[2])
+
+    def make_failover(self) -> None:
+        """Turn the (existing, inactive) slot into a failover slot (PostgreSQL 17+)."""
+        try:
+            self._cur.execute(f"ALTER_REPLICATION_SLOT \"{self.slot}\" (FAILOVER true)")
+        except psycopg2.Error as exc:
+            if self._cur.connection.closed:
+                raise Transient(f"lost the connection to the source while altering replication "
+                                f"slot {self.slot}: {' '.join(str(exc).split())}") from None
+            raise SourceError(
+                f"could not make replication slot {self.slot} a failover slot on "
+                f"{redact(self.dsn)}: {str(exc).strip()}. Set source.postgres.failover_slot: "
+                "false to keep it as it is.") from None
+
+    def identify(self) -> tuple[str, int]:
+        """The server's system identifier and timeline (IDENTIFY_SYSTEM): a promoted standby
+        has the same system, on a new timeline; another server, another system."""
+        try:
+            self._cur.execute("IDENTIFY_SYSTEM")
+            row = self._cur.fetchone()
+        except _CONNECTION_LOST as exc:
+            raise self._lost(exc) from None
+        return str(row[0]), int(row[1])
+
+    def timeline_switch(self, timeline: int) -> Optional[Lsn]:
+        """Where the server's history left ``timeline`` for the next one (None: it did not, as
+        far as this server knows), from the current timeline's history file."""
+        _, current = self.identify()
+        if current <= 1 or timeline >= current:
+            return None
+        try:
+            self._cur.execute(f"TIMELINE_HISTORY {current}")
+            row = self._cur.fetchone()
+        except _CONNECTION_LOST as exc:
+            raise self._lost(exc) from None
+        content = row[1].tobytes().decode() if isinstance(row[1], memoryview) else str(row[1])
+        for line in content.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].isdigit() and int(parts[0]) == timeline:
+                return Lsn.parse(parts[1])
+        return None
 
     def start(self, start_lsn: Optional[Lsn] = None, in_progress: bool = False) -> None:
         """Start streaming. The server resumes from the slot's confirmed position or ``start_lsn``,
