@@ -5,6 +5,7 @@ PostgreSQL, Spark and Iceberg; the lake is read back by PyIceberg and DuckDB."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,54 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
     assert "followed" not in caplog.text
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+
+def test_another_writer_between_the_index_and_the_commit_is_never_a_second_row(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer updates a key (a merge-on-read UPDATE: a position delete and the row's
+    new version) after walberg looked the key up in its index, before its row delta commits.
+    The row delta, validated from the index's snapshot, fails; walberg tries the batch again
+    against the new state, and the key has one row, the source's."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 200) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+    indexed = KeyIndex(config.index_dir / target).snapshot
+    assert indexed == hadoop_table(warehouse, target).current_snapshot().snapshot_id
+
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 1000 + id WHERE id IN (7, 150)")
+        cur.execute(f"DELETE FROM {table} WHERE id = 9")
+    meddled: list[int] = []
+    real = keyed.crash_point
+
+    def other_writer(point: str, *args: Any, **kwargs: Any) -> None:
+        if point == "row-delta" and not meddled:  # the lookup is done, the commit not yet
+            spark.sql(f"UPDATE {target} SET v = -1 WHERE id IN (7, 9)")
+            meddled.append(hadoop_table(warehouse, target).current_snapshot().snapshot_id)
+        real(point, *args, **kwargs)
+
+    monkeypatch.setattr(keyed, "crash_point", other_writer)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
+    assert meddled and meddled[0] != indexed
+    other = hadoop_table(warehouse, target).snapshot_by_id(meddled[0])
+    assert other is not None and other.parent_snapshot_id == indexed
+    assert int(other.summary.additional_properties["added-position-deletes"]) == 2, \
+        "the other writer's UPDATE deleted by position"
+    expected = postgres_rows(pg_conn, table)
+    assert [r["id"] for r in expected if r["id"] in (7, 9, 150)] == [7, 150]
+    assert iceberg_rows(warehouse, target) == expected
+    in_spark = sorted(((r["id"], r["v"]) for r in spark.table(target).collect()))
+    assert in_spark == [(r["id"], r["v"]) for r in expected]
+    # The first try failed validation (the other writer's files for these keys) and was made
+    # again.
+    assert re.search(rf"commit to {re.escape(target)} failed .*ValidationException: Found "
+                     r"(new )?conflicting .*trying again", caplog.text), caplog.text[-3000:]
+    assert "rebuilt from the lake" in caplog.text  # the index caught up with the other writer
+    assert KeyIndex(config.index_dir / target).snapshot == \
+        hadoop_table(warehouse, target).current_snapshot().snapshot_id

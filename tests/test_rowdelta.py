@@ -139,3 +139,49 @@ def test_the_commit_code_is_loaded_ahead_on_files_of_its_own(spark: Any, tmp_pat
     assert warm(spark, tmp_path) == 2
     made = sorted(p.suffix for p in tmp_path.iterdir() if p.suffix != ".crc")  # (Hadoop's)
     assert made == [".avro", ".avro", ".parquet", ".parquet"]
+
+
+
+def _merge_on_read(spark: Any, target: str) -> None:
+    """Another writer's UPDATE then deletes by position too (as walberg's tables are set)."""
+    spark.sql(f"ALTER TABLE {target} SET TBLPROPERTIES ('write.update.mode'='merge-on-read', "
+              "'write.merge.mode'='merge-on-read')")
+
+
+@pytest.mark.parametrize("other", ["DELETE FROM {t} WHERE id = 5",
+                                   "UPDATE {t} SET v = 'theirs' WHERE id = 5",
+                                   "INSERT INTO {t} VALUES (5, 'theirs')"])
+def test_another_writer_on_the_same_keys_fails_the_commit_instead_of_a_second_row(
+        spark: Any, warehouse: Path, unique: str, other: str) -> None:
+    """Between reading the positions and committing, another writer deletes, updates (by
+    position: merge-on-read) or inserts a key the row delta updates: validated from the base
+    snapshot, the row delta fails (the caller tries again against the new state) rather than
+    leave key 5 twice."""
+    target = _table(spark, unique)
+    _merge_on_read(spark, target)
+    base = int(java_table(spark, target).currentSnapshot().snapshotId())
+    positions = _positions(spark, target, [5, 6])
+    spark.sql(other.format(t=target))
+    before = iceberg_rows(warehouse, target)
+    new_rows = spark.createDataFrame([(5, "ours"), (6, "ours")], "id bigint, v string")
+    with pytest.raises(ApplyError, match="ValidationException: Found (new )?conflicting") as exc:
+        commit_row_delta(spark, target, new_rows, positions, {"walberg.lsn": "0/1"}, base,
+                         keys=("id", 5, 6))
+    assert exc.value.retryable
+    assert iceberg_rows(warehouse, target) == before
+
+
+def test_another_writers_rows_outside_the_batch_keys_do_not_conflict(
+        spark: Any, warehouse: Path, unique: str) -> None:
+    """New rows of other keys (their files' key bounds outside the batch's range) are no
+    conflict. (Any new delete file is: a position-delete file says nothing of the keys.)"""
+    target = _table(spark, unique)
+    base = int(java_table(spark, target).currentSnapshot().snapshotId())
+    positions = _positions(spark, target, [6])
+    spark.sql(f"INSERT INTO {target} VALUES ({ROWS + 500}, 'theirs')")
+    commit_row_delta(spark, target, spark.createDataFrame([(6, "ours")], "id bigint, v string"),
+                     positions, {"walberg.lsn": "0/2"}, base, keys=("id", 6, 6))
+    rows = iceberg_rows(warehouse, target)
+    assert len(rows) == ROWS + 1 and len({r["id"] for r in rows}) == ROWS + 1
+    values = {r["id"]: r["v"] for r in rows}
+    assert (values[6], values[ROWS + 500], values[7]) == ("ours", "theirs", "v7")

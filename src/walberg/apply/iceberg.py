@@ -107,6 +107,11 @@ class IcebergSink:
                          layout: Optional[Layout] = None) -> bool:
         return self.tables.ensure_changelog(target, columns, layout)
 
+    def replace_table(self, target: str, columns: Sequence[Column],
+                      layout: Optional[Layout] = None) -> None:
+        self.tables.replace(target, columns, layout)
+        self.forget(target)
+
     def partitioning(self, target: str) -> list[str]:
         return self.tables.partitioning(target)
 

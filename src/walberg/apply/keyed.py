@@ -237,12 +237,17 @@ class KeyedApply:
         with self._scratch() as scratch, \
                 ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
 
-            def look_up() -> tuple[Hits, Optional[Positions], float]:
+            def look_up() -> tuple[Hits, Optional[Positions], Optional[tuple[str, int, int]],
+                                   float]:
                 started = time.monotonic()
-                hits = index.lookup(_batch_keys(staged.files, value_column(k), max_seq, void))
+                changed = _batch_keys(staged.files, value_column(k), max_seq, void)
+                hits = index.lookup(changed)
                 deletes = None if not len(hits.keys) else position_delete_file(
                     hits.files, hits.positions, scratch)
-                return hits, deletes, time.monotonic() - started
+                # The commit conflicts with another writer's changes to keys in this range.
+                keys = (columns[k].name, int(changed[0]), int(changed[-1])) if len(changed) \
+                    else None
+                return hits, deletes, keys, time.monotonic() - started
 
             looked_up = pool.submit(look_up)
             rows: Any = None
@@ -259,10 +264,13 @@ class KeyedApply:
                 rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
                                        "_wb_lsn")
             written_in = time.monotonic() - started
-            hits, deletes, lookup_s = looked_up.result()
+            hits, deletes, keys, lookup_s = looked_up.result()
             crash_point("row-delta")
+            # Validated from the index's snapshot: a commit by another writer since then that
+            # touched these rows fails it, and the caller tries again (lakeside's retries,
+            # which forget the table, so the index is brought to the new state first).
             result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
-                                      new_files, table)
+                                      new_files, table, keys)
             clock.append(time.monotonic())
             crash_point("indexed", delay=0.5)
             added = _concat(list(written_entries(spark, result.added_files, columns[k].name,

@@ -14,8 +14,10 @@ same result is one row delta:
   ``spark.wap.id``), which is never part of the table's history; its data files are taken
   from it;
 - both go into one ``RowDelta`` with walberg's marks in its summary, validated against the
-  snapshot the positions were read from: if a concurrent commit (a compaction, say) removed a
-  data file the deletes point into, the commit fails instead of deleting the wrong rows.
+  snapshot the positions were read from: if a concurrent commit removed a data file the
+  deletes point into (a compaction, say), or deleted or added rows of the same keys (another
+  writer's UPDATE, DELETE or MERGE), the commit fails instead of deleting the wrong rows or
+  leaving a key twice; the caller tries again against the new state.
 
 Position deletes, not equality deletes: every reader (Spark, PyIceberg, DuckDB, Trino) applies
 them cheaply, and ``walberg maintain`` compacts them away. Unpartitioned tables only, for now:
@@ -89,13 +91,22 @@ def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: P
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                      deletes: "Optional[Any | Positions]",
                      properties: Mapping[str, str], base_snapshot: Optional[int],
-                     data_files: Sequence[Any] = (), table: Any = None) -> RowDeltaResult:
+                     data_files: Sequence[Any] = (), table: Any = None,
+                     keys: Optional[tuple[str, int, int]] = None) -> RowDeltaResult:
     """Add ``rows`` (a DataFrame in the table's schema) and ``data_files`` (Iceberg data files
     written already, see ``apply.datafiles``) and delete the rows at ``deletes``
     (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
-    ``properties`` in its summary. ``base_snapshot``: the snapshot the positions were read
-    from (None: the table was empty); the commit fails if a data file they point into has
-    been removed since. ``table``: the Iceberg Java table, if the caller has just loaded it."""
+    ``properties`` in its summary. ``table``: the Iceberg Java table, if the caller has just
+    loaded it.
+
+    ``base_snapshot``: the snapshot the positions were read from (None: the table was empty).
+    The commit is validated against every commit since, by any writer: it fails (an
+    ``ApplyError`` the caller may retry against the new state) if a data file the deletes
+    point into was removed or rewritten, if delete files were added (another writer deleted or
+    updated rows, perhaps the same ones: committing too would leave a key twice) or if data
+    files were added that may hold rows of the same keys. ``keys``: (key column, lowest,
+    highest key the batch changes) narrows the last two to commits whose files may hold keys
+    in that range (None: any such commit conflicts)."""
     if table is None:
         table = java_table(spark, target)
     if not table.spec().isUnpartitioned():
@@ -132,6 +143,10 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             for path in referenced:
                 refs.add(path)
             delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
+        # What another writer did since the base snapshot: deletes or new rows for these keys.
+        delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles()
+        if keys is not None:
+            delta = delta.conflictDetectionFilter(_key_range(spark, *keys))
         for each in new_files:
             added += int(each.recordCount())
             delta = delta.addRows(each)
@@ -158,6 +173,13 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
                           tuple(str(f.location()) for f in new_files),
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
+
+
+def _key_range(spark: Any, key: str, lowest: int, highest: int) -> Any:
+    """The Iceberg expression ``lowest <= key <= highest``."""
+    expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
+    return getattr(expressions, "and")(expressions.greaterThanOrEqual(key, lowest),
+                                       expressions.lessThanOrEqual(key, highest))
 
 
 Entries = Iterator[tuple[np.ndarray, list[str], np.ndarray]]

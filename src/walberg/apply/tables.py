@@ -168,6 +168,20 @@ class Tables:
                             f"{quote(SOURCE_COLUMN)} STRING", self.shared(layout))
         return True
 
+    def replace(self, target: str, columns: Sequence[Column],
+                layout: Optional[Layout] = None) -> None:
+        """Replace the table by an empty one with these source columns, in one commit to the
+        catalog (``CREATE OR REPLACE TABLE``): the earlier snapshots stay in its metadata, for
+        time travel, but none is current, so the table holds no rows and no walberg mark until
+        a copy goes in. For a change of columns no schema update expresses (``walberg
+        resync``); never a table shared by sources, whose other rows it would lose."""
+        if self.lake.source is not None:
+            raise ApplyError(f"{target} is shared by several sources: walberg does not replace "
+                             "it (that would lose the other sources' rows)")
+        cols = ", ".join(f"{quote(c.name)} {self.lake.types.spark_type(c, target).sql}"
+                         for c in columns)
+        self.create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT", layout, replace=True)
+
     def shared(self, layout: Optional[Layout]) -> Layout:
         """A table shared by sources is partitioned by source first."""
         layout = layout or Layout()
@@ -177,9 +191,10 @@ class Tables:
                       layout.format_version, layout.write_mode, layout.schema_evolution,
                       layout.mode)
 
-    def create(self, target: str, columns: str, layout: Optional[Layout] = None) -> None:
+    def create(self, target: str, columns: str, layout: Optional[Layout] = None,
+               replace: bool = False) -> None:
         """``CREATE TABLE IF NOT EXISTS`` (and its namespace) with walberg's properties;
-        ``columns``: the column list as Spark SQL."""
+        ``columns``: the column list as Spark SQL. ``replace``: ``CREATE OR REPLACE TABLE``."""
         self.forget(target)
         catalog, namespace, _ = target.split(".")
         self.ensure_namespace(catalog, namespace)
@@ -187,6 +202,12 @@ class Tables:
         parts = ""
         if layout is not None and layout.partition_by:
             parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"
+        if replace:
+            self.lake.sql(f"replacing table {target}",
+                          f"CREATE OR REPLACE TABLE {quote_target(target)} ({columns}) "
+                          f"USING iceberg{parts} TBLPROPERTIES ({props})")
+            self.forget(target)
+            return
         _once_more(lambda: self.lake.sql(
             f"creating table {target}",
             f"CREATE TABLE IF NOT EXISTS {quote_target(target)} ({columns}) "

@@ -68,9 +68,13 @@ class InitialCopy:
             for info in infos:
                 started = time.monotonic()
                 source = info.qualified_name
+                # A table copied again may have other columns by now (a resync after a stop).
+                reshaped = self.tables.reshape(source, info)
                 if self._chunked(info):
-                    rows, point = self._copy_chunked(info, created,
-                                                     slot_flushed if temp is not None else None)
+                    # (a copy cut short under the old columns is not resumed under the new)
+                    rows, point = self._copy_chunked(
+                        info, created,
+                        slot_flushed if temp is not None and not reshaped else None)
                 else:
                     rows = self._copy_whole(info, created, workdir)
                     point = created.consistent_point

@@ -134,6 +134,52 @@ class PgTables(Tables):
             for key in self.sink.properties(target, FILL_PROPERTY):
                 self.sink.set_property(target, key, None)
 
+    def reshape(self, source: str, info: pg.TableInfo) -> bool:
+        """Before a table is copied (again: ``walberg resync``, a new slot): its Iceberg
+        table(s) take the source's columns as they are now, so that the copy fits them. The
+        schema evolves as it does for an ALTER TABLE while streaming (added, dropped, renamed
+        and widened columns), whatever ``sink.schema_evolution`` says: a copy asked for is
+        the way out of a stop. A change no schema update expresses replaces the mirror table
+        by an empty one with the new columns (its history kept for time travel; the copy
+        fills it); a changelog, whose past rows exist nowhere else, is never replaced: that
+        stops with what to do. Returns whether a table changed."""
+        columns = info.columns
+        target, changelog = self.targets[source], self.changelogs.get(source)
+        # (table, whether it is a changelog); in mode append the target is the changelog.
+        which = ([(target, changelog is not None)] if changelog in (None, target)
+                 else [(changelog, True), (target, False)])
+        changed = False
+        for t, records in which:
+            if self.sink.columns_match(t, columns):  # (made by ``ensure`` if it was not)
+                continue
+            wanted = [(c.name, self.types.spark_type(c, t).describe()) for c in columns]
+            try:
+                steps = evolution.plan(self.sink.schema(t), wanted)
+            except evolution.NotEvolvable as exc:
+                if records or self.sink.source is not None:
+                    kind = ("its changelog, whose rows of past changes exist nowhere else"
+                            if records else "a table shared by several sources")
+                    raise Terminal(
+                        f"{source} cannot be copied into {t} again: {exc}, and walberg does "
+                        f"not replace {kind}. Keep what you need of {t}, drop it (DROP TABLE "
+                        f"{t} in Spark SQL) and run the resync again: {t} is then created "
+                        "with the new columns.") from None
+                self.sink.replace_table(t, columns, self.config.layout_for(source))
+                log.warning("%s replaced by an empty table with the columns of %s (%s), for "
+                            "its copy: %s. Its earlier snapshots stay for time travel.", t,
+                            source, ", ".join(f"{n} {k}" for n, k in wanted), exc)
+            else:
+                after = {name: (wanted[i - 1][0] if i else "")
+                         for i, (name, _) in enumerate(wanted)}
+                self.sink.evolve(t, steps, after)
+                log.info("evolved the schema of %s to the columns of %s, for its copy: %s", t,
+                         source, "; ".join(s.describe() for s in steps))
+            # A default still owed to the old rows: the copy brings every row's value.
+            for key in self.sink.properties(t, FILL_PROPERTY):
+                self.sink.set_property(t, key, None)
+            changed = True
+        return changed
+
     def _record_fill(self, conn: Any, source: str, target: str, columns: tuple[Column, ...],
                      name: str) -> None:
         """A column added with a default: record, before the column exists, the value the
@@ -144,8 +190,8 @@ class PgTables(Tables):
                 "column %s of %s was added with a volatile default (or an identity): "
                 "Postgres gave the existing rows values that the replication stream "
                 "does not carry, so those rows have NULL there in %s. To get the "
-                "values, copy the table again (drop %s in Spark SQL and run walberg).",
-                name, source, target, target)
+                "values, copy the table again (walberg resync -c <pipeline file> %s).",
+                name, source, target, source)
         elif value is not None:
             parsed = parse_array(value)  # attmissingval is a one-element array
             if not parsed or isinstance(parsed[0], list) or parsed[0] is None:
@@ -177,9 +223,11 @@ class PgTables(Tables):
             f"{source} changed its columns in Postgres (ALTER TABLE) before LSN {lsn}; it now "
             f"has ({now}), and {target} cannot follow: {why} To go on, either set "
             f"sink.schema_evolution to allow the change (if it is allowed by Iceberg), or copy "
-            f"the table afresh: drop the Iceberg table (DROP TABLE {target} in Spark SQL) and "
-            "run walberg again; it copies the table and streams on from there. Nothing after "
-            "the last commit was confirmed to the slot, so nothing is lost meanwhile."
+            f"the table afresh: `walberg resync -c <pipeline file> {source}` brings {target} "
+            f"to the new columns (or replaces it) and copies it; or drop the Iceberg table "
+            f"(DROP TABLE {target} in Spark SQL) and run walberg again. Either way walberg "
+            "streams on from the copy. Nothing after the last commit was confirmed to the "
+            "slot, so nothing is lost meanwhile."
         )
 
     def learn_relation(self, rel: Relation) -> None:
