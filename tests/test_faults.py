@@ -195,3 +195,42 @@ def test_which_java_failures_are_worth_a_retry(spark: Any) -> None:
     ]
     assert [_transient(wrapped(e)) for e in retry] == [True] * len(retry)
     assert [_transient(wrapped(e)) for e in keep] == [False] * len(keep)
+
+
+def test_a_schema_change_applied_while_postgres_restarts(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """An ADD COLUMN with a default, an insert, and the server stopped right after: applying the
+    schema change opens a connection of its own (for the default the old rows get), which waits
+    for the server like the stream does, instead of failing the run."""
+    import psycopg2
+
+    table, target, config = _setup(pg_conn, postgres, spark, warehouse, tmp_path, unique)
+    pipeline = Pipeline(config, session=spark)
+    try:
+        with running(pipeline) as failures:
+            with pg_conn.cursor() as cur:
+                cur.execute(f"INSERT INTO {table} VALUES (999, 'first')")
+                pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN c text DEFAULT 'x'")
+                cur.execute(f"INSERT INTO {table} VALUES (1000, 'after', 'y')")
+            postgres._run(str(postgres.bin_dir / "pg_ctl"), "-D", str(postgres.data_dir), "-m",
+                          "fast", "-w", "stop")
+            time.sleep(8)
+            assert not failures, failures
+            postgres.start()
+            conn = psycopg2.connect(postgres.dsn)
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                cur.execute(f"UPDATE {table} SET c = 'z' WHERE id <= 5")
+            lsn = insert_lsn(conn)
+            conn.close()
+            pipeline.wait_for(lsn, timeout=120)
+            assert not failures, failures
+    finally:
+        pipeline.close()
+    conn = psycopg2.connect(postgres.dsn)
+    try:
+        assert iceberg_rows(warehouse, target) == postgres_rows(conn, table)
+    finally:
+        conn.close()

@@ -63,7 +63,8 @@ class Pipeline:
         self._owns_session = session is None
         self.pg = config.postgres
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
-        self._tables = PgTables(config, lambda: self.sink, self.types)
+        self._tables = PgTables(config, lambda: self.sink, self.types,
+                                lambda: self._state.release_source.set())
         self.tables = self._tables.tables  # (the same list: follow_publication adds to it)
         self.targets = self._tables.targets
         self.changelogs = self._tables.changelogs

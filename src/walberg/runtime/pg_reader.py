@@ -470,6 +470,11 @@ class PgReader:
         while not state.stop.is_set() and not self._halt_early.is_set():
             if state.error is not None:
                 return
+            if state.release_source.is_set():
+                state.release_source.clear()
+                raise Transient("another connection to the source could not be made (the server "
+                                "may be shutting down): closing the replication connection, so "
+                                "that it does not hold the server's shutdown up")
             ready = self._lake_ready.is_set()
             if store.pending_bytes() > backlog_limit:
                 # Spark is behind: stop reading for a moment (status updates keep flowing).

@@ -42,6 +42,10 @@ class RunState:
         self.staging_early = threading.Event()
         # reader -> stager: a --once run has sealed every change up to where it stops.
         self.read_to_target = threading.Event()
+        # applier -> reader: another connection to the source could not be made (a server
+        # shutting down refuses them, and waits for the replication connection to confirm
+        # what it sent, which the blocked applier cannot): let the stream go and reconnect.
+        self.release_source = threading.Event()
 
     # ---- positions ---------------------------------------------------------------------------
 

@@ -48,7 +48,10 @@ class Tables:
 class PgTables(Tables):
     """The Iceberg tables of a Postgres source's tables."""
 
-    def __init__(self, config: Config, sink: Callable[[], IcebergSink], types: TypeMap) -> None:
+    def __init__(self, config: Config, sink: Callable[[], IcebergSink], types: TypeMap,
+                 source_unreachable: Callable[[], None] = lambda: None) -> None:
+        """``source_unreachable``: called while a connection to the source cannot be made
+        (the reader then lets its replication connection go, see RunState.release_source)."""
         pg_cfg = config.postgres
         super().__init__({t: config.target_for(t) for t in pg_cfg.tables},
                          {t: config.changelog_for(t) for t in pg_cfg.tables
@@ -57,6 +60,7 @@ class PgTables(Tables):
         self.pg = pg_cfg
         self.types = types
         self._sink = sink
+        self.source_unreachable = source_unreachable
 
     @property
     def sink(self) -> IcebergSink:
@@ -118,7 +122,9 @@ class PgTables(Tables):
         except evolution.NotEvolvable as exc:
             raise self.schema_error(source, columns, lsn, str(exc)) from None
         after = {name: (wanted[i - 1][0] if i else "") for i, (name, _) in enumerate(wanted)}
-        conn = pg.connect(self.pg.dsn)
+        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds,
+                                    f"the added columns' defaults of {source}",
+                                    waiting=self.source_unreachable)
         try:
             for step in steps:
                 if step.kind == "add":
@@ -236,7 +242,9 @@ class PgTables(Tables):
         if rel.qualified_name not in self.targets or \
                 all(c.type_oid in self.types.types for c in rel.columns):
             return
-        conn = pg.connect(self.pg.dsn)
+        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds,
+                                    f"the column types of {rel.qualified_name}",
+                                    waiting=self.source_unreachable)
         try:
             try:
                 dims = pg.describe_table(conn, rel.qualified_name).dims

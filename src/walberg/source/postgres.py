@@ -3,9 +3,12 @@ session settings, catalog look-ups, publications and slots. psycopg2 lives only 
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import psycopg2
 import psycopg2.extensions
@@ -14,6 +17,8 @@ from psycopg2 import sql
 
 from walberg.errors import SourceError, Transient
 from walberg.model import Column, Lsn, PgType
+
+log = logging.getLogger("walberg")
 
 # Every connection (copy, replication, checks) renders values the same way, so the initial copy
 # and the stream produce byte-identical text for the same value: one type path.
@@ -54,6 +59,35 @@ def connect(dsn: str, *, replication: bool = False, autocommit: bool = True) -> 
             "Check source.postgres.dsn, that the server is running, and pg_hba.conf."
         ) from None
     return conn
+
+
+def connect_patiently(dsn: str, patience: float, what: str,
+                      stop: Optional[threading.Event] = None,
+                      waiting: Optional[Callable[[], None]] = None) -> Any:
+    """``connect``, tried again with backoff (0.5 s doubling to 30 s) while the server cannot
+    be reached (restarting, failing over), for up to ``patience`` seconds
+    (source.postgres.reconnect_max_seconds): every connection a running walberg opens gets
+    the same patience as its replication stream. ``what``: what the connection is for, for
+    the log and the final error; ``waiting``: called before each wait."""
+    started = time.monotonic()
+    delay = 0.5
+    while True:
+        try:
+            return connect(dsn)
+        except Transient as exc:
+            if time.monotonic() - started + delay > patience or (stop is not None
+                                                               and stop.is_set()):
+                raise Transient(f"{exc} (for {what}; gave up after {patience:.0f} s, "
+                                "source.postgres.reconnect_max_seconds)") from None
+            log.warning("%s; trying again in %.1f s (for %s)", " ".join(str(exc).split()),
+                        delay, what)
+            if waiting is not None:
+                waiting()
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
 
 @dataclass(frozen=True)
