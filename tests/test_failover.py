@@ -171,3 +171,38 @@ def test_failover_without_a_synchronised_slot_stops_and_resync_repairs(
         resync(lake, plan(lake, []))
     run_once(config, spark)
     assert iceberg_rows(warehouse, target) == postgres_rows(connect(standby), table)
+
+
+def test_a_server_without_failover_slots_works_as_before(
+        spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """PostgreSQL 15 (before failover slots): the slot is an ordinary one, streaming works as
+    always, and check reports the failover setting instead of requiring it."""
+    debian = Path("/usr/lib/postgresql/15/bin")
+    if not (debian / "postgres").exists():
+        pytest.skip("Debian's PostgreSQL 15 is not installed here (.ci/run installs it)")
+    with EmbeddedPostgres(bin_dir=debian) as server:
+        table = f"public.{unique}"
+        with connect(server).cursor() as cur:
+            cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+            cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 50) g")
+        raw = {
+            "source": {"postgres": {"dsn": server.dsn, "slot": f"slot_{unique}",
+                                    "publication": f"pub_{unique}", "tables": [table],
+                                    "failover_slot": True}},
+            "sink": {"catalog": {"name": "lake", "type": "hadoop", "warehouse": str(warehouse)},
+                     "namespace": f"ns_{unique}"},
+            "buffer": {"dir": str(tmp_path / "segments"), "max_interval_seconds": 0.5},
+            "spark": {"master": "local[2]"},
+        }
+        config = parse_config(raw, tmp_path, "test config")
+        run_once(config, spark)
+        with connect(server).cursor() as cur:
+            cur.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 5")
+            cur.execute(f"DELETE FROM {table} WHERE id > 45")
+        run_once(config, spark)
+        assert iceberg_rows(warehouse, config.target_for(table)) == \
+            postgres_rows(connect(server), table)
+        with Lake(config, session=spark) as lake:
+            [checks] = check(lake)
+        failover = next(r for r in checks.results if r.name == "failover")
+        assert failover.ok and "no failover slots" in failover.detail, failover.detail
