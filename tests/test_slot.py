@@ -16,6 +16,7 @@ from lake import iceberg_rows, postgres_rows
 from walberg.errors import WalbergError
 from walberg.lake.services import Lake
 from walberg.ops.resync import plan, resync
+from walberg.ops.status import status
 from walberg.pipeline import Pipeline
 
 
@@ -42,6 +43,14 @@ def test_an_invalidated_slot_is_said_plainly_and_resync_recovers(
         cur.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
         cur.execute("SELECT pg_reload_conf()")
         try:
+            # Past the limit, not yet removed: status warns before the slot is lost.
+            cur.execute(f"INSERT INTO {unique}_noise SELECT repeat('n', 1000) "
+                        "FROM generate_series(1, 2000)")
+            cur.execute("SELECT pg_switch_wal()")
+            with Lake(config, session=spark) as lake:
+                [before] = status(lake)
+            assert before.slot is not None and before.slot.warning, before.slot
+            assert "about to be invalidated" in before.slot.warning
             for _ in range(20):  # WAL past the limit, then a checkpoint removes it
                 cur.execute(f"INSERT INTO {unique}_noise SELECT repeat('n', 1000) "
                             "FROM generate_series(1, 2000)")

@@ -93,9 +93,15 @@ def _one_status(status: "Status") -> str:
     elif slot is not None and slot.missing:
         lines.append(f"slot {slot.name}: does not exist yet (created by the first run)")
     elif slot is not None:
+        room = ("" if slot.safe_wal_bytes is None
+                else f", {max(slot.safe_wal_bytes, 0):,} bytes more before it is invalidated")
+        kind = ", a failover slot" if slot.failover else ""
         lines.append(f"slot {slot.name}: confirmed {slot.confirmed_flush_lsn}, server at "
                      f"{slot.server_wal_lsn}, lag {slot.lag_bytes or 0:,} bytes, retains "
-                     f"{slot.retained_wal_bytes or 0:,} bytes of WAL ({slot.wal_status})")
+                     f"{slot.retained_wal_bytes or 0:,} bytes of WAL ({slot.wal_status}{room}"
+                     f"{kind})")
+        if slot.warning:
+            lines.append(f"WARNING: {slot.warning}")
     if status.broker_error:
         lines.append(f"broker: {status.broker_error}")
     if status.partitions is not None:

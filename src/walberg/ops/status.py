@@ -52,7 +52,12 @@ class SlotStatus:
     lag_bytes: Optional[int] = None
     retained_wal_bytes: Optional[int] = None
     wal_status: Optional[str] = None
+    # WAL the server may still write before it invalidates the slot (max_slot_wal_keep_size;
+    # None: no limit), and whether it is a failover slot (None: PostgreSQL before 17).
+    safe_wal_bytes: Optional[int] = None
+    failover: Optional[bool] = None
     active_pid: Optional[int] = None
+    warning: Optional[str] = None  # the slot is about to be lost, and what to do
     error: Optional[str] = None
 
 
@@ -146,11 +151,27 @@ def _slot(source: LakeSource) -> SlotStatus:
         conn.close()
     if state is None:
         return SlotStatus(name=src.slot, missing=True)
+    retained = max(int(now) - int(state.restart_lsn), 0)
     return SlotStatus(
         name=state.name, confirmed_flush_lsn=str(state.confirmed_flush),
         server_wal_lsn=str(now), lag_bytes=max(int(now) - int(state.confirmed_flush), 0),
-        retained_wal_bytes=max(int(now) - int(state.restart_lsn), 0),
-        wal_status=state.wal_status, active_pid=state.active_pid)
+        retained_wal_bytes=retained, wal_status=state.wal_status,
+        safe_wal_bytes=state.safe_wal_size, failover=state.failover,
+        active_pid=state.active_pid, warning=_slot_warning(state, retained))
+
+
+def _slot_warning(state: pg.SlotState, retained: int) -> Optional[str]:
+    """Say so before the server invalidates the slot: once it has, every table must be copied
+    again. 'unreserved': the WAL is past max_slot_wal_keep_size and goes at the next
+    checkpoint; and a slot whose remaining room is no more than what it holds already."""
+    safe = state.safe_wal_size
+    if state.wal_status != "unreserved" and (safe is None or safe > retained):
+        return None
+    room = ("none" if safe is None or safe <= 0 else f"{safe / 2**20:,.0f} MiB")
+    return (f"slot {state.name} is about to be invalidated (wal_status {state.wal_status}, "
+            f"room left before max_slot_wal_keep_size: {room}, held: {retained / 2**20:,.0f} "
+            "MiB): once it is, every table must be copied again. Let walberg catch up (is it "
+            "running? see the lag), or raise max_slot_wal_keep_size.")
 
 
 def _partitions(source: LakeSource, held: dict[tuple[str, int], int]) -> list[PartitionStatus]:
