@@ -206,3 +206,42 @@ def test_a_server_without_failover_slots_works_as_before(
             [checks] = check(lake)
         failover = next(r for r in checks.results if r.name == "failover")
         assert failover.ok and "no failover slots" in failover.detail, failover.detail
+
+
+@pytest.mark.parametrize("pair", [False], indirect=True)
+def test_a_failover_while_walberg_was_down_is_caught_at_start(
+        pair: tuple[EmbeddedPostgres, Standby], spark: Any, warehouse: Path,
+        tmp_path: Path, unique: str) -> None:
+    """Each commit records the source server (system identifier and timeline) its LSN belongs
+    to: a walberg started after a failover to a standby without the slot stops with the way
+    out instead of creating a slot and copying silently; started against another server, the
+    same."""
+    primary, standby = pair
+    table = f"public.{unique}"
+    with connect(primary).cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 20) g")
+    config = _config(primary, standby, warehouse, tmp_path, unique, table)
+    run_once(config, spark)
+    with connect(primary).cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 'streamed' WHERE id <= 5")
+    run_once(config, spark)
+    kill(primary)
+    standby.promote()
+    with pytest.raises(Terminal, match=r"failed over \(timeline 1 -> 2\).*walberg resync"):
+        run_once(config, spark)
+    with Lake(config, session=spark) as lake:
+        resync(lake, plan(lake, []))
+    with connect(standby).cursor() as cur:
+        cur.execute(f"DELETE FROM {table} WHERE id > 15")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(table)) == \
+        postgres_rows(connect(standby), table)
+    # Another server behind the pipeline's address: stopped, nothing written.
+    with EmbeddedPostgres() as other:
+        with connect(other).cursor() as cur:
+            cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        moved = config.model_copy(update={"source": config.source.model_copy(update={
+            "postgres": config.postgres.model_copy(update={"dsn": other.dsn})})})
+        with pytest.raises(Terminal, match="another PostgreSQL server"):
+            run_once(moved, spark)

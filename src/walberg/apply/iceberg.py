@@ -179,6 +179,13 @@ class IcebergSink:
     def committed_lsn(self, target: str) -> Optional[Lsn]:
         return self.snapshots.committed_lsn(target)
 
+    def committed_server(self, target: str) -> Optional[str]:
+        return self.snapshots.committed_server(target)
+
+    def record_server(self, server: str) -> None:
+        """From now on each commit records the source server its LSN belongs to."""
+        self.lake.server = server
+
     def committed_offsets(self, target: str) -> dict[tuple[str, int], int]:
         return self.snapshots.committed_offsets(target)
 

@@ -19,6 +19,9 @@ from walberg.apply.types import TypeMap, quote
 from walberg.model import Column, Lsn
 
 LSN_PROPERTY = "walberg.lsn"
+# The source server a commit's LSN belongs to: "<system identifier>/<timeline>" (a promoted
+# standby shares the system, on a later timeline).
+SERVER_PROPERTY = "walberg.server"
 # Marks of a chunked initial copy (see source.chunks): first, point, span, catchup.
 COPY_PREFIX = "walberg.copy."
 # walberg.offset.<topic>.<partition> = the next offset to read: what a Kafka source's commit
@@ -83,6 +86,9 @@ class LakeSession:
         self.types = types or TypeMap()
         self.source = source
         self.lsn_property = LSN_PROPERTY if source is None else f"{LSN_PROPERTY}.{source}"
+        self.server_property = (SERVER_PROPERTY if source is None
+                                else f"{SERVER_PROPERTY}.{source}")
+        self.server: Optional[str] = None  # recorded with each LSN, once the source is met
         self.staging = StageArea(spark, stage_root)
 
     def read_staged(self, files: Sequence[Path]) -> Any:
@@ -110,7 +116,11 @@ class LakeSession:
     def marks(self, lsn: Lsn, marks: Optional[Mapping[str, str]]) -> Mapping[str, str]:
         """What a commit records of its source position: ``marks`` when given (a Kafka
         source's offsets), else this sink's LSN property."""
-        return marks if marks is not None else {self.lsn_property: str(lsn)}
+        if marks is not None:
+            return marks
+        if self.server is None:
+            return {self.lsn_property: str(lsn)}
+        return {self.lsn_property: str(lsn), self.server_property: self.server}
 
     def writer(self, df: Any, target: str, lsn: Lsn,
                marks: Optional[Mapping[str, str]] = None) -> Any:

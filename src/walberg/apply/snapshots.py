@@ -43,6 +43,21 @@ class Snapshots:
 
         return spark_call(f"reading the snapshot history of {target}", read)
 
+    def committed_server(self, target: str) -> Optional[str]:
+        """The source server (``<system identifier>/<timeline>``) of walberg's newest commit to
+        the table that names one, or None."""
+        if not self.lake.table_exists(target):
+            return None
+
+        def read() -> Optional[str]:
+            for summary in self.current_ancestry(target):
+                value = summary.get(self.lake.server_property)
+                if value is not None:
+                    return str(value)
+            return None
+
+        return spark_call(f"reading the snapshot history of {target}", read)
+
     def iceberg_table(self, target: str) -> Any:
         """``target`` as an Iceberg Java table, refreshed (metadata on the driver only)."""
         return java_table(self.lake.spark, target)

@@ -170,7 +170,11 @@ class PgReader:
                                        self.pg.status_interval_seconds)
             opened.append(stream)
             stream.open()
-            self._same_server(stream, slot is not None)
+            server = stream.identify()
+            if slot is None:
+                # Before a new slot is made: a lake written from another server, or before a
+                # failover that lost the slot, is not silently copied again.
+                self._same_server_as_lake(server, slot_exists=False)
             failover = self._failover_wanted(conn)
             created = stream.create_slot(failover=failover) if slot is None else None
             if created:
@@ -190,6 +194,8 @@ class PgReader:
                 lsn = sink.committed_lsn(self.tables.targets[t])
                 if lsn is not None:
                     self.state.set_committed(t, lsn)
+            if slot is not None:
+                self._same_server_as_lake(server, slot_exists=True)
             if created is not None:
                 # A new slot streams only what commits after its consistent point; a table whose
                 # lake copy is older than that would miss changes, so it is copied again.
@@ -232,27 +238,66 @@ class PgReader:
         return supported and self.pg.failover_slot is not False
 
     def _same_server(self, stream: ReplicationStream, slot_exists: bool) -> None:
-        """Check the server ``stream`` reached against the one met first. Another system (a
-        different cluster behind the same address) has no position in common with the lake:
-        stop. The same system on a new timeline is a promoted standby (a failover): it may go
-        on only if it has the slot and the lake holds nothing the old primary wrote after the
-        standby branched off, since LSNs from there on are the new primary's own."""
+        """After a reconnect: the server ``stream`` reached, judged against the one this run
+        met first (see ``_judge``), with what the run holds (segments and lake) at stake."""
         system, timeline = stream.identify()
-        if self._server is None:
-            self._server = (system, timeline)
-            return
-        known_system, known_timeline = self._server
+        if self._server is not None:
+            held = max([self.state.received, self.state.applied,
+                        *self.state.committed().values()])
+            self._judge(self._server, (system, timeline), slot_exists, held,
+                        "what walberg read before")
+        self._met(system, timeline)
+
+    def _same_server_as_lake(self, server: tuple[str, int], slot_exists: bool) -> None:
+        """At start: the server (system identifier, timeline) judged against the one each
+        table's last commit recorded (``walberg.server``), with the table's LSN at stake: a
+        failover while walberg was down is caught as one while it runs."""
+        system, timeline = server
+        sink = self.tables.sink
+        for t in self.tables.tables:
+            if t in self.recopy:
+                continue  # copied again (walberg resync): what it held does not matter
+            target = self.tables.targets[t]
+            recorded = sink.committed_server(target)
+            if recorded is None:
+                continue
+            known_system, _, known_timeline = recorded.partition("/")
+            held = sink.committed_lsn(target) or Lsn(0)
+            self._judge((known_system, int(known_timeline or 0)), (system, timeline),
+                        slot_exists, held, f"the lake's {target}")
+        self._met(system, timeline)
+
+    def _met(self, system: str, timeline: int) -> None:
+        self._server = (system, timeline)
+        self.tables.sink.record_server(f"{system}/{timeline}")
+
+    def _judge(self, known: tuple[str, int], now: tuple[str, int], slot_exists: bool,
+               held: Lsn, holder: str) -> None:
+        """Whether walberg may stream from the server it reached (``now``: system identifier,
+        timeline) on from what it knew (``known``), ``holder`` holding changes up to ``held``.
+        Another system (a different cluster behind the same address) has no position in
+        common with the lake: stop. The same system on a later timeline is a promoted standby
+        (a failover): it may go on only if it has the slot and nothing held was written by
+        the old primary after the standby branched off, since LSNs from there on are the new
+        primary's own. An earlier timeline is a server the lake has moved past (an old
+        primary back): stop."""
+        (known_system, known_timeline), (system, timeline) = known, now
         if system != known_system:
             raise Terminal(
                 f"source.postgres.dsn now reaches another PostgreSQL server (system identifier "
-                f"{system}, was {known_system}): its WAL positions have nothing in common with "
-                "what the lake holds, so walberg stops rather than skip or repeat changes. If "
-                "this server is the source from now on, run `walberg resync -c <pipeline.yaml>` "
-                "to copy the tables from it.")
+                f"{system}; {holder} came from {known_system}): its WAL positions have nothing "
+                "in common with the lake's, so walberg stops rather than skip or repeat "
+                "changes. If this server is the source from now on, run `walberg resync -c "
+                "<pipeline.yaml>` to copy the tables from it.")
         if timeline == known_timeline:
             return
-        held = max([self.state.received, self.state.applied,
-                    *self.state.committed().values()])
+        if timeline < known_timeline:
+            raise Terminal(
+                f"source.postgres.dsn reaches a server on timeline {timeline}, but {holder} "
+                f"came from timeline {known_timeline} of the same system: this is a server the "
+                "source failed over from (an old primary back online). Point the DSN at the "
+                "current primary; if this server is the source from now on, run `walberg "
+                "resync -c <pipeline.yaml>`.")
         if not slot_exists:
             raise Terminal(
                 f"the source failed over (timeline {known_timeline} -> {timeline}) to a server "
@@ -262,19 +307,24 @@ class PgReader:
                 "the next failover, see docs/operations.md#failover (failover slots, "
                 "sync_replication_slots on the standby, synchronized_standby_slots on the "
                 "primary).")
-        switch = stream.timeline_switch(known_timeline)
+        # (a connection of its own: ``stream`` may be streaming already)
+        probe = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication)
+        probe.open()
+        try:
+            switch = probe.timeline_switch(known_timeline)
+        finally:
+            probe.close()
         if switch is not None and held > switch:
             raise Terminal(
                 f"the source failed over (timeline {known_timeline} -> {timeline}); the new "
-                f"primary branched off at {switch}, but walberg had read the old primary up to "
-                f"{held}: the transactions in between were lost with the old primary and must "
-                "not stay in the lake. Run `walberg resync -c <pipeline.yaml>`; set "
-                "synchronized_standby_slots on the primary so that walberg never reads past "
-                "what the standby has (docs/operations.md#failover).")
+                f"primary branched off at {switch}, but {holder} holds changes of the old "
+                f"primary up to {held}: the transactions in between were lost with the old "
+                "primary and must not stay in the lake. Run `walberg resync -c "
+                "<pipeline.yaml>`; set synchronized_standby_slots on the primary so that "
+                "walberg never reads past what the standby has (docs/operations.md#failover).")
         log.warning("the source failed over (timeline %s -> %s); replication slot %s was "
                     "synchronised to the new primary: streaming on from it", known_timeline,
                     timeline, self.pg.slot)
-        self._server = (system, timeline)
 
     def _start_early(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:
         """Start streaming into segments now, in a thread, while the lake is checked (the Spark
