@@ -555,8 +555,10 @@ class PgReader:
                 at.received >= target or stream.wal_end >= target)
             if store.active_bytes() and (caught_up or store.active_age_seconds() >= interval):
                 self.seal(clean=not at.in_txn)
-            if caught_up and not store.active_bytes() and not streamed.pending:
-                state.read_to_target.set()  # (an early batch need not wait for more)
+            if caught_up and not store.active_bytes():
+                # (an early batch need not wait for more; a transaction still open, streamed
+                # in progress, is not one that committed before the target)
+                state.read_to_target.set()
             idle = not at.in_txn and not streamed.pending and store.pending_bytes() == 0
             # (past the target, messages may wait unread: the server's WAL end says nothing then)
             reached = target is not None and not at.in_txn and at.received >= target
@@ -570,6 +572,17 @@ class PgReader:
                 self._update_slot_gauges()
                 last_gauges = time.monotonic()
             if target is not None and idle and state.applied >= target:
+                stream.keepalive(force=True)
+                return
+            if (caught_up and streamed.pending and not store.active_bytes()
+                    and store.pending_bytes() == 0 and state.applied >= at.received):
+                # --once, with a transaction still open (or prepared, undecided) that the server
+                # streamed in progress: everything committed before the target is in the lake,
+                # and that transaction is not. The slot is confirmed up to what the lake holds,
+                # a commit position: the open transaction commits after it, so the server
+                # decodes it again, whole, for the next run (its spilled part is dropped).
+                log.info("--once: done; a transaction still open on the server (streamed in "
+                         "progress) is left for a later run")
                 stream.keepalive(force=True)
                 return
             if idle and time.monotonic() - last_ask >= (0.2 if target is not None else 1.0):
