@@ -216,6 +216,19 @@ def test_types(ctx: dict[str, Any]) -> None:
           f"DELETE FROM {t} WHERE id = 3")
     s.sync(select)
     s.verified("ty", "id = 2")
+    # One element of an array, one field of a composite in an array, one array of timestamps'
+    # digit: each a difference verify names.
+    target = quote_target(s.config.target_for(t))
+    spark = ctx["spark"]
+    spark.sql(f"UPDATE {target} SET texts = array('a', NULL, 'b c', 'changed', '', NULL) "
+              "WHERE id = 4")
+    spark.sql(f"UPDATE {target} SET pairs = array('(1,x)', '(3,)', NULL) WHERE id = 5")
+    spark.sql(f"UPDATE {target} SET grid = array(array(1, 2), array(3, 5)) WHERE id = 1")
+    with Lake(s.config, session=spark) as lake:
+        [verdict] = verify(lake, attempts=1)
+    problems = {d["key"]["id"]: d["problem"] for d in verdict.differences}
+    assert problems == {"1": "values differ", "2": "missing in the lake",
+                        "4": "values differ", "5": "values differ"}, verdict.differences
 
 
 def test_toast(ctx: dict[str, Any]) -> None:

@@ -17,7 +17,8 @@ The canonical text per Iceberg type:
                                            every last digit count)
     timestamp, timestamptz                 yyyy-MM-dd HH:mm:ss.ffffff (timestamptz in UTC)
     binary                                 lowercase hex
-    list                                   JSON
+    list                                   its length, then a JSON array of its elements'
+                                           canonical texts (all levels, in order)
 """
 
 from __future__ import annotations
@@ -40,49 +41,76 @@ _HASH_PG = "('x' || substr(md5({}), 1, 15))::bit(60)::bigint::numeric"
 _HASH_SPARK = "CAST(conv(substr(md5({}), 1, 15), 16, 10) AS DECIMAL(20,0))"
 
 
-def pg_render(col: Column, t: SparkType) -> str:
-    """Postgres SQL rendering a column's value as the canonical text (never NULL itself)."""
-    c = sql_identifier(col.name)
+def _element_sql(t: SparkType) -> str:
+    """The Spark SQL type of an array's elements (of the innermost level)."""
     sql = t.sql
+    for _ in range(t.array_dims):
+        sql = sql[len("ARRAY<"):-1]
+    return sql
+
+
+def _pg_text(v: str, sql: str) -> str:
+    """Postgres SQL rendering a non-NULL scalar ``v`` of Iceberg type ``sql`` canonically."""
     if sql in ("INT", "BIGINT", "BOOLEAN", "DATE"):
-        text = f"{c}::text"
-    elif sql == "FLOAT":
-        text = f"('x' || encode(float4send({c}), 'hex'))::bit(32)::int::text"
-    elif sql == "DOUBLE":
-        text = f"('x' || encode(float8send({c}), 'hex'))::bit(64)::bigint::text"
-    elif sql.startswith("DECIMAL"):
+        return f"{v}::text"
+    if sql == "FLOAT":
+        return f"('x' || encode(float4send({v}), 'hex'))::bit(32)::int::text"
+    if sql == "DOUBLE":
+        return f"('x' || encode(float8send({v}), 'hex'))::bit(64)::bigint::text"
+    if sql.startswith("DECIMAL"):
         p, s = re.findall(r"\d+", sql)
-        text = f"{c}::numeric({p},{s})::text"
-    elif sql == "TIMESTAMP_NTZ":
-        text = f"to_char({c}, 'YYYY-MM-DD HH24:MI:SS.US')"
-    elif sql == "TIMESTAMP":
-        text = f"to_char({c} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')"
-    elif sql == "BINARY":
-        text = f"encode({c}, 'hex')"
-    elif t.array_dims:
-        text = f"array_to_json({c})::text"
+        return f"{v}::numeric({p},{s})::text"
+    if sql == "TIMESTAMP_NTZ":
+        return f"to_char({v}, 'YYYY-MM-DD HH24:MI:SS.US')"
+    if sql == "TIMESTAMP":
+        return f"to_char({v} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')"
+    if sql == "BINARY":
+        return f"encode({v}, 'hex')"
+    return f"concat({v})"  # the type's output function (keeps char(n)'s padding)
+
+
+def _spark_text(v: str, sql: str) -> str:
+    """Spark SQL rendering a non-NULL scalar ``v`` of type ``sql`` as ``_pg_text`` does."""
+    if sql == "FLOAT":
+        return f"CAST(reflect('java.lang.Float', 'floatToIntBits', {v}) AS STRING)"
+    if sql == "DOUBLE":
+        return f"CAST(reflect('java.lang.Double', 'doubleToLongBits', {v}) AS STRING)"
+    if sql.startswith("DECIMAL"):
+        return f"CAST({v} AS STRING)"  # exactly s decimals, plain (never 1E-9)
+    if sql in ("TIMESTAMP_NTZ", "TIMESTAMP"):
+        return f"date_format({v}, 'yyyy-MM-dd HH:mm:ss.SSSSSS')"
+    if sql == "BINARY":
+        return f"lower(hex({v}))"
+    return f"CAST({v} AS STRING)"
+
+
+def pg_render(col: Column, t: SparkType) -> str:
+    """Postgres SQL rendering a column's value as the canonical text (never NULL itself). An
+    array: its first dimension's length, then its elements in order (all dimensions, as
+    ``unnest`` yields them in a select list, whole even when they are composites), each rendered as a scalar of its type, as a JSON array of strings
+    (null for NULL): one form for every element type, whatever JSON the type would make."""
+    c = sql_identifier(col.name)
+    if t.array_dims:
+        element = _pg_text("e", _element_sql(t))
+        text = (f"coalesce(array_length({c}, 1), 0)::text || ':' || array_to_json(ARRAY("
+                f"SELECT CASE WHEN e IS NULL THEN NULL ELSE {element} END "
+                f"FROM (SELECT unnest({c}) AS e) AS u))::text")
     else:
-        text = f"concat({c})"  # the type's output function (keeps char(n)'s padding)
+        text = _pg_text(c, t.sql)
     return f"CASE WHEN {c} IS NULL THEN 'N' ELSE 'V' || {text} END"
 
 
 def spark_render(col: Column, t: SparkType) -> str:
     c = quote(col.name)
-    sql = t.sql
-    if sql == "FLOAT":
-        text = f"reflect('java.lang.Float', 'floatToIntBits', {c})"
-    elif sql == "DOUBLE":
-        text = f"reflect('java.lang.Double', 'doubleToLongBits', {c})"
-    elif sql.startswith("DECIMAL"):
-        text = f"CAST({c} AS STRING)"  # exactly s decimals, plain (never 1E-9)
-    elif sql in ("TIMESTAMP_NTZ", "TIMESTAMP"):
-        text = f"date_format({c}, 'yyyy-MM-dd HH:mm:ss.SSSSSS')"
-    elif sql == "BINARY":
-        text = f"lower(hex({c}))"
-    elif t.array_dims:
-        text = f"to_json({c})"
+    if t.array_dims:
+        flat = c
+        for _ in range(t.array_dims - 1):
+            flat = f"flatten({flat})"
+        element = _spark_text("x", _element_sql(t))
+        text = (f"concat(CAST(size({c}) AS STRING), ':', to_json(transform({flat}, "
+                f"x -> CASE WHEN x IS NULL THEN NULL ELSE {element} END)))")
     else:
-        text = f"CAST({c} AS STRING)"
+        text = _spark_text(c, t.sql)
     return f"CASE WHEN {c} IS NULL THEN 'N' ELSE concat('V', {text}) END"
 
 
