@@ -63,6 +63,13 @@ def test_resync_repairs_a_table_an_alter_amid_its_changes_stopped(
     assert "inside a transaction that changed rows" in said, said[-3000:]
     assert f"walberg resync -c <pipeline file> {table}" in said, said[-3000:]
 
+    # verify on the stopped table: unequal, the column named, the way out said; no traceback.
+    verified = walberg_cli("-q", "verify", "-c", str(path), "--table", table)
+    told = " ".join((verified.stdout + verified.stderr).split())
+    assert verified.returncode == 1 and "Traceback" not in told, told[-3000:]
+    assert "columns differ" in told and "in the source only: c" in told, told[-3000:]
+    assert "walberg resync" in told, told[-3000:]
+
     walberg_ok("-q", "resync", "--yes", "-c", str(path), table)
     assert _schema(warehouse, target) == [("a", "int"), ("b", "string"), ("c", "int")]
     assert _equal(pg_conn, warehouse, table, target) == [1, 2, 3]

@@ -100,6 +100,23 @@ def _source_snapshot(conn: Any) -> Lsn:
         return Lsn.parse(cur.fetchone()[0])
 
 
+def _columns_differ(lake: list[tuple[str, str]], info: pg.TableInfo) -> Optional[str]:
+    """Why the lake's columns are not the source's (None: they are): a table that a schema
+    change stopped holds the old columns, and there is nothing to compare value by value."""
+    names = {n for n, _ in lake}
+    source = [c.name for c in info.columns]
+    only_source = [c for c in source if c not in names]
+    only_lake = [n for n, _ in lake if n not in source]
+    if not only_source and not only_lake:
+        return None
+    parts = ([f"in the source only: {', '.join(only_source)}"] if only_source else []) + \
+        ([f"in the lake only: {', '.join(only_lake)}"] if only_lake else [])
+    return (f"the columns differ ({'; '.join(parts)}), so the rows were not compared. A "
+            f"schema change walberg could not follow in order stops the table (the run said "
+            f"so); `walberg resync -c <pipeline.yaml> {info.qualified_name}` copies it with "
+            "the source's columns.")
+
+
 def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo, limit: int,
                   wait_seconds: float) -> TableVerdict:
     table_name, target = info.qualified_name, source.targets[info.qualified_name]
@@ -120,6 +137,10 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
             return TableVerdict(table_name, target, False, 0, 0, str(at), None,
                                 note=f"{target} has no walberg commit yet: run walberg "
                                      f"run -c <pipeline.yaml> --once first")
+        stopped = _columns_differ(sink.schema(target), info)
+        if stopped:
+            return TableVerdict(table_name, target, False, 0, 0, str(at), str(lake_lsn),
+                                note=stopped)
         src_n, src_hash = digest.source_digest(conn, table, info.columns, types)
         own = f"`_walberg_source` = '{source.tag}'" if source.tag else "true"
         lake_n, lake_hash = digest.lake_digest(lake.session(), target, info.columns, types, own)
