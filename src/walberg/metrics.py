@@ -34,10 +34,15 @@ BATCH_SECONDS = Histogram("walberg_batch_seconds", "Staging plus commit time of 
                           buckets=(0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256))
 BATCH_CHANGES = Histogram("walberg_batch_changes", "Changes per batch",
                           buckets=(10, 100, 1e3, 1e4, 1e5, 1e6, 1e7))
+# Freshness as users mean it: how old the oldest transaction an Iceberg commit made visible
+# was when it became visible (a batch's first transaction waits the longest).
 END_TO_END_SECONDS = Histogram(
     "walberg_end_to_end_seconds",
-    "From the Postgres commit of a batch's last transaction to its Iceberg commit",
-    buckets=(1, 2, 5, 10, 30, 60, 120, 300, 900, 3600))
+    "Per table: from the source commit of the oldest transaction an Iceberg commit made "
+    "visible to that Iceberg commit",
+    ["table"],
+    buckets=(0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 30, 60, 120, 300, 900, 1800,
+             3600))
 
 COMMITTED_LSN = Gauge("walberg_committed_lsn", "LSN covered by the table's last walberg commit",
                       ["table"])
@@ -50,7 +55,8 @@ LAG_BYTES = Gauge("walberg_replication_lag_bytes",
 RETAINED_WAL_BYTES = Gauge("walberg_slot_retained_wal_bytes", "WAL the slot keeps on the server",
                            ["source"])
 LAG_SECONDS = Gauge("walberg_replication_lag_seconds",
-                    "Age of the oldest change received but not yet in Iceberg (0 when none)",
+                    "Now minus the source commit time of the oldest transaction received but "
+                    "not yet in Iceberg (0 when none): grows while a batch is stuck",
                     ["source"])
 
 _served: Optional[int] = None

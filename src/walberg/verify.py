@@ -87,8 +87,9 @@ def _spark_text(v: str, sql: str) -> str:
 def pg_render(col: Column, t: SparkType) -> str:
     """Postgres SQL rendering a column's value as the canonical text (never NULL itself). An
     array: its first dimension's length, then its elements in order (all dimensions, as
-    ``unnest`` yields them in a select list, whole even when they are composites), each rendered as a scalar of its type, as a JSON array of strings
-    (null for NULL): one form for every element type, whatever JSON the type would make."""
+    ``unnest`` yields them in a select list, whole even when they are composites), each
+    rendered as a scalar of its type, as a JSON array of strings (null for NULL): one form for
+    every element type, whatever JSON the type would make."""
     c = sql_identifier(col.name)
     if t.array_dims:
         element = _pg_text("e", _element_sql(t))

@@ -53,6 +53,8 @@ class Batch:
     void: list[tuple[int, int]] = field(default_factory=list)
     txns: list[tuple[int, int, int, int]] = field(default_factory=list)  # for changelogs
     last_commit_ts: Optional[int] = None  # source commit time of its last transaction (µs, 2000)
+    # Postgres: per table, the commit time of the batch's first transaction that changed it
+    first_commit_ts: dict[str, int] = field(default_factory=dict)
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
     unknown: bool = False  # Postgres, staged before the lake was read: met a table not known
     offsets: dict[Partition, int] = field(default_factory=dict)  # Kafka: next offset read
@@ -221,9 +223,6 @@ class Applier:
         metrics.SEGMENTS_APPLIED.inc(len(done_with))
         metrics.BATCH_CHANGES.observe(batch.changes)
         metrics.BATCH_SECONDS.observe(batch.staged_s + time.monotonic() - started)
-        if batch.last_commit_ts is not None:
-            metrics.END_TO_END_SECONDS.observe(
-                max(time.time() - pg_epoch(batch.last_commit_ts), 0.0))
         log.info("batch of %d segment(s), %d changes, %s: staged in %.2f s, committed in "
                  "%.2f s", len(batch.segments), batch.changes,
                  self.stager.marks.upto("", batch), batch.staged_s, time.monotonic() - started)
@@ -245,6 +244,10 @@ class Applier:
             metrics.COMMITS.labels(table, "failure").inc()
             raise
         metrics.COMMITS.labels(table, "success").inc()
+        oldest = batch.first_commit_ts.get(table, batch.last_commit_ts)
+        if oldest is not None:  # the moment its changes became visible
+            metrics.END_TO_END_SECONDS.labels(table).observe(
+                max(time.time() - pg_epoch(oldest), 0.0))
         count_files(self.sink, table, self.tables.targets[table])
         metrics.COMMIT_SECONDS.labels(table).observe(time.monotonic() - started)
         for op, count in st.ops.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,7 @@ from walberg.config import Config
 from walberg.errors import SourceError, Terminal, Transient, WalbergError
 from walberg.faults import crash_point
 from walberg.model import Lsn
+from walberg.runtime.applier import pg_epoch
 from walberg.runtime.initial_copy import InitialCopy
 from walberg.runtime.pg_stager import FRAME_PGOUTPUT, FRAME_PREAMBLE
 from walberg.runtime.state import RunState, SegmentMeta
@@ -30,6 +32,7 @@ from walberg.source.framing import (
     StreamedTransactions,
     begin_final_lsn,
     commit_end_lsn,
+    commit_time,
     relation_oid,
 )
 from walberg.source.pgoutput import Tag
@@ -81,7 +84,9 @@ class PgReader:
         self._active_commit: Optional[Lsn] = None  # end of the last transaction in the active seg
         self._streamed_since_start = False
         self._gauge_conn: Any = None
-        self._oldest_unapplied_ts: Optional[float] = None  # when the oldest pending change came
+        # (end LSN, commit time) of received transactions not yet in the lake: the first
+        # commit of each tenth of a second, so a backlog of many keeps this short.
+        self._unapplied: deque[tuple[int, int]] = deque()
         self._source = config.source_name or "postgres"  # the gauges' label
         # Streaming that starts while the lake is still being checked (see _start_early).
         self._early: Optional[threading.Thread] = None
@@ -616,6 +621,7 @@ class PgReader:
             at.in_txn = False
             self._active_commit = at.received = end
             self.state.set_received(end)
+            self._received_commit(end, payload)
             self._streamed_since_start = True
             if store.should_seal():
                 self.seal(clean=True)
@@ -638,6 +644,7 @@ class PgReader:
             if tag == Tag.COMMIT:
                 self._active_commit = done.end
                 self.state.set_received(done.end)
+                self._received_commit(done.end, frame)
                 self._streamed_since_start = True
                 if store.should_seal():
                     self.seal(clean=True)
@@ -653,12 +660,20 @@ class PgReader:
         self.state.progress.clear()
 
     def _note_pending(self) -> None:
-        pending = self.store.pending_bytes()
-        metrics.PENDING_BYTES.labels(self._source).set(pending)
-        if pending == 0:
-            self._oldest_unapplied_ts = None
-        elif self._oldest_unapplied_ts is None:
-            self._oldest_unapplied_ts = time.time()
+        """The gauges of what waits for the lake: segment bytes, and the age of the oldest
+        transaction received but not applied (its source commit time to now)."""
+        metrics.PENDING_BYTES.labels(self._source).set(self.store.pending_bytes())
+        applied, waiting = int(self.state.applied), self._unapplied
+        while waiting and waiting[0][0] <= applied:
+            waiting.popleft()
+        metrics.LAG_SECONDS.labels(self._source).set(
+            max(time.time() - pg_epoch(waiting[0][1]), 0.0) if waiting else 0.0)
+
+    def _received_commit(self, end: Lsn, payload: bytes) -> None:
+        """A transaction is in the segments: remember when it committed (see _unapplied)."""
+        ts = commit_time(payload)
+        if not self._unapplied or ts - self._unapplied[-1][1] >= 100_000:
+            self._unapplied.append((int(end), ts))
 
     def _update_slot_gauges(self) -> None:
         """Lag and retained WAL as the server sees them; a failed look is tried next time."""
@@ -675,9 +690,6 @@ class PgReader:
             metrics.LAG_BYTES.labels(self._source).set(max(int(now) - int(slot.confirmed_flush), 0))
             metrics.RETAINED_WAL_BYTES.labels(self._source).set(
                 max(int(now) - int(slot.restart_lsn), 0))
-        oldest = self._oldest_unapplied_ts
-        metrics.LAG_SECONDS.labels(self._source).set(
-            0.0 if oldest is None else max(time.time() - oldest, 0.0))
 
     def seal(self, clean: bool) -> None:
         info = self.store.seal()

@@ -25,6 +25,7 @@ _TWO_XIDS = struct.Struct(">II")
 _STREAM_COMMIT = struct.Struct(">IBQQq")  # xid, flags, commit LSN, end LSN, commit time
 _BEGIN_FINAL_LSN = struct.Struct(">Q")  # at offset 1 of a Begin
 _COMMIT_END_LSN = struct.Struct(">Q")  # at offset 10 of a Commit (after flags, commit LSN)
+_COMMIT_TIME = struct.Struct(">q")  # at offset 18 of a Commit (after the end LSN)
 _RELATION_OID = struct.Struct(">I")  # at offset 1 of a Relation or a change (protocol v1)
 _BEGIN = struct.Struct(">cQqI")  # tag, final LSN, commit time, xid
 _COMMIT = struct.Struct(">cBQQq")  # tag, flags, commit LSN, end LSN, commit time
@@ -38,6 +39,11 @@ def begin_final_lsn(payload: Payload) -> Lsn:
 def commit_end_lsn(payload: Payload) -> Lsn:
     """The end LSN of a Commit: where the next transaction may start."""
     return Lsn(_COMMIT_END_LSN.unpack_from(payload, 10)[0])
+
+
+def commit_time(payload: Payload) -> int:
+    """The commit time of a Commit: microseconds since 2000-01-01 UTC."""
+    return int(_COMMIT_TIME.unpack_from(payload, 18)[0])
 
 
 def relation_oid(payload: Payload) -> int:

@@ -1,0 +1,66 @@
+"""Freshness as users mean it: walberg_end_to_end_seconds observes, per table, the age of the
+OLDEST transaction an Iceberg commit made visible (a batch's first transaction waits longest),
+and walberg_replication_lag_seconds grows while changes wait, back to 0 once they are in."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import REGISTRY
+
+from conftest import insert_lsn, make_config, run_once, running
+from lake import hadoop_table
+from walberg.pipeline import Pipeline
+
+
+def _histogram(table: str) -> tuple[float, float]:
+    labels = {"table": table}
+    return (REGISTRY.get_sample_value("walberg_end_to_end_seconds_sum", labels) or 0.0,
+            REGISTRY.get_sample_value("walberg_end_to_end_seconds_count", labels) or 0.0)
+
+
+def _lag() -> float:
+    return REGISTRY.get_sample_value("walberg_replication_lag_seconds",
+                                     {"source": "postgres"}) or 0.0
+
+
+def test_the_metric_reports_the_oldest_transaction_of_a_batch(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    # One batch per 5 s: three transactions a second apart land in one.
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table],
+                         max_interval_seconds=5)
+    run_once(config, spark)
+    target = config.target_for(table)
+    pipeline = Pipeline(config, session=spark)
+    try:
+        with running(pipeline) as failures:
+            time.sleep(2)  # streaming, idle
+            before_sum, before_count = _histogram(table)
+            committed = []
+            with pg_conn.cursor() as cur:
+                for i in range(3):
+                    cur.execute(f"INSERT INTO {table} VALUES ({i}, 'v')")
+                    committed.append(time.time())
+                    time.sleep(1)
+            lsn = insert_lsn(pg_conn)
+            assert _lag() > 1.5  # the first transaction waits, and the gauge says so
+            pipeline.wait_for(lsn, timeout=60)
+            deadline = time.monotonic() + 5
+            while _lag() > 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _lag() == 0
+            assert not failures, failures
+    finally:
+        pipeline.close()
+    after_sum, after_count = _histogram(table)
+    assert after_count == before_count + 1  # one commit made the three transactions visible
+    observed = after_sum - before_sum
+    visible = hadoop_table(warehouse, target).current_snapshot().timestamp_ms / 1000
+    assert abs(observed - (visible - committed[0])) < 0.5, (observed, visible - committed[0])
+    assert observed > visible - committed[-1] + 1.5  # not the last transaction's age
