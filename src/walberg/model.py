@@ -249,3 +249,11 @@ class Layout:
     write_mode: WriteMode = "merge-on-read"
     schema_evolution: Evolution = "full"
     mode: Mode = "upsert"
+
+
+_PG_EPOCH = 946684800.0  # 2000-01-01 UTC
+
+
+def pg_epoch(micros: int) -> float:
+    """Unix time of a timestamp Postgres sends as microseconds since 2000-01-01 UTC."""
+    return _PG_EPOCH + micros / 1_000_000

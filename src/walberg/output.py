@@ -79,14 +79,19 @@ def status_text(statuses: Sequence["Status"]) -> str:
 def _one_status(status: "Status") -> str:
     p = status.pipeline
     running = f"running (pid {p.pid})" if p.running else "not running"
+    behind = ("" if p.oldest_waiting_s is None
+              else f"; the oldest change not yet in the lake committed {p.oldest_waiting_s:.1f} s ago"
+              if p.oldest_waiting_s else "; the lake holds everything it has read")
     lines = [f"walberg: {running}; {p.pending_segments} sealed segment(s) pending, "
-             f"{p.pending_bytes:,} bytes in {p.segment_dir}"]
-    rows = [(name, t.iceberg_table, t.last_lsn or "-", t.last_commit_at or "-",
-             "-" if t.rows is None else f"{t.rows:,}", t.data_files or 0,
-             t.delete_files or 0, t.snapshot_id or "-")
+             f"{p.pending_bytes:,} bytes in {p.segment_dir}{behind}"]
+    rows = [(name, t.iceberg_table, t.last_lsn or "-",
+             "-" if t.waiting_s is None else f"{t.waiting_s:.1f} s",
+             t.last_commit_at or "-", "-" if t.rows is None else f"{t.rows:,}",
+             t.data_files or 0, t.delete_files or 0, t.snapshot_id or "-")
             for name, t in status.tables.items()]
-    lines.append(format_table(["source", "iceberg table", "lsn", "committed at", "rows", "files",
-                               "delete files", "snapshot"], rows))
+    # behind: the age of the table's oldest committed change not yet in the lake
+    lines.append(format_table(["source", "iceberg table", "lsn", "behind", "committed at",
+                               "rows", "files", "delete files", "snapshot"], rows))
     slot = status.slot
     if slot is not None and slot.error:
         lines.append(f"slot: {slot.error}")

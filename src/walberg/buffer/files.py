@@ -8,6 +8,7 @@ import errno
 import fcntl
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -92,3 +93,28 @@ def inspect_directory(directory: Path) -> DirectoryState:
             os.close(fd)
     return DirectoryState(len(sealed), sum(p.stat().st_size for p in sealed),
                           sum(p.stat().st_size for p in active), holder)
+
+
+FRESHNESS_NAME = "freshness"
+
+
+def write_freshness(directory: Path, oldest: Optional[float]) -> None:
+    """Record, for `walberg status`, when the oldest transaction the running walberg holds
+    but the lake does not committed (Unix time; None: none waits), and when this was said.
+    A best effort: a status that cannot be told is no reason to stop."""
+    path = directory / FRESHNESS_NAME
+    temp = path.with_name(path.name + ".tmp")
+    try:
+        temp.write_text(f"{time.time():.3f} {'-' if oldest is None else f'{oldest:.3f}'}\n")
+        os.replace(temp, path)
+    except OSError:
+        pass
+
+
+def read_freshness(directory: Path) -> Optional[tuple[float, Optional[float]]]:
+    """(when it was said, the oldest waiting commit's Unix time or None), or None if never."""
+    try:
+        said, oldest = (directory / FRESHNESS_NAME).read_text().split()
+        return float(said), None if oldest == "-" else float(oldest)
+    except (OSError, ValueError):
+        return None

@@ -5,17 +5,24 @@ starts no Spark and changes nothing."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+import time
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 from walberg.apply.metadata import TableSummary, read_hadoop_table, summarize
-from walberg.buffer.files import inspect_directory
+from walberg.buffer.files import Mapped, inspect_directory, read_freshness
+from walberg.buffer.recovery import NAME
+from walberg.buffer.segment import Scanner, check_magic
 from walberg.errors import Transient, WalbergError
 from walberg.lake.services import Lake, LakeSource
+from walberg.model import Lsn, pg_epoch
 from walberg.source import kafka
 from walberg.source import postgres as pg
+from walberg.source.framing import commit_end_lsn, commit_time
+from walberg.source.pgoutput import Decoder, Tag
 
 log = logging.getLogger("walberg")
 
@@ -27,6 +34,9 @@ class BufferStatus:
     segment_dir: str
     pending_segments: int
     pending_bytes: int
+    # A running walberg's freshness: how long ago the oldest transaction it holds and the lake
+    # does not committed (0: none waits; None: not running, or it has not said).
+    oldest_waiting_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,9 @@ class TableStatus:
     data_files: Optional[int]
     delete_files: Optional[int]
     snapshots: int
+    # Freshness: the age, now, of the table's oldest change in the segment files that the
+    # lake does not hold yet (0: none waits; None: not known, see _waiting).
+    waiting_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -100,14 +113,76 @@ def _status(source: LakeSource) -> Status:
         except WalbergError as exc:
             return Status(source.name, buffer, tables, broker_error=str(exc))
         return Status(source.name, buffer, tables, partitions=partitions)
+    ages = _waiting(source.config.segment_dir,
+                    {t: Lsn.parse(x.last_lsn) if x.last_lsn else Lsn(0) for t, x in tables.items()})
+    tables = {t: replace(x, waiting_s=ages.get(t)) for t, x in tables.items()}
     return Status(source.name, buffer, tables, slot=_slot(source))
+
+
+def _waiting(directory: Path, held: dict[str, Lsn],
+             budget_s: float = 2.0) -> dict[str, Optional[float]]:
+    """Per table, how long ago its oldest transaction that the segment files hold and the lake
+    does not (its commit LSN past the table's mark) committed at the source: what the lake
+    is behind by, for that table. Read from the files alone (a running walberg is not asked),
+    oldest segment first, for at most ``budget_s``: a table not met by then is None (unknown)
+    if the files were not read through, else 0. Transactions still open are not counted: they
+    have not committed."""
+    try:
+        files = sorted((int(m.group(1)), m.group(2) == "sealed", directory / e)
+                       for e in os.listdir(directory) if (m := NAME.match(e)))
+    except OSError:
+        return {}
+    names: dict[int, str] = {}
+    oldest: dict[str, int] = {}
+    touched: set[int] = set()
+    deadline = time.monotonic() + budget_s
+    complete = True
+    change = (Tag.INSERT, Tag.UPDATE, Tag.DELETE)
+    for _, sealed, path in files:
+        if time.monotonic() > deadline:
+            complete = False
+            break
+        try:
+            with Mapped(path) as data:
+                check_magic(data)
+                for _lsn, _kind, payload in Scanner(data, sealed=sealed):
+                    tag = payload[0] if payload else 0
+                    if tag in change:
+                        touched.add(int.from_bytes(payload[1:5], "big"))
+                    elif tag == Tag.BEGIN:
+                        touched = set()
+                    elif tag == Tag.COMMIT:
+                        end, ts = commit_end_lsn(payload), commit_time(payload)
+                        for oid in touched:
+                            table = names.get(oid)
+                            if table in held and end > held[table]:
+                                oldest.setdefault(table, ts)
+                        touched = set()
+                    elif tag == Tag.TRUNCATE:
+                        count = int.from_bytes(payload[1:5], "big")
+                        touched.update(int.from_bytes(payload[6 + 4 * i:10 + 4 * i], "big")
+                                       for i in range(count))
+                    elif tag == Tag.RELATION:
+                        rel = Decoder().decode(bytes(payload))
+                        names[rel.oid] = rel.qualified_name  # type: ignore[union-attr]
+        except (OSError, WalbergError):
+            complete = False  # (a file renamed or removed as it was read: a running walberg)
+    now = time.time()
+    return {t: max(now - pg_epoch(oldest[t]), 0.0) if t in oldest else (0.0 if complete else None)
+            for t in held}
 
 
 def _buffer(directory: Path) -> BufferStatus:
     state = inspect_directory(directory)
-    return BufferStatus(running=state.holder_pid is not None, pid=state.holder_pid,
+    running = state.holder_pid is not None
+    waiting: Optional[float] = None
+    told = read_freshness(directory) if running else None
+    if told is not None and time.time() - told[0] < 30:  # (said within the last seconds)
+        waiting = 0.0 if told[1] is None else max(time.time() - told[1], 0.0)
+    return BufferStatus(running=running, pid=state.holder_pid,
                         segment_dir=str(directory), pending_segments=state.sealed_segments,
-                        pending_bytes=state.sealed_bytes + state.active_bytes)
+                        pending_bytes=state.sealed_bytes + state.active_bytes,
+                        oldest_waiting_s=waiting)
 
 
 def _summary(source: LakeSource, target: str) -> Optional[TableSummary]:

@@ -28,7 +28,7 @@ from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point
 from walberg.lakeside import commit_with_retries, count_files
-from walberg.model import Lsn, Op
+from walberg.model import Lsn, Op, pg_epoch
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import SchemaStop, Tables
 
@@ -309,11 +309,3 @@ def _discard(upcoming: "Future[Optional[Batch]]") -> None:
         return
     if batch is not None:
         batch.builder.discard()
-
-
-_PG_EPOCH = 946684800.0  # 2000-01-01 UTC
-
-
-def pg_epoch(micros: int) -> float:
-    """Unix time of a timestamp sent as microseconds since 2000-01-01 UTC."""
-    return _PG_EPOCH + micros / 1_000_000

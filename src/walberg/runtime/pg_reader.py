@@ -14,13 +14,13 @@ from typing import Any, Callable, Optional
 
 from walberg import metrics
 from walberg.buffer import spill
+from walberg.buffer.files import write_freshness
 from walberg.buffer.spill import TxnSpill
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.errors import SourceError, Terminal, Transient, WalbergError
 from walberg.faults import crash_point
-from walberg.model import Lsn
-from walberg.runtime.applier import pg_epoch
+from walberg.model import Lsn, pg_epoch
 from walberg.runtime.initial_copy import InitialCopy
 from walberg.runtime.pg_stager import FRAME_PGOUTPUT, FRAME_PREAMBLE
 from walberg.runtime.state import RunState, SegmentMeta
@@ -87,6 +87,7 @@ class PgReader:
         # (end LSN, commit time) of received transactions not yet in the lake: the first
         # commit of each tenth of a second, so a backlog of many keeps this short.
         self._unapplied: deque[tuple[int, int]] = deque()
+        self._told_freshness = 0.0
         self._source = config.source_name or "postgres"  # the gauges' label
         # Streaming that starts while the lake is still being checked (see _start_early).
         self._early: Optional[threading.Thread] = None
@@ -666,8 +667,13 @@ class PgReader:
         applied, waiting = int(self.state.applied), self._unapplied
         while waiting and waiting[0][0] <= applied:
             waiting.popleft()
+        oldest = pg_epoch(waiting[0][1]) if waiting else None
         metrics.LAG_SECONDS.labels(self._source).set(
-            max(time.time() - pg_epoch(waiting[0][1]), 0.0) if waiting else 0.0)
+            max(time.time() - oldest, 0.0) if oldest is not None else 0.0)
+        if time.monotonic() - self._told_freshness >= 1.0:
+            # For `walberg status` (a process of its own): what the gauge says, in a file.
+            self._told_freshness = time.monotonic()
+            write_freshness(self.config.segment_dir, oldest)
 
     def _received_commit(self, end: Lsn, payload: bytes) -> None:
         """A transaction is in the segments: remember when it committed (see _unapplied)."""
