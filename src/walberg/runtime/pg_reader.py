@@ -268,7 +268,7 @@ class PgReader:
             if recorded is None:
                 continue
             known_system, _, known_timeline = recorded.partition("/")
-            held = sink.committed_lsn(target) or Lsn(0)
+            held = self.state.committed_at(t) or sink.committed_lsn(target) or Lsn(0)
             self._judge((known_system, int(known_timeline or 0)), (system, timeline),
                         slot_exists, held, f"the lake's {target}")
         self._met(system, timeline)
