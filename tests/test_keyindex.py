@@ -9,19 +9,21 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from walberg.apply.keyindex import KeyIndex
+from walberg.apply.keycodec import KeyClash
+from walberg.apply.keyindex import Entry, KeyIndex
 
 Model = dict[int, tuple[str, int]]
 
 
-def _batches(model: Model, size: int) -> Iterator[tuple[np.ndarray, list[str], np.ndarray]]:
+def _batches(model: Model, size: int) -> Iterator[Entry]:
     keys = sorted(model)
     for lo in range(0, len(keys), size):
         part = keys[lo:lo + size]
-        yield (np.array(part, np.int64), [model[k][0] for k in part],
+        yield (np.array(part, np.int64), None, [model[k][0] for k in part],
                np.array([model[k][1] for k in part], np.int64))
 
 
@@ -56,7 +58,7 @@ def test_lookups_follow_every_commit(tmp_path_factory: object, start: list[int],
         for pos, k in enumerate(fresh):
             model[k] = (f"new-{n}", pos)
         index.commit(n, np.array(sorted(set(gone) | set(fresh)), np.int64),
-                     (np.array(fresh, np.int64), [f"new-{n}"] * len(fresh),
+                     (np.array(fresh, np.int64), None, [f"new-{n}"] * len(fresh),
                       np.arange(len(fresh), dtype=np.int64)))
         assert _answers(index, probe) == model
     reopened = KeyIndex(folder, chunk=chunk, max_delta=max_delta)
@@ -67,7 +69,7 @@ def test_lookups_follow_every_commit(tmp_path_factory: object, start: list[int],
 def test_entries_out_of_order_are_refused(tmp_path: Path) -> None:
     index = KeyIndex(tmp_path)
     try:
-        index.rebuild(1, iter([(np.array([3, 2]), ["a", "a"], np.array([0, 1]))]))
+        index.rebuild(1, iter([(np.array([3, 2]), None, ["a", "a"], np.array([0, 1]))]))
     except ValueError as exc:
         assert "ascending key order" in str(exc)
     else:
@@ -91,10 +93,10 @@ def test_rebuild_from_files_sorts_on_disk(tmp_path_factory: object, files: list[
         contents.append(keys)
         model.update({k: (f"data-{n}.parquet", pos) for pos, k in enumerate(keys)})
 
-    def rows() -> Iterator[tuple[int, int, np.ndarray]]:
+    def rows() -> Iterator[tuple[int, int, np.ndarray, None]]:
         for n, keys in enumerate(contents):  # a row group at a time, as file_keys reads
             for lo in range(0, len(keys), group):
-                yield n, lo, np.array(keys[lo:lo + group], np.int64)
+                yield n, lo, np.array(keys[lo:lo + group], np.int64), None
 
     scratch = folder / "scratch"
     scratch.mkdir()
@@ -104,3 +106,52 @@ def test_rebuild_from_files_sorts_on_disk(tmp_path_factory: object, files: list[
     assert index.snapshot == 5 and index.size == len(model)
     assert _answers(index, sorted(model) + [10**13]) == model
     assert _answers(KeyIndex(folder / "index"), sorted(model)) == model
+
+
+def test_a_hit_counts_only_when_its_check_matches(tmp_path: Path) -> None:
+    """Keys held as (key, check): a lookup whose check differs from the entry's is two keys
+    sharing an entry, and says so instead of answering with the other key's row."""
+    index = KeyIndex(tmp_path, chunk=2, encoding="blake2b-128:str")
+    index.rebuild(1, iter([(np.array([1, 2, 3]), np.array([10, 20, 30]), ["a", "a", "b"],
+                            np.array([0, 1, 0]))]))
+    hits = index.lookup(np.array([3, 1, 9]), np.array([30, 10, 90]))
+    assert hits.keys.tolist() == [1, 3] and hits.files == ["a", "b"]
+    with pytest.raises(KeyClash):
+        index.lookup(np.array([2]), np.array([21]))
+    index.commit(2, np.array([1]), (np.array([4]), np.array([40]), ["c"], np.array([0])))
+    with pytest.raises(KeyClash):
+        index.lookup(np.array([4]), np.array([41]))
+    with pytest.raises(KeyClash):  # two keys of one batch
+        index.lookup(np.array([5, 5]), np.array([1, 2]))
+    # An index made for another key encoding is not read: the caller rebuilds it.
+    assert KeyIndex(tmp_path, encoding="blake2b-128:str").built
+    assert not KeyIndex(tmp_path, encoding="int").built
+    with pytest.raises(KeyClash):
+        KeyIndex(tmp_path / "other").rebuild(1, iter([(np.array([1, 1]), np.array([1, 2]),
+                                                        ["a", "a"], np.array([0, 1]))]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(-5, 5), st.integers(-10**6, 10**6)),
+                     unique_by=lambda p: p[1], max_size=60),
+       run=st.integers(1, 20))
+def test_unsorted_entries_with_checks_sort_on_disk(tmp_path_factory: object,
+                                                   pairs: list[tuple[int, int]], run: int) -> None:
+    folder: Path = tmp_path_factory.mktemp("index")  # type: ignore[attr-defined]
+    # keys may repeat only with the same check: one key per check here, so dedupe by key
+    seen: dict[int, int] = {}
+    for key, check in pairs:
+        seen.setdefault(key * 1000 + check % 1000, check)
+    keys = list(seen)
+    checks = [seen[k] for k in keys]
+    files = ["f0", "f1"]
+    entries = [(np.array(keys[i:i + 3], np.int64), np.array(checks[i:i + 3], np.int64),
+                np.array([i % 2] * len(keys[i:i + 3]), np.int32),
+                np.arange(i, i + len(keys[i:i + 3]), dtype=np.int64))
+               for i in range(0, len(keys), 3)]
+    scratch = folder / "scratch"
+    scratch.mkdir()
+    index = KeyIndex(folder / "index", chunk=4, encoding="pair:int,int")
+    index.rebuild_unsorted(3, files, iter(entries), scratch, run=run)
+    hits = index.lookup(np.array(keys, np.int64), np.array(checks, np.int64))
+    assert sorted(hits.keys.tolist()) == sorted(keys)

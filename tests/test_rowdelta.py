@@ -88,16 +88,20 @@ def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
 
     import numpy as np
 
+    from walberg.apply.keycodec import KeyCodec
     from walberg.apply.keyindex import KeyIndex
     from walberg.apply.rowdelta import lake_entries, written_entries
+
+    codec = KeyCodec(("int",))
 
     target = _table(spark, unique)
     model = {i: f"v{i}" for i in range(1, ROWS + 1)}
     index = KeyIndex(tmp_path / "index", chunk=300, max_delta=500)
 
     def rebuild() -> None:
-        snapshot, entries = lake_entries(spark, target, "id", tmp_path)
-        index.rebuild(snapshot, entries)
+        files: list[str] = []
+        snapshot, entries = lake_entries(spark, target, ["id"], codec, tmp_path, files)
+        index.rebuild(snapshot, entries, files)
 
     rebuild()
     assert index.size == ROWS
@@ -121,9 +125,10 @@ def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
         result = commit_row_delta(spark, target, spark.createDataFrame(new, "id bigint, v string"),
                                   deletes, {"walberg.lsn": f"0/{round_ + 1}"}, index.snapshot)
         index.commit(result.snapshot_id, np.array(deleted + updated),
-                     tuple(np.concatenate(parts) if i != 1 else sum(parts, [])  # type: ignore
+                     tuple(np.concatenate(parts) if i != 2 else sum(parts, [])  # type: ignore
                            for i, parts in enumerate(zip(*written_entries(
-                               spark, result.added_files, "id", tmp_path), strict=True))))
+                               spark, result.added_files, ["id"], codec, tmp_path),
+                               strict=True))))
         for k in deleted:
             del model[k]
         model.update(dict(new))

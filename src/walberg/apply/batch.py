@@ -30,9 +30,10 @@ from walberg.apply.types import TextPrep
 from walberg.model import ROW_OPS, UNCHANGED, Column, Op, Row
 
 META = ("_wb_seq", "_wb_op", "_wb_lsn", "_wb_unchanged")
-# Key types whose Postgres text is one-to-one with the value (int2, int4, int8, text, varchar,
-# bpchar, uuid): equal keys have equal text, so repeats can be found on the text.
-_EXACT_TEXT_KEYS = frozenset({21, 23, 20, 25, 1043, 1042, 2950})
+# Key types whose staged value is one-to-one with the key (int2, int4, int8, text, varchar,
+# bpchar, uuid as their text; date, timestamp, timestamptz typed): equal keys have equal staged
+# values, so repeats can be found on them.
+_EXACT_TEXT_KEYS = frozenset({21, 23, 20, 25, 1043, 1042, 2950, 1082, 1114, 1184})
 _INT_KEYS = frozenset({21, 23, 20})
 _KEY_TRACK_LIMIT = 5_000_000
 # A batch's staged files live for one commit on local disk and are read once: written plain

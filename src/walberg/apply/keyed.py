@@ -8,11 +8,14 @@ row delta (``rowdelta.commit_row_delta``): the rows of the keys it changes or de
 deleted by (data file, position), its new rows are added, in one commit that carries the
 source's marks. Nothing reads the table.
 
-Which tables: one integer key (smallint, integer or bigint), unpartitioned, format v2 and
-merge-on-read, one source (not a fan-in table), in upsert mode, with ``sink.apply_by_position``
-on (the default). Which batches: those without a TRUNCATE and without an UPDATE that left a
-TOASTed value unsent (its value has to come from the lake's row). Every other table or batch
-takes the MERGE, as before.
+Which tables: a key of integer, date, timestamp or text-like columns (uuid, text, varchar,
+and any combination of them; ``keycodec`` says how each key becomes an index entry),
+unpartitioned, format v2 and merge-on-read, one source (not a fan-in table), in upsert mode,
+with ``sink.apply_by_position`` on (the default). Which batches: those without a TRUNCATE and
+without an UPDATE that left a TOASTed value unsent (its value has to come from the lake's
+row). Every other table or batch takes the MERGE, as before; so does a table two of whose keys
+share an index entry (``KeyClash``, a 64-bit clash: about one table in 400,000 at ten million
+keys).
 
 The index describes one snapshot of the table. Before a batch it is brought to the table's
 current snapshot: nothing to do when it is there already; the rows of appends since (an
@@ -42,7 +45,8 @@ import pyarrow.parquet as pq
 
 from walberg.apply import datafiles, rowdelta
 from walberg.apply.batch import StagedTable, applied_rows, value_column
-from walberg.apply.keyindex import Hits, KeyIndex, sorted_unique
+from walberg.apply.keycodec import KeyClash, KeyCodec, KeyEncodingError
+from walberg.apply.keyindex import Hits, KeyIndex, sorted_unique_pairs
 from walberg.apply.rowdelta import (
     Positions,
     commit_row_delta,
@@ -59,7 +63,6 @@ from walberg.model import Column, Lsn
 
 log = logging.getLogger("walberg")
 
-INTEGER_KEYS = ("INT", "BIGINT")
 # Commits since the index's snapshot that it follows file by file (past MAX_APPENDS of them,
 # it is rebuilt): an append adds rows; a compaction ("replace") writes every live row of the
 # files it removes into the files it adds, so the added files' rows are every moved key's new
@@ -84,6 +87,7 @@ class KeyedApply:
         self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
         self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
+        self._clashed: set[str] = set()  # tables whose keys share index entries: MERGE
         self._swept = False
 
     @property
@@ -117,24 +121,35 @@ class KeyedApply:
 
     # ---- which tables -----------------------------------------------------------------------
 
-    def key_of(self, target: str, columns: Sequence[Column]) -> Optional[int]:
-        """The position of the table's one integer key column, if the table is applied by
-        position; None if it takes the MERGE."""
-        if not self._enabled:
+    def key_of(self, target: str, columns: Sequence[Column]
+               ) -> Optional[tuple[list[int], KeyCodec]]:
+        """The positions of the table's key columns and how the index encodes them, if the
+        table is applied by position; None if it takes the MERGE."""
+        if not self._enabled or target in self._clashed:
             return None
         keys = [i for i, c in enumerate(columns) if c.is_key]
-        if len(keys) != 1 or len(keys) == len(columns):
+        if not keys or len(keys) == len(columns):
             return None
-        if self.lake.types.spark_type(columns[keys[0]], target).sql not in INTEGER_KEYS:
+        codec = KeyCodec.for_types([self.lake.types.spark_type(columns[i], target).sql
+                                    for i in keys])
+        if codec is None:
             return None
         if target not in self._positional:
             self._positional[target] = _positional(java_table(self.lake.spark, target))
-        return keys[0] if self._positional[target] else None
+        return (keys, codec) if self._positional[target] else None
 
     def takes(self, target: str, staged: StagedTable) -> bool:
         """Whether this batch of the table goes by position."""
         return (not staged.truncates and not staged.unchanged_columns
                 and not staged.moved_unchanged and self.key_of(target, staged.columns) is not None)
+
+    def clashed(self, target: str, why: Exception) -> None:
+        """Two keys of the table share an index entry, or a key could not be encoded: the
+        table is applied by MERGE from now on in this process (a later run finds it out again
+        when it builds the index)."""
+        self._clashed.add(target)
+        self._indexes.pop(target, None)
+        log.warning("%s: applied by MERGE from now on, not by position: %s", target, why)
 
     # ---- the index --------------------------------------------------------------------------
 
@@ -145,38 +160,49 @@ class KeyedApply:
     def index(self, target: str, columns: Sequence[Column], table: Any = None) -> KeyIndex:
         """The table's key index, brought to its current snapshot (that of ``table``, the
         Iceberg Java table as just loaded; None: load it)."""
+        found_key = self.key_of(target, columns)
+        assert found_key is not None
+        positions, codec = found_key
+        keys = [columns[i].name for i in positions]
         found = self._indexes.get(target)
-        if found is None:
-            found = self._indexes[target] = KeyIndex(self._directory(target))
+        if found is None or found.encoding != codec.name:
+            found = self._indexes[target] = KeyIndex(self._directory(target),
+                                                     encoding=codec.name)
         if table is None:
             table = java_table(self.lake.spark, target)
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if found.built and now == found.snapshot:
             return found
-        key = columns[[c.is_key for c in columns].index(True)].name
         appended = self._appends_since(table, found.snapshot, now) if found.built else None
         started = time.monotonic()
         with self._scratch() as scratch:
             if appended is not None:
-                entries = list(written_entries(self.lake.spark, tuple(appended), key, scratch))
+                entries = list(written_entries(self.lake.spark, tuple(appended), keys, codec,
+                                               scratch))
                 assert now is not None
                 found.commit(now, np.empty(0, np.int64), _concat(entries))
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:
-                plain = plain_local_files(self.lake.spark, target, key)
+                plain = plain_local_files(self.lake.spark, target, keys)
                 if plain is not None:
                     # No delete file: every row of the data files is live. Their key columns
                     # are read on the driver and sorted on disk, with no Spark job.
-                    snapshot, locations, paths, field_id = plain
-                    found.rebuild_from_files(snapshot, locations, file_keys(paths, field_id),
-                                             scratch)
+                    snapshot, locations, paths, field_ids = plain
+                    found.rebuild_from_files(snapshot, locations,
+                                             file_keys(paths, field_ids, codec), scratch)
                     how = f"{len(locations)} data file(s) read on the driver"
                 else:
-                    snapshot, sorted_entries = lake_entries(self.lake.spark, target, key, scratch)
-                    found.rebuild(snapshot, sorted_entries)
-                    how = "read and sorted by Spark"
+                    files: list[str] = []
+                    snapshot, entries_ = lake_entries(self.lake.spark, target, keys, codec,
+                                                      scratch, files)
+                    if codec.sorted_like_the_table:
+                        found.rebuild(snapshot, entries_, files)
+                        how = "read and sorted by Spark"
+                    else:
+                        found.rebuild_unsorted(snapshot, files, entries_, scratch)
+                        how = "read by Spark, sorted on the driver"
                 log.info("key index of %s rebuilt from the lake (%s): %d keys, in %.2f s",
                          target, how, found.size, time.monotonic() - started)
         return found
@@ -227,8 +253,10 @@ class KeyedApply:
         written as a position-delete file in a thread meanwhile (numpy and Arrow leave the
         GIL to the other)."""
         columns = staged.columns
-        k = self.key_of(target, columns)
-        assert k is not None
+        found_key = self.key_of(target, columns)
+        assert found_key is not None
+        positions, codec = found_key
+        key_names = [columns[i].name for i in positions]
         clock = [time.monotonic()]
         spark = self.lake.spark
         table = java_table(spark, target)  # one load for the index, the new rows, the commit
@@ -240,13 +268,14 @@ class KeyedApply:
             def look_up() -> tuple[Hits, Optional[Positions], Optional[tuple[str, int, int]],
                                    float]:
                 started = time.monotonic()
-                changed = _batch_keys(staged.files, value_column(k), max_seq, void)
-                hits = index.lookup(changed)
+                changed, checks, span = _batch_keys(staged.files, positions, codec, max_seq,
+                                                    void)
+                hits = index.lookup(changed, checks)
                 deletes = None if not len(hits.keys) else position_delete_file(
                     hits.files, hits.positions, scratch)
-                # The commit conflicts with another writer's changes to keys in this range.
-                keys = (columns[k].name, int(changed[0]), int(changed[-1])) if len(changed) \
-                    else None
+                # The commit conflicts with another writer's changes to keys in this range
+                # (of the first key column).
+                keys = None if span is None else (key_names[0], *span)
                 return hits, deletes, keys, time.monotonic() - started
 
             looked_up = pool.submit(look_up)
@@ -264,7 +293,11 @@ class KeyedApply:
                 rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
                                        "_wb_lsn")
             written_in = time.monotonic() - started
-            hits, deletes, keys, lookup_s = looked_up.result()
+            try:
+                hits, deletes, keys, lookup_s = looked_up.result()
+            except (KeyClash, KeyEncodingError):
+                _remove_written(spark, new_files)
+                raise
             crash_point("row-delta")
             # Validated from the index's snapshot: a commit by another writer since then that
             # touched these rows fails it, and the caller tries again (lakeside's retries,
@@ -273,7 +306,7 @@ class KeyedApply:
                                       new_files, table, keys)
             clock.append(time.monotonic())
             crash_point("indexed", delay=0.5)
-            added = _concat(list(written_entries(spark, result.added_files, columns[k].name,
+            added = _concat(list(written_entries(spark, result.added_files, key_names, codec,
                                                  Path(scratch))))
         index.commit(result.snapshot_id, hits.keys, added)
         clock.append(time.monotonic())
@@ -301,7 +334,10 @@ class KeyedApply:
         that the first batch does not wait for it."""
         self.forget(target)
         if self.key_of(target, columns) is not None:
-            self.index(target, columns)
+            try:
+                self.index(target, columns)
+            except (KeyClash, KeyEncodingError) as exc:
+                self.clashed(target, exc)
 
 
 def _positional(table: Any) -> bool:
@@ -328,26 +364,45 @@ class _Scratch:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _batch_keys(files: Sequence[Path], key: str, max_seq: int,
-                void: Sequence[tuple[int, int]]) -> np.ndarray:
-    """The distinct keys the batch changes, read from its staged files on the driver."""
-    parts: list[np.ndarray] = []
+def _batch_keys(files: Sequence[Path], positions: Sequence[int], codec: KeyCodec, max_seq: int,
+                void: Sequence[tuple[int, int]]
+                ) -> tuple[np.ndarray, np.ndarray, Optional[tuple[Any, Any]]]:
+    """The distinct keys the batch changes (index keys and checks), read from its staged files
+    on the driver; with the lowest and highest value of the first key column among them (in
+    the form an Iceberg expression on that column takes; None if the batch changes none)."""
+    names = [value_column(i) for i in positions]
+    keys: list[np.ndarray] = []
+    checks: list[np.ndarray] = []
+    firsts: list[tuple[Any, Any]] = []
     for path in files:
-        table = pq.read_table(path, columns=["_wb_seq", key])
+        table = pq.read_table(path, columns=["_wb_seq", *names])
         seq = table.column("_wb_seq").to_numpy(zero_copy_only=False).astype(np.int64)
-        values = pc.cast(table.column(key), pa.int64()).to_numpy(zero_copy_only=False)
-        parts.append(np.asarray(values, dtype=np.int64)[applied_rows(seq, max_seq, void)])
-    if not parts:
-        return np.empty(0, np.int64)
-    return sorted_unique(np.concatenate(parts))
+        applied = applied_rows(seq, max_seq, void)
+        if not applied.any():
+            continue
+        table = table.filter(pa.array(applied))
+        k, c = codec.encode([table.column(n) for n in names])
+        keys.append(k)
+        checks.append(c)
+        firsts.append(codec.span(table.column(names[0])))
+    if not keys:
+        return np.empty(0, np.int64), np.empty(0, np.int64), None
+    unique_keys, unique_checks = sorted_unique_pairs(np.concatenate(keys),
+                                                     np.concatenate(checks))
+    return unique_keys, unique_checks, (min(f[0] for f in firsts), max(f[1] for f in firsts))
 
 
-def _concat(entries: Sequence[tuple[np.ndarray, list[str], np.ndarray]]
-            ) -> tuple[np.ndarray, list[str], np.ndarray]:
+def _concat(entries: Sequence[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]
+            ) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
     if not entries:
-        return np.empty(0, np.int64), [], np.empty(0, np.int64)
-    return (np.concatenate([e[0] for e in entries]), [p for e in entries for p in e[1]],
-            np.concatenate([e[2] for e in entries]))
+        return np.empty(0, np.int64), np.empty(0, np.int64), [], np.empty(0, np.int64)
+    return (np.concatenate([e[0] for e in entries]), np.concatenate([e[1] for e in entries]),
+            [p for e in entries for p in e[2]], np.concatenate([e[3] for e in entries]))
+
+
+def _remove_written(spark: Any, files: Sequence[Any]) -> None:
+    """Best effort: the data files written for a batch that is applied another way."""
+    rowdelta.remove_files(spark, [str(f.location()) for f in files])
 
 
 def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,

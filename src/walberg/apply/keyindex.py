@@ -2,14 +2,19 @@
 disk beside the table, so that an update or delete can be written as a position delete without
 a join over the table (see ``rowdelta``).
 
-For tables with one integer key. The index is a sorted *base* (three flat arrays on disk:
-keys, file ids, positions) and a few small sorted *delta* runs, one per commit since the base
-was written; a delta entry shadows the base, and a tombstone (file id -1) says the key is gone.
-When the deltas hold more than ``max_delta`` entries they are merged into a new base.
+Keys of any type: each key is held as two 64-bit integers, ``key`` and ``check``
+(``keycodec``): the value itself for one integer key, an exact pair or a 128-bit digest for
+others. The index is sorted and searched by ``key``; a hit counts only when ``check`` matches
+too, and two different keys with one ``key`` raise ``KeyClash`` (the caller merges instead).
+
+The index is a sorted *base* (flat arrays on disk: keys, checks, file ids, positions) and a
+few small sorted *delta* runs, one per commit since the base was written; a delta entry
+shadows the base, and a tombstone (file id -1) says the key is gone. When the deltas hold more
+than ``max_delta`` entries they are merged into a new base.
 
 Memory stays flat whatever the table's size: the base is read in chunks of ``chunk`` keys
-(8 bytes a key), the deltas are bounded by ``max_delta``. On disk it takes 20 bytes a key
-(20 MB per million keys) plus the data file paths once each.
+(8 bytes a key), the deltas are bounded by ``max_delta``. On disk it takes 28 bytes a key
+(20 for one integer key, which has no checks file) plus the data file paths once each.
 
 Crash safety: the index describes one snapshot of the table (``snapshot`` in its manifest,
 replaced atomically). A caller that finds the table at another snapshot (a crash between an
@@ -29,6 +34,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from walberg.apply.keycodec import KeyClash
+
 MANIFEST = "manifest.json"
 TOMBSTONE = -1
 
@@ -45,8 +52,18 @@ class Hits:
 @dataclass
 class _Run:
     keys: np.ndarray
+    checks: np.ndarray
     file_ids: np.ndarray
     positions: np.ndarray
+
+
+# A batch of index entries: (keys, checks or None for all 0, data file paths or numbers,
+# positions).
+Entry = tuple[np.ndarray, Optional[np.ndarray], Any, np.ndarray]
+
+
+def _checks(checks: Optional[np.ndarray], n: int) -> np.ndarray:
+    return np.zeros(n, np.int64) if checks is None else np.asarray(checks, dtype=np.int64)
 
 
 def sorted_unique(keys: np.ndarray) -> np.ndarray:
@@ -57,6 +74,25 @@ def sorted_unique(keys: np.ndarray) -> np.ndarray:
         keys = np.sort(keys)
         keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
     return keys
+
+
+def sorted_unique_pairs(keys: np.ndarray, checks: Optional[np.ndarray]
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (key, check) pairs, ascending by key; ``KeyClash`` if two different pairs
+    share a key."""
+    keys = np.asarray(keys, dtype=np.int64)
+    if checks is None:
+        unique = sorted_unique(keys)
+        return unique, np.zeros(len(unique), np.int64)
+    checks = np.asarray(checks, dtype=np.int64)
+    order = np.lexsort((checks, keys))
+    keys, checks = keys[order], checks[order]
+    if len(keys) > 1:
+        fresh = np.concatenate(([True], (keys[1:] != keys[:-1]) | (checks[1:] != checks[:-1])))
+        keys, checks = keys[fresh], checks[fresh]
+        if len(keys) > 1 and bool(np.any(keys[1:] == keys[:-1])):
+            raise KeyClash("two keys of one batch share an index entry")
+    return keys, checks
 
 
 def _sorted_unique_last(keys: np.ndarray, *columns: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -72,8 +108,12 @@ def _sorted_unique_last(keys: np.ndarray, *columns: np.ndarray) -> tuple[np.ndar
 class KeyIndex:
     """The index of one table, in ``directory``."""
 
-    def __init__(self, directory: Path, chunk: int = 1 << 20, max_delta: int = 2_000_000) -> None:
+    def __init__(self, directory: Path, chunk: int = 1 << 20, max_delta: int = 2_000_000,
+                 encoding: str = "int") -> None:
+        """``encoding``: the key codec's name (``keycodec.KeyCodec.name``); an index on disk
+        made for another is not read (the caller rebuilds it)."""
         self.directory = directory
+        self.encoding = encoding
         self.chunk = chunk
         self.max_delta = max_delta
         self.snapshot: Optional[int] = None
@@ -92,6 +132,8 @@ class KeyIndex:
         if not path.exists():
             return
         manifest = json.loads(path.read_text())
+        if manifest.get("encoding", "int") != self.encoding:
+            return
         self.snapshot = manifest["snapshot"]
         self._files = manifest["files"]
         self._file_ids = {f: i for i, f in enumerate(self._files)}
@@ -100,13 +142,16 @@ class KeyIndex:
         self._delta_names = manifest["deltas"]
         for name in self._delta_names:
             with np.load(self.directory / name) as run:
-                self._deltas.append(_Run(run["keys"], run["file_ids"], run["positions"]))
+                checks = run["checks"] if "checks" in run.files else \
+                    np.zeros(len(run["keys"]), np.int64)
+                self._deltas.append(_Run(run["keys"], checks, run["file_ids"], run["positions"]))
 
     def _save(self) -> None:
         """Replace the manifest atomically (write, fsync, rename, fsync the folder); then
         remove what it no longer names."""
         manifest = {"snapshot": self.snapshot, "files": self._files, "base": self._base,
-                    "base_size": self._base_size, "deltas": self._delta_names}
+                    "base_size": self._base_size, "deltas": self._delta_names,
+                    "encoding": self.encoding}
         partial = self.directory / f"{MANIFEST}.{uuid.uuid4().hex}"
         with open(partial, "w") as out:
             json.dump(manifest, out)
@@ -125,8 +170,8 @@ class KeyIndex:
 
     @property
     def built(self) -> bool:
-        """Whether the index was ever built (its manifest exists)."""
-        return (self.directory / MANIFEST).exists()
+        """Whether the index was built, for this encoding."""
+        return self._base is not None
 
     @property
     def size(self) -> int:
@@ -142,49 +187,73 @@ class KeyIndex:
 
     # ---- building ---------------------------------------------------------------------------
 
-    def rebuild(self, snapshot: Optional[int],
-                entries: Iterator[tuple[np.ndarray, Any, np.ndarray]],
+    def rebuild(self, snapshot: Optional[int], entries: Iterator[Entry],
                 files: Optional[list[str]] = None) -> None:
-        """Make the index anew from ``entries``: batches of (keys, data file paths,
+        """Make the index anew from ``entries``: batches of (keys, checks, data file paths,
         positions) in ascending key order across batches (the lake read sorted by key), for
         the table at ``snapshot``. With ``files``, each batch gives its rows' data files as
-        numbers in that list instead of paths."""
+        numbers in that list (which the entries may extend as they come) instead of paths.
+        ``KeyClash`` if two different keys share a
+        key entry."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._files = list(files or [])
+        # (Not a copy: the entries may add the files they number as they come.)
+        self._files = files if files is not None else []
         self._file_ids = {f: i for i, f in enumerate(self._files)}
         self._deltas, self._delta_names = [], []
         base = f"base-{uuid.uuid4().hex}"
         folder = self.directory / base
         folder.mkdir()
-        size, last = 0, None
-        with open(folder / "keys", "wb") as k, open(folder / "files", "wb") as f, \
-                open(folder / "positions", "wb") as p:
-            for keys, paths, positions in entries:
+        size = 0
+        last: Optional[tuple[int, int]] = None
+        with open(folder / "keys", "wb") as k, open(folder / "checks", "wb") as c, \
+                open(folder / "files", "wb") as f, open(folder / "positions", "wb") as p:
+            for keys, checks, paths, positions in entries:
                 keys = np.asarray(keys, dtype=np.int64)
                 if len(keys) == 0:
                     continue
-                if (last is not None and keys[0] <= last) or np.any(keys[1:] <= keys[:-1]):
+                checks = _checks(checks, len(keys))
+                if last is not None:
+                    keys = np.concatenate(([last[0]], keys))
+                    checks = np.concatenate(([last[1]], checks))
+                if np.any(keys[1:] < keys[:-1]):
                     raise ValueError("key index entries must come in ascending key order, "
                                      "each key once")
+                same = keys[1:] == keys[:-1]
+                if same.any():
+                    if bool(np.all(checks[1:][same] == checks[:-1][same])):
+                        raise ValueError("key index entries must come in ascending key order, "
+                                         "each key once")
+                    raise KeyClash("two keys of the table share an index entry")
+                if last is not None:
+                    keys, checks = keys[1:], checks[1:]
                 ids = (np.asarray(paths, dtype=np.int32) if files is not None else
                        np.fromiter((self._file_id(x) for x in paths), dtype=np.int32,
                                    count=len(keys)))
                 keys.tofile(k)
+                checks.tofile(c)
                 ids.tofile(f)
                 np.asarray(positions, dtype=np.int64).tofile(p)
-                size, last = size + len(keys), int(keys[-1])
+                size, last = size + len(keys), (int(keys[-1]), int(checks[-1]))
+        self._file_ids = {f: i for i, f in enumerate(self._files)}
         self._base, self._base_size, self.snapshot = base, size, snapshot
         self._save()
 
     def rebuild_from_files(self, snapshot: Optional[int], files: list[str],
-                           rows: Iterator[tuple[int, int, np.ndarray]], scratch: Path,
-                           run: int = 1 << 21) -> None:
+                           rows: Iterator[tuple[int, int, np.ndarray, Optional[np.ndarray]]],
+                           scratch: Path, run: int = 1 << 21) -> None:
         """Make the index anew from the keys of data files, in any order: ``rows`` gives
-        (file number in ``files``, position of the first row, the keys of consecutive rows).
+        (file number in ``files``, position of the first row, the keys and checks of
+        consecutive rows).
         Sorted on disk under ``scratch`` in runs of ``run`` keys, then merged, so memory stays
         bounded by the run whatever the table's size (about 50 bytes a key of the run: 100 MB
         for the default run of 2M keys)."""
-        self.rebuild(snapshot, _external_sort(rows, scratch, run), files)
+        self.rebuild(snapshot, _external_sort(_numbered(rows), scratch, run), files)
+
+    def rebuild_unsorted(self, snapshot: Optional[int], files: list[str],
+                         entries: Iterator[Entry], scratch: Path, run: int = 1 << 21) -> None:
+        """``rebuild`` from entries in any order (data files given as numbers in ``files``),
+        sorted on disk as ``rebuild_from_files`` does."""
+        self.rebuild(snapshot, _external_sort(entries, scratch, run), files)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -197,9 +266,10 @@ class KeyIndex:
             count = min(self.chunk, self._base_size - offset)
             yield offset, np.fromfile(path, dtype=np.int64, count=count, offset=offset * 8)
 
-    def lookup(self, keys: np.ndarray) -> Hits:
-        """The current row of each of ``keys`` that the table holds."""
-        queries = sorted_unique(keys)
+    def lookup(self, keys: np.ndarray, checks: Optional[np.ndarray] = None) -> Hits:
+        """The current row of each of ``keys`` (with ``checks``, see the module docstring)
+        that the table holds. ``KeyClash`` if a key's entry has another check."""
+        queries, wanted = sorted_unique_pairs(keys, checks)
         found_keys: list[np.ndarray] = []
         found_ids: list[np.ndarray] = []
         found_pos: list[np.ndarray] = []
@@ -208,6 +278,7 @@ class KeyIndex:
             at = np.searchsorted(run.keys, queries)
             hit = pending & (at < len(run.keys))
             hit[hit] = run.keys[at[hit]] == queries[hit]
+            _same(run.checks[at[hit]], wanted[hit])
             live = hit.copy()
             live[hit] = run.file_ids[at[hit]] != TOMBSTONE
             found_keys.append(queries[live])
@@ -225,6 +296,8 @@ class KeyIndex:
             hit[hit] = chunk[at[hit]] == window[hit]
             if not hit.any():
                 continue
+            _same(self._base_slice("checks", np.int64, offset, len(chunk))[at[hit]],
+                  wanted[lo:hi][hit])
             found_keys.append(window[hit])
             # The hit chunk's file ids and positions are read whole: mapping the columns instead
             # held every page a lookup touched (most of them, for keys spread at random) in the
@@ -241,24 +314,25 @@ class KeyIndex:
 
     # ---- changing ---------------------------------------------------------------------------
 
-    def commit(self, snapshot: int, gone: np.ndarray, added: tuple[np.ndarray, list[str],
-                                                                   np.ndarray]) -> None:
+    def commit(self, snapshot: int, gone: np.ndarray, added: Entry) -> None:
         """Record a commit that made the table ``snapshot``: the keys in ``gone`` no longer
-        have a row (deleted, or replaced by a row in ``added``), ``added`` gives (keys, data
-        files, positions) of the rows it wrote."""
-        keys, paths, positions = added
+        have a row (deleted, or replaced by a row in ``added``), ``added`` gives (keys,
+        checks, data files, positions) of the rows it wrote."""
+        keys, checks, paths, positions = added
         keys = np.asarray(keys, dtype=np.int64)
         ids = np.fromiter((self._file_id(x) for x in paths), dtype=np.int32, count=len(keys))
         gone = np.asarray(gone, dtype=np.int64)
         all_keys = np.concatenate([gone, keys])
+        all_checks = np.concatenate([np.zeros(len(gone), np.int64), _checks(checks, len(keys))])
         all_ids = np.concatenate([np.full(len(gone), TOMBSTONE, np.int32), ids])
         all_pos = np.concatenate([np.zeros(len(gone), np.int64),
                                   np.asarray(positions, dtype=np.int64)])
-        run = _Run(*_sorted_unique_last(all_keys, all_ids, all_pos))
+        run = _Run(*_sorted_unique_last(all_keys, all_checks, all_ids, all_pos))
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"delta-{uuid.uuid4().hex}.npz"
         with open(self.directory / name, "wb") as out:
-            np.savez(out, keys=run.keys, file_ids=run.file_ids, positions=run.positions)
+            np.savez(out, keys=run.keys, checks=run.checks, file_ids=run.file_ids,
+                     positions=run.positions)
             out.flush()
             os.fsync(out.fileno())
         self._deltas.append(run)
@@ -273,6 +347,7 @@ class KeyIndex:
         """Fold the deltas into a new base, chunk by chunk of the old one."""
         delta = _Run(*_sorted_unique_last(
             np.concatenate([d.keys for d in self._deltas]),
+            np.concatenate([d.checks for d in self._deltas]),
             np.concatenate([d.file_ids for d in self._deltas]),
             np.concatenate([d.positions for d in self._deltas])))
         base = f"base-{uuid.uuid4().hex}"
@@ -280,10 +355,11 @@ class KeyIndex:
         folder.mkdir()
         size, taken = 0, 0
         chunks = list(self._base_chunks()) or [(0, np.empty(0, np.int64))]
-        with open(folder / "keys", "wb") as k, open(folder / "files", "wb") as f, \
-                open(folder / "positions", "wb") as p:
+        with open(folder / "keys", "wb") as k, open(folder / "checks", "wb") as c, \
+                open(folder / "files", "wb") as f, open(folder / "positions", "wb") as p:
             for n, (offset, chunk) in enumerate(chunks):
                 count = len(chunk)
+                checks = self._base_slice("checks", np.int64, offset, count)
                 ids = self._base_slice("files", np.int32, offset, count)
                 pos = self._base_slice("positions", np.int64, offset, count)
                 upto = len(delta.keys) if n == len(chunks) - 1 else \
@@ -291,11 +367,14 @@ class KeyIndex:
                 d = slice(taken, upto)
                 taken = upto
                 keys_m = np.concatenate([chunk, delta.keys[d]])
+                checks_m = np.concatenate([checks, delta.checks[d]])
                 ids_m = np.concatenate([ids, delta.file_ids[d]])
                 pos_m = np.concatenate([pos, delta.positions[d]])
-                keys_m, ids_m, pos_m = _sorted_unique_last(keys_m, ids_m, pos_m)
+                keys_m, checks_m, ids_m, pos_m = _sorted_unique_last(keys_m, checks_m, ids_m,
+                                                                     pos_m)
                 live = ids_m != TOMBSTONE
                 keys_m[live].tofile(k)
+                checks_m[live].tofile(c)
                 ids_m[live].tofile(f)
                 pos_m[live].tofile(p)
                 size += int(live.sum())
@@ -306,39 +385,59 @@ class KeyIndex:
     def _base_slice(self, column: str, dtype: type, offset: int, count: int) -> np.ndarray:
         if not self._base or count == 0:
             return np.empty(0, dtype)
+        path = self.directory / self._base / column
+        if column == "checks" and not path.exists():  # a base made before checks were kept
+            return np.zeros(count, dtype)
         width = np.dtype(dtype).itemsize
-        return np.fromfile(self.directory / self._base / column, dtype=dtype, count=count,
-                           offset=offset * width)
+        return np.fromfile(path, dtype=dtype, count=count, offset=offset * width)
 
 
-def _external_sort(rows: Iterator[tuple[int, int, np.ndarray]], scratch: Path, run: int
-                   ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(keys, file numbers, positions) of ``rows`` (see ``KeyIndex.rebuild_from_files``) in
-    ascending key order, in batches: sorted runs of at most ``run`` entries written under
-    ``scratch``, then merged a block of each run at a time."""
+def _same(held: np.ndarray, wanted: np.ndarray) -> None:
+    """Hits count only when the check matches: two keys share the entry otherwise."""
+    if len(held) and not bool(np.array_equal(held, wanted)):
+        raise KeyClash("a key of the batch shares its index entry with another key")
+
+
+def _numbered(rows: Iterator[tuple[int, int, np.ndarray, Optional[np.ndarray]]]
+              ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(keys, checks, file numbers, positions) of consecutive rows of numbered files."""
+    for file_number, first, keys, checks in rows:
+        keys = np.asarray(keys, dtype=np.int64)
+        yield (keys, _checks(checks, len(keys)), np.full(len(keys), file_number, np.int32),
+               np.arange(first, first + len(keys), dtype=np.int64))
+
+
+Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # keys, checks, files, positions
+_NAMES = (("keys", np.int64), ("checks", np.int64), ("files", np.int32), ("positions", np.int64))
+
+
+def _external_sort(entries: Iterator[Entry], scratch: Path, run: int) -> Iterator[Columns]:
+    """``entries`` (file numbers, not paths) in ascending key order, in batches: sorted runs
+    of at most ``run`` entries written under ``scratch``, then merged a block of each run at a
+    time."""
     runs: list[Path] = []
-    pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    pending: list[Columns] = []
     held = 0
 
     def spill() -> None:
         nonlocal pending, held
-        keys, files, positions = _by_key(pending)
+        sorted_run = _by_key(pending)
         folder = Path(tempfile.mkdtemp(prefix="run-", dir=scratch))
-        keys.tofile(folder / "keys")
-        files.tofile(folder / "files")
-        positions.tofile(folder / "positions")
+        for (name, _), column in zip(_NAMES, sorted_run, strict=True):
+            column.tofile(folder / name)
         runs.append(folder)
         pending, held = [], 0
 
-    for file_number, first, keys in rows:
+    for keys, checks, numbers, positions in entries:
         keys = np.asarray(keys, dtype=np.int64)
+        whole = (keys, _checks(checks, len(keys)), np.asarray(numbers, dtype=np.int32),
+                 np.asarray(positions, dtype=np.int64))
         for lo in range(0, len(keys), run):
-            part = keys[lo:lo + run]
-            if held + len(part) > run:
+            part = tuple(c[lo:lo + run] for c in whole)
+            if held + len(part[0]) > run:
                 spill()
-            pending.append((part, np.full(len(part), file_number, np.int32),
-                            np.arange(first + lo, first + lo + len(part), dtype=np.int64)))
-            held += len(part)
+            pending.append(part)  # type: ignore[arg-type]
+            held += len(part[0])
     if not runs:  # everything fits in one run: sorted in memory
         if pending:
             yield _by_key(pending)
@@ -348,13 +447,12 @@ def _external_sort(rows: Iterator[tuple[int, int, np.ndarray]], scratch: Path, r
     yield from _merge(runs, max(1 << 16, run // len(runs)))
 
 
-def _by_key(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(keys, file numbers, positions) of ``parts`` together, sorted by key."""
+def _by_key(parts: list[Columns]) -> Columns:
+    """The columns of ``parts`` together, sorted by key."""
     keys = np.concatenate([p[0] for p in parts])
     order = np.argsort(keys, kind="stable")
-    return (keys[order], np.concatenate([p[1] for p in parts])[order],
-            np.concatenate([p[2] for p in parts])[order])
+    return (keys[order], *(np.concatenate([p[i] for p in parts])[order]  # type: ignore[return-value]
+                           for i in (1, 2, 3)))
 
 
 class _RunReader:
@@ -364,9 +462,7 @@ class _RunReader:
         self.folder, self.block = folder, block
         self.size = (folder / "keys").stat().st_size // 8
         self.offset = 0
-        self.keys = np.empty(0, np.int64)
-        self.files = np.empty(0, np.int32)
-        self.positions = np.empty(0, np.int64)
+        self.held: Columns = tuple(np.empty(0, t) for _, t in _NAMES)  # type: ignore[assignment]
 
     @property
     def more(self) -> bool:
@@ -375,32 +471,31 @@ class _RunReader:
 
     def fill(self) -> None:
         count = min(self.block, self.size - self.offset)
-        self.keys = np.fromfile(self.folder / "keys", np.int64, count, offset=self.offset * 8)
-        self.files = np.fromfile(self.folder / "files", np.int32, count, offset=self.offset * 4)
-        self.positions = np.fromfile(self.folder / "positions", np.int64, count,
-                                     offset=self.offset * 8)
+        self.held = tuple(np.fromfile(self.folder / name, t, count,  # type: ignore[assignment]
+                                      offset=self.offset * np.dtype(t).itemsize)
+                          for name, t in _NAMES)
         self.offset += count
 
-    def take(self, upto: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def take(self, upto: int) -> Columns:
         """The held entries with a key of at most ``upto``; the rest stay held."""
-        n = int(np.searchsorted(self.keys, upto, side="right"))
-        out = (self.keys[:n], self.files[:n], self.positions[:n])
-        self.keys, self.files, self.positions = self.keys[n:], self.files[n:], self.positions[n:]
-        return out
+        n = int(np.searchsorted(self.held[0], upto, side="right"))
+        out = tuple(c[:n] for c in self.held)
+        self.held = tuple(c[n:] for c in self.held)  # type: ignore[assignment]
+        return out  # type: ignore[return-value]
 
 
-def _merge(folders: list[Path], block: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _merge(folders: list[Path], block: int) -> Iterator[Columns]:
     """Sorted runs merged: each round takes, from every run's held block, the entries up to
     the smallest last key among the blocks of runs that have more on disk (nothing past it can
     come before it), so every round empties at least one block."""
     readers = [_RunReader(f, block) for f in folders]
     while True:
         for r in readers:
-            if not len(r.keys) and r.more:
+            if not len(r.held[0]) and r.more:
                 r.fill()
-        live = [r for r in readers if len(r.keys)]
+        live = [r for r in readers if len(r.held[0])]
         if not live:
             return
-        limits = [int(r.keys[-1]) for r in live if r.more]
+        limits = [int(r.held[0][-1]) for r in live if r.more]
         upto = min(limits) if limits else int(np.iinfo(np.int64).max)
         yield _by_key([r.take(upto) for r in live])

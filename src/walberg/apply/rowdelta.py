@@ -40,6 +40,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.datafiles import FIELD_ID_KEY, data_folder, field_id_metadata
+from walberg.apply.keycodec import KeyCodec
+from walberg.apply.keyindex import Entry
 from walberg.apply.session import java_table, quote_target
 from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
@@ -92,7 +94,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                      deletes: "Optional[Any | Positions]",
                      properties: Mapping[str, str], base_snapshot: Optional[int],
                      data_files: Sequence[Any] = (), table: Any = None,
-                     keys: Optional[tuple[str, int, int]] = None) -> RowDeltaResult:
+                     keys: Optional[tuple[str, Any, Any]] = None) -> RowDeltaResult:
     """Add ``rows`` (a DataFrame in the table's schema) and ``data_files`` (Iceberg data files
     written already, see ``apply.datafiles``) and delete the rows at ``deletes``
     (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
@@ -104,8 +106,8 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     ``ApplyError`` the caller may retry against the new state) if a data file the deletes
     point into was removed or rewritten, if delete files were added (another writer deleted or
     updated rows, perhaps the same ones: committing too would leave a key twice) or if data
-    files were added that may hold rows of the same keys. ``keys``: (key column, lowest,
-    highest key the batch changes) narrows the last two to commits whose files may hold keys
+    files were added that may hold rows of the same keys. ``keys``: (a key column, the lowest
+    and highest of its values the batch changes) narrows the last two to commits whose files may hold keys
     in that range (None: any such commit conflicts)."""
     if table is None:
         table = java_table(spark, target)
@@ -165,7 +167,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         spark_call(f"committing a row delta to {target}", commit)
         clock.append(time.monotonic())
     except BaseException:
-        _remove(spark, written)
+        remove_files(spark, written)
         raise
     if expire:
         _remove_staged_metadata(spark, table, staged)
@@ -175,45 +177,69 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
 
 
-def _key_range(spark: Any, key: str, lowest: int, highest: int) -> Any:
+def _key_range(spark: Any, key: str, lowest: Any, highest: Any) -> Any:
     """The Iceberg expression ``lowest <= key <= highest``."""
     expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
     return getattr(expressions, "and")(expressions.greaterThanOrEqual(key, lowest),
                                        expressions.lessThanOrEqual(key, highest))
 
 
-Entries = Iterator[tuple[np.ndarray, list[str], np.ndarray]]
+Entries = Iterator[Entry]
 
 
-def lake_entries(spark: Any, target: str, key: str, scratch: Path) -> tuple[Optional[int], Entries]:
-    """What a key index of ``target`` holds: (key, data file, position) of every row of the
-    table's current snapshot, in key order, in batches; with that snapshot's id. Spark reads
-    and sorts (the work stays in the JVM and on the executors); the driver reads the sorted
-    result back from ``scratch`` a row group at a time."""
+def lake_entries(spark: Any, target: str, keys: Sequence[str], codec: KeyCodec, scratch: Path,
+                 files: list[str]) -> tuple[Optional[int], Entries]:
+    """What a key index of ``target`` holds: (key, check, data file number in ``files``,
+    position) of every row of the table's current snapshot, in batches; with that snapshot's
+    id. Spark reads the key columns (in their canonical form, see ``keycodec``) with each row's
+    file and position; for a key that sorts as its index entries do, Spark sorts too. The
+    driver reads the result back from ``scratch`` a row group at a time, encodes the keys and
+    numbers the files (appended to ``files`` as they come)."""
     table = java_table(spark, target)
     current = table.currentSnapshot()
     snapshot = None if current is None else int(current.snapshotId())
     if snapshot is None:
         return None, iter(())
+    forms = codec.spark_columns([_quote(k) for k in keys])
     frame = spark.read.option("snapshot-id", str(snapshot)).table(quote_target(target)) \
-        .selectExpr(f"CAST({_quote(key)} AS BIGINT) AS key", "_file AS file_path", "_pos AS pos") \
-        .orderBy("key")
-    return snapshot, _read_back(spark, frame, scratch)
+        .selectExpr(*(f"{f} AS k{i}" for i, f in enumerate(forms)), "_file AS file_path",
+                    "_pos AS pos")
+    if codec.sorted_like_the_table:
+        frame = frame.orderBy("k0")
+    return snapshot, _encoded(codec, _read_back(spark, frame, scratch), files)
 
 
-def plain_local_files(spark: Any, target: str, key: str
-                      ) -> Optional[tuple[Optional[int], list[str], list[Path], int]]:
+def _encoded(codec: KeyCodec, batches: Iterator[pa.RecordBatch], files: list[str]) -> Entries:
+    """Record batches of (key columns..., file_path, pos) as index entries, files numbered."""
+    numbers = {f: i for i, f in enumerate(files)}
+    for batch in batches:
+        n = batch.num_columns
+        keys, checks = codec.encode(batch.columns[:n - 2])
+        paths = batch.column(n - 2).dictionary_encode()
+        ids = np.empty(len(paths.dictionary), np.int32)
+        for i, path in enumerate(paths.dictionary.to_pylist()):
+            found = numbers.get(path)
+            if found is None:
+                found = numbers[path] = len(files)
+                files.append(path)
+            ids[i] = found
+        yield (keys, checks, ids[paths.indices.to_numpy(zero_copy_only=False)],
+               batch.column(n - 1).to_numpy(zero_copy_only=False).astype(np.int64))
+
+
+def plain_local_files(spark: Any, target: str, keys: Sequence[str]
+                      ) -> Optional[tuple[Optional[int], list[str], list[Path], list[int]]]:
     """The data files of ``target``'s current snapshot, when every one is on this machine's disk
     and no delete file applies to any (just after a copy, or a compaction): (snapshot, their
-    locations, their local paths, the key column's Iceberg field id). Then every row of those
+    locations, their local paths, the key columns' Iceberg field ids). Then every row of those
     files is live, and a row's position is its ordinal in its file. None otherwise."""
     table = java_table(spark, target)
     current = table.currentSnapshot()
     if current is None:
         return None
     snapshot = int(current.snapshotId())
-    field = table.schema().findField(key)
-    if field is None:
+    fields = [table.schema().findField(k) for k in keys]
+    if any(f is None for f in fields):
         return None
     locations: list[str] = []
     paths: list[Path] = []
@@ -232,47 +258,67 @@ def plain_local_files(spark: Any, target: str, key: str
             paths.append(local)
     finally:
         tasks.close()
-    return snapshot, locations, paths, int(field.fieldId())
+    return snapshot, locations, paths, [int(f.fieldId()) for f in fields]
 
 
-def file_keys(paths: Sequence[Path], field_id: int) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(file number, position of the first row, keys) of every row of local Parquet data
-    files, a row group at a time. The key column is found by its Iceberg field id, so a file
-    written before the column was renamed is read right."""
+def file_keys(paths: Sequence[Path], field_ids: Sequence[int], codec: KeyCodec
+              ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    """(file number, position of the first row, keys, checks) of every row of local Parquet
+    data files, a row group at a time. The key columns are found by their Iceberg field ids,
+    so a file written before a column was renamed is read right."""
     for number, path in enumerate(paths):
         parquet = pq.ParquetFile(path)
-        schema = parquet.schema_arrow
-        at = [i for i, f in enumerate(schema)
+        names = _columns_by_id(parquet.schema_arrow, field_ids, path)
+        offset = 0
+        for group in range(parquet.num_row_groups):
+            part = parquet.read_row_group(group, columns=names)
+            keys, checks = codec.encode([part.column(n) for n in names])
+            yield number, offset, keys, checks
+            offset += len(keys)
+
+
+def _columns_by_id(schema: pa.Schema, field_ids: Sequence[int], path: Path) -> list[str]:
+    names = []
+    for field_id in field_ids:
+        at = [f.name for f in schema
               if f.metadata and f.metadata.get(FIELD_ID_KEY) == str(field_id).encode()]
         if len(at) != 1:
             raise ApplyError(f"{path} has no column with field id {field_id}: it is not a data "
                              "file of this table as walberg knows it")
-        offset = 0
-        for group in range(parquet.num_row_groups):
-            column = parquet.read_row_group(group, columns=[schema.field(at[0]).name]).column(0)
-            keys = column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            yield number, offset, keys
-            offset += len(keys)
+        names.append(at[0])
+    return names
 
 
-def written_entries(spark: Any, files: tuple[str, ...], key: str, scratch: Path) -> Entries:
-    """(key, data file, position) of every row in the data files a commit wrote: each file's
-    rows in their order, read by Spark (Parquet's row index is Iceberg's position)."""
+def written_entries(spark: Any, files: tuple[str, ...], keys: Sequence[str], codec: KeyCodec,
+                    scratch: Path) -> Iterator[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]:
+    """(keys, checks, data file, position) of every row in the data files a commit wrote: each
+    file's rows in their order (Parquet's row index is Iceberg's position)."""
     if not files:
         return iter(())
     local = [_local_path(f) for f in files]
     if all(p is not None for p in local):
-        # A warehouse on this machine's disk: read the key column on the driver, no Spark job.
-        return _local_entries(files, [p for p in local if p is not None], key)
+        # A warehouse on this machine's disk: read the key columns on the driver, no Spark job.
+        return _local_entries(files, [p for p in local if p is not None], keys, codec)
     from pyspark.sql import functions as F
 
-    frames = [spark.read.parquet(path).select(
-        F.col(key).cast("long").alias("key"), F.lit(path).alias("file_path"),
-        F.col("_metadata.row_index").alias("pos")) for path in files]
+    forms = codec.spark_columns([_quote(k) for k in keys])
+    frames = [spark.read.parquet(path).selectExpr(
+        *(f"{f} AS k{i}" for i, f in enumerate(forms))).select(
+        "*", F.lit(path).alias("file_path"), F.col("_metadata.row_index").alias("pos"))
+        for path in files]
     frame = frames[0]
     for other in frames[1:]:
         frame = frame.unionAll(other)
-    return _read_back(spark, frame, scratch)
+    return _as_paths(codec, _read_back(spark, frame, scratch))
+
+
+def _as_paths(codec: KeyCodec, batches: Iterator[pa.RecordBatch]
+              ) -> Iterator[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]:
+    for batch in batches:
+        n = batch.num_columns
+        keys, checks = codec.encode(batch.columns[:n - 2])
+        yield (keys, checks, batch.column(n - 2).to_pylist(),
+               batch.column(n - 1).to_numpy(zero_copy_only=False).astype(np.int64))
 
 
 def _local_path(location: str) -> Optional[Path]:
@@ -284,22 +330,24 @@ def _local_path(location: str) -> Optional[Path]:
     return Path(location) if location.startswith("/") else None
 
 
-def _local_entries(files: tuple[str, ...], paths: list[Path], key: str) -> Entries:
-    """(key, data file, position) of each row of local data files, read on the driver: a
-    row's position is its ordinal in its file."""
+def _local_entries(files: tuple[str, ...], paths: list[Path], keys: Sequence[str],
+                   codec: KeyCodec) -> Iterator[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]:
+    """(keys, checks, data file, position) of each row of local data files, read on the
+    driver: a row's position is its ordinal in its file."""
     for name, path in zip(files, paths, strict=True):
         offset = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1 << 20, columns=[key]):
-            keys = batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64)
-            yield keys, [name] * len(keys), np.arange(offset, offset + len(keys), dtype=np.int64)
-            offset += len(keys)
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1 << 20, columns=list(keys)):
+            encoded, checks = codec.encode(batch.columns)
+            yield (encoded, checks, [name] * len(encoded),
+                   np.arange(offset, offset + len(encoded), dtype=np.int64))
+            offset += len(encoded)
 
 
-def _read_back(spark: Any, frame: Any, scratch: Path) -> Entries:
-    """Write ``frame`` (key, file_path, pos) as Parquet under ``scratch`` and yield it back a
-    row group at a time, in the order of its part files (a sorted frame stays sorted). On a
-    cluster whose executors cannot write to the driver's disk, the rows come to the driver
-    through Spark instead, a partition at a time, in the same order."""
+def _read_back(spark: Any, frame: Any, scratch: Path) -> Iterator[pa.RecordBatch]:
+    """Write ``frame`` as Parquet under ``scratch`` and yield it back a row group at a time,
+    in the order of its part files (a sorted frame stays sorted). On a cluster whose executors
+    cannot write to the driver's disk, the rows come to the driver through Spark instead, a
+    partition at a time, in the same order."""
     if not _driver_disk_shared(spark):
         yield from _stream_back(frame)
         return
@@ -312,10 +360,7 @@ def _read_back(spark: Any, frame: Any, scratch: Path) -> Entries:
             raise ApplyError(f"reading key positions: Spark's output is not in {folder}; the "
                              "executors do not write to this machine's disk")
         for part in sorted((folder / "rows").glob("part-*.parquet")):
-            for batch in pq.ParquetFile(part).iter_batches(batch_size=1 << 20):
-                yield (batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64),
-                       batch.column(1).to_pylist(),
-                       batch.column(2).to_numpy(zero_copy_only=False).astype(np.int64))
+            yield from pq.ParquetFile(part).iter_batches(batch_size=1 << 20)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -325,19 +370,22 @@ def _driver_disk_shared(spark: Any) -> bool:
     return str(spark.sparkContext.master).startswith("local")
 
 
-def _stream_back(frame: Any, size: int = 1 << 20) -> Entries:
-    keys: list[int] = []
-    files: list[str] = []
-    positions: list[int] = []
+def _stream_back(frame: Any, size: int = 1 << 20) -> Iterator[pa.RecordBatch]:
+    names = frame.columns
+    rows: list[Any] = []
     for row in frame.toLocalIterator(prefetchPartitions=True):
-        keys.append(row[0])
-        files.append(row[1])
-        positions.append(row[2])
-        if len(keys) >= size:
-            yield np.asarray(keys, np.int64), files, np.asarray(positions, np.int64)
-            keys, files, positions = [], [], []
-    if keys:
-        yield np.asarray(keys, np.int64), files, np.asarray(positions, np.int64)
+        rows.append(row)
+        if len(rows) >= size:
+            yield _batch(rows, names)
+            rows = []
+    if rows:
+        yield _batch(rows, names)
+
+
+def _batch(rows: list[Any], names: list[str]) -> pa.RecordBatch:
+    """Rows of canonical key columns (BIGINT or STRING), file_path, pos as a record batch."""
+    return pa.RecordBatch.from_arrays([pa.array([r[i] for r in rows])
+                                       for i in range(len(names))], names=names)
 
 
 def _quote(name: str) -> str:
@@ -421,7 +469,7 @@ def _remove_staged_metadata(spark: Any, table: Any, staged: Any) -> None:
     for manifest in staged.allManifests(table.io()):
         if manifest.snapshotId() is not None and int(manifest.snapshotId()) == int(staged.snapshotId()):
             paths.append(str(manifest.path()))
-    _remove(spark, paths)
+    remove_files(spark, paths)
 
 
 def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> tuple[Any, list[Any]]:
@@ -452,7 +500,7 @@ def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> tuple[Any, li
     raise ApplyError(f"staging rows for {target}: the staged snapshot {wap} was not found")
 
 
-def _remove(spark: Any, paths: list[str]) -> None:
+def remove_files(spark: Any, paths: list[str]) -> None:
     """Best effort: delete files a failed commit wrote (what is left is an orphan for
     ``walberg maintain`` to remove)."""
     jvm = spark._jvm

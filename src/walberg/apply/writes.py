@@ -18,6 +18,7 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
+from walberg.apply.keycodec import KeyClash, KeyEncodingError
 from walberg.apply.keyed import KeyedApply
 from walberg.apply.session import (
     DLQ_SUFFIX,
@@ -356,10 +357,13 @@ class Writes:
                 df = staged_rows()
                 return df if staged.unique_keys else _net(df, staged)
 
-            spark_call(f"applying a batch to {target} by position",
-                       lambda: self.keyed.apply(target, staged, last_changes, lsn, max_seq, void,
-                                                self.lake.marks(lsn, marks)))
-            return
+            try:
+                spark_call(f"applying a batch to {target} by position",
+                           lambda: self.keyed.apply(target, staged, last_changes, lsn, max_seq,
+                                                    void, self.lake.marks(lsn, marks)))
+                return
+            except (KeyClash, KeyEncodingError) as exc:
+                self.keyed.clashed(target, exc)  # nothing was committed: MERGE below
 
         df = staged_rows() if staged.files else None
         if staged.insert_only and df is not None and not upsert:

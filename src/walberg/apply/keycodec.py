@@ -1,0 +1,177 @@
+"""How a table's key becomes the key index's entry: two 64-bit integers, ``key`` (what the index
+is sorted and searched by) and ``check`` (compared on every hit).
+
+- One integer-like key (an integer, a date, a timestamp): ``key`` is the value itself,
+  ``check`` 0. Exact, and sorted as the table's keys are (Spark can sort a table's rows for
+  the index by the key column).
+- Two integer-like columns (integers, dates, timestamps), e.g. (tenant_id, id): ``check`` is
+  the second value, ``key`` a bijective mix of the first xor a mix of the second. Exact: from
+  (key, check) both values come back, so two different keys never share an entry.
+- Anything else (uuid, text, varchar, composites with text, more than two columns): the
+  128-bit BLAKE2b digest of the key's values (each length-prefixed, so ("ab", "c") and ("a",
+  "bc") differ), split in two. Two different keys share both halves with a chance of about
+  n^2 / 2^129: 10^-24 for ten million keys, far below a disk's undetected error rate.
+
+``key`` alone may repeat for different keys (a 64-bit clash: about one table in 400,000 at
+ten million keys); the index detects it by ``check`` and raises ``KeyClash``, and the table
+falls back to the MERGE, which is always right. A hit is used only when both halves match.
+
+The same value must give the same entry whether it comes from a staged batch file, a data
+file written by walberg on the driver, or one written by Spark: every form a column arrives in
+is brought to one canonical form first (integers as int64, dates as days, timestamps as
+microseconds since 1970, text as its UTF-8 bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+# The Spark SQL types a key column may have, by kind.
+_KINDS = {"TINYINT": "int", "SMALLINT": "int", "INT": "int", "BIGINT": "int", "DATE": "date",
+          "TIMESTAMP": "ts", "TIMESTAMP_NTZ": "ts", "STRING": "str"}
+_INTEGER_LIKE = ("int", "date", "ts")
+# What a key column is turned into by Spark before its rows come back to the driver (the same
+# canonical form the driver gives it): Spark SQL with {} for the quoted column.
+_SPARK_FORM = {"int": "CAST({} AS BIGINT)", "date": "CAST(unix_date({}) AS BIGINT)",
+               "ts": "unix_micros(CAST({} AS TIMESTAMP))", "str": "{}"}
+
+
+class KeyClash(Exception):
+    """Two different keys share an index entry's ``key`` (see the module docstring): the
+    table is applied by MERGE instead."""
+
+
+class KeyEncodingError(Exception):
+    """A key value that cannot be encoded (a NULL key): the batch is applied by MERGE."""
+
+
+@dataclass(frozen=True)
+class KeyCodec:
+    """The encoding of one table's key: the kind of each key column, in key order."""
+
+    kinds: tuple[str, ...]
+
+    @staticmethod
+    def for_types(spark_sql_types: Sequence[str]) -> Optional["KeyCodec"]:
+        """The codec for key columns of these Spark SQL types; None if one of them has no
+        canonical form here (the table is applied by MERGE)."""
+        kinds = tuple(_KINDS.get(t.upper()) for t in spark_sql_types)
+        if not kinds or any(k is None for k in kinds):
+            return None
+        return KeyCodec(tuple(k for k in kinds if k is not None))
+
+    @property
+    def name(self) -> str:
+        """What the index records, so that an index made for another key is never read."""
+        if self.kinds == ("int",):
+            return "int"
+        if self.single:
+            return f"one:{self.kinds[0]}"
+        return ("pair:" if self.exact else "blake2b-128:") + ",".join(self.kinds)
+
+    @property
+    def sorted_like_the_table(self) -> bool:
+        """Whether index keys sort as the key column does (one integer key), so that Spark's
+        sort by the column is the index's order."""
+        return self.single
+
+    @property
+    def single(self) -> bool:
+        """One integer-like column: the index key is its value."""
+        return len(self.kinds) == 1 and self.kinds[0] in _INTEGER_LIKE
+
+    @property
+    def exact(self) -> bool:
+        """Whether two different keys always differ in (key, check)."""
+        return self.single or (len(self.kinds) == 2 and all(k in _INTEGER_LIKE
+                                                           for k in self.kinds))
+
+    def spark_columns(self, quoted: Sequence[str]) -> list[str]:
+        """Spark SQL expressions for the key columns (quoted names) in their canonical form."""
+        return [_SPARK_FORM[k].format(q) for k, q in zip(self.kinds, quoted, strict=True)]
+
+    def span(self, column: pa.Array | pa.ChunkedArray) -> tuple[Any, Any]:
+        """The lowest and highest value of a column of the first key kind, as an Iceberg
+        expression on that column takes them (integers for integers, dates and timestamps)."""
+        if self.kinds[0] == "str":
+            found = pc.min_max(column)
+            return found["min"].as_py(), found["max"].as_py()
+        values = _canonical(self.kinds[0], column)
+        assert isinstance(values, np.ndarray)
+        return int(values.min()), int(values.max())
+
+    def encode(self, columns: Sequence[pa.Array | pa.ChunkedArray]) -> tuple[np.ndarray, np.ndarray]:
+        """(key, check) of each row of the key columns, as two int64 arrays."""
+        if len(columns) != len(self.kinds):
+            raise ValueError(f"a key of {len(self.kinds)} column(s) was given {len(columns)}")
+        canonical = [_canonical(kind, column) for kind, column in zip(self.kinds, columns,
+                                                                         strict=True)]
+        n = len(columns[0])
+        if self.single:
+            values = canonical[0]
+            assert isinstance(values, np.ndarray)
+            return values, np.zeros(n, np.int64)
+        if self.exact:
+            first, second = canonical
+            assert isinstance(first, np.ndarray) and isinstance(second, np.ndarray)
+            with np.errstate(over="ignore"):
+                key = _mix(first.view(np.uint64)) ^ _mix(second.view(np.uint64) ^ np.uint64(
+                    0x9E3779B97F4A7C15))
+            return key.view(np.int64), second.copy()
+        return _digests(canonical, n)
+
+
+def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> np.ndarray | list[bytes]:
+    """A key column in its canonical form: int64 values, or UTF-8 bytes for text."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise KeyEncodingError("a key column holds NULL")
+    if kind == "str":
+        if pa.types.is_integer(column.type):
+            raise KeyEncodingError(f"a text key column arrived as {column.type}")
+        return column.cast(pa.binary()).to_pylist()  # type: ignore[no-any-return]
+    if kind == "ts" and pa.types.is_timestamp(column.type):
+        column = pc.cast(column, pa.timestamp("us", column.type.tz))
+    elif kind == "date" and pa.types.is_date(column.type):
+        column = pc.cast(column, pa.date32()).cast(pa.int32())
+    elif not pa.types.is_integer(column.type):
+        raise KeyEncodingError(f"a {kind} key column arrived as {column.type}")
+    return np.asarray(column.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """A bijection of uint64 that spreads every input bit over the output (murmur3's
+    finalizer)."""
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xFF51AFD7ED558CCD)
+    x = x ^ (x >> np.uint64(33))
+    x = x * np.uint64(0xC4CEB9FE1A85EC53)
+    out: np.ndarray = x ^ (x >> np.uint64(33))
+    return out
+
+
+def _digests(canonical: Sequence[np.ndarray | list[bytes]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(key, check): the halves of each row's 128-bit BLAKE2b digest."""
+    blake = hashlib.blake2b
+    if len(canonical) == 1 and isinstance(canonical[0], list):
+        # One text column: its bytes are the key's whole encoding.
+        out = b"".join([blake(v, digest_size=16).digest() for v in canonical[0]])
+    else:
+        parts: list[list[bytes]] = []
+        for values in canonical:
+            if isinstance(values, np.ndarray):
+                raw = values.astype("<i8").tobytes()
+                parts.append([raw[i:i + 8] for i in range(0, 8 * n, 8)])
+            else:
+                parts.append([len(v).to_bytes(4, "little") + v for v in values])
+        out = b"".join([blake(b"".join(row), digest_size=16).digest()
+                        for row in zip(*parts, strict=True)])
+    both = np.frombuffer(out, dtype="<i8").reshape(-1, 2) if n else np.empty((0, 2), np.int64)
+    return both[:, 0].astype(np.int64), both[:, 1].astype(np.int64)

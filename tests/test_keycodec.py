@@ -1,0 +1,81 @@
+"""How keys become index entries (apply/keycodec.py): one value, whatever form it arrives in
+(a staged batch file, a data file written on the driver, one written by Spark); different keys
+never the same entry where the encoding is exact."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from walberg.apply.keycodec import KeyCodec, KeyEncodingError
+
+
+def _pairs(codec: KeyCodec, *columns: pa.Array) -> list[tuple[int, int]]:
+    keys, checks = codec.encode(list(columns))
+    return list(zip(keys.tolist(), checks.tolist(), strict=True))
+
+
+def test_one_value_one_entry_whatever_its_arrow_form() -> None:
+    ids = [str(uuid.uuid4()) for _ in range(50)]
+    text = KeyCodec.for_types(["STRING"])
+    assert text is not None and not text.exact and text.name == "blake2b-128:str"
+    assert _pairs(text, pa.array(ids)) == _pairs(text, pa.array(ids, pa.large_string())) \
+        == _pairs(text, pa.chunked_array([pa.array(ids[:20]), pa.array(ids[20:])]))
+    assert len(set(_pairs(text, pa.array(ids)))) == 50
+
+    stamps = [dt.datetime(2024, 1, 1, 12, 0, 0, 5), dt.datetime(1969, 12, 31, 23, 59, 59)]
+    ts = KeyCodec.for_types(["TIMESTAMP"])
+    assert ts is not None and ts.single and ts.sorted_like_the_table
+    micros = _pairs(ts, pa.array(stamps, pa.timestamp("us", "UTC")))
+    assert micros == _pairs(ts, pa.array(stamps, pa.timestamp("ns", "UTC")))  # Spark's INT96
+    assert micros == _pairs(ts, pa.array([1704110400000005, -1000000], pa.int64()))  # unix_micros
+
+    day = KeyCodec.for_types(["DATE"])
+    assert day is not None
+    assert _pairs(day, pa.array([dt.date(2024, 3, 1)], pa.date32())) == \
+        _pairs(day, pa.array([(dt.date(2024, 3, 1) - dt.date(1970, 1, 1)).days], pa.int64()))
+
+    one = KeyCodec.for_types(["INT"])
+    assert one is not None and one.name == "int"
+    assert _pairs(one, pa.array([7, -1], pa.int32())) == [(7, 0), (-1, 0)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2**63, 2**63 - 1), st.integers(-2**31, 2**31 - 1)),
+                unique=True, max_size=80))
+def test_two_integer_columns_are_exact(keys: list[tuple[int, int]]) -> None:
+    """(key, check) gives both values back: two different keys never share an entry."""
+    codec = KeyCodec.for_types(["BIGINT", "INT"])
+    assert codec is not None and codec.exact and not codec.single
+    pairs = _pairs(codec, pa.array([k[0] for k in keys], pa.int64()),
+                   pa.array([k[1] for k in keys], pa.int32()))
+    assert len(set(pairs)) == len(keys)
+    assert [c for _, c in pairs] == [k[1] for k in keys]
+
+
+def test_composite_text_keys_do_not_run_together() -> None:
+    codec = KeyCodec.for_types(["STRING", "STRING"])
+    assert codec is not None and not codec.exact
+    a = _pairs(codec, pa.array(["ab", "a"]), pa.array(["c", "bc"]))
+    assert a[0] != a[1]
+    mixed = KeyCodec.for_types(["STRING", "BIGINT"])
+    assert mixed is not None and mixed.name == "blake2b-128:str,int"
+    assert len(set(_pairs(mixed, pa.array(["t1", "t1", "t2"]),
+                          pa.array([1, 2, 1], pa.int64())))) == 3
+
+
+def test_keys_without_a_canonical_form_take_the_merge() -> None:
+    assert KeyCodec.for_types(["DOUBLE"]) is None
+    assert KeyCodec.for_types(["DECIMAL(12,2)"]) is None
+    assert KeyCodec.for_types(["BINARY", "INT"]) is None
+    codec = KeyCodec.for_types(["STRING"])
+    assert codec is not None
+    with pytest.raises(KeyEncodingError):
+        codec.encode([pa.array(["a", None])])
+    assert codec.encode([pa.array([], pa.string())])[0].dtype == np.int64
