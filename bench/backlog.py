@@ -1,12 +1,13 @@
 """The user's situation, cold: `walberg run --once` as a command, on tables of growing size.
 
     python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
+                            [--shape bigint|uuid|text|composite|days|v3]
 
 Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.classcache),
 as a machine's first walberg run makes it in the background; the time it took is reported.
 Then for each table size N, in one run, on one embedded PostgreSQL:
 
-1. A table (id bigint key, name text, amount numeric(12,2), n int) of N rows is copied into
+1. A table (its key, name text, amount numeric(12,2), n int) of N rows is copied into
    Iceberg by `walberg run --once` in a process of its own (a cold JVM), next to `COPY ... TO
    STDOUT` of the same table.
 2. A no-op `walberg run --once` (nothing to apply), three times, their median: the fixed
@@ -24,6 +25,10 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
    from 200k to 10M rows).
 5. With --compare-merge: a second backlog of the same kind on the same table, applied by
    MERGE (`sink.apply_by_position: false`), the apply path before key indexes.
+
+--shape picks the table's key and layout (SHAPES): a bigint key (the default), a uuid, a text
+key, a composite (tenant int, id bigint) key, a bigint key with the Iceberg table partitioned
+by days(ts) over a year, or a bigint key in a format-version 3 table.
 
 These machines are shared and noisy: the figures that matter are the ratios within one run.
 """
@@ -56,6 +61,19 @@ from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 10_000  # changes per source transaction
 
+# shape: (key columns, their SQL as a function of the row number {g}, the key's column names,
+# extra columns, their SQL, sink.tables layout)
+SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
+    "bigint": ("id bigint", "{g}", "id", "", "", {}),
+    "uuid": ("id uuid", "md5(({g})::text)::uuid", "id", "", "", {}),
+    "text": ("id text", "'customer-' || ({g})", "id", "", "", {}),
+    "composite": ("tenant int, id bigint", "({g}) % 64, {g}", "tenant, id", "", "", {}),
+    "days": ("id bigint", "{g}", "id", ", ts timestamptz",
+             ", timestamptz '2024-01-01 00:00:00+00' + (({g}) % 365) * interval '1 day' "
+             "+ (({g}) % 86400) * interval '1 second'", {"partition_by": ["days(ts)"]}),
+    "v3": ("id bigint", "{g}", "id", "", "", {"format_version": 3}),
+}
+
 
 def walberg_once(config: Path, step: str, env: Optional[dict[str, str]] = None) -> float:
     """Seconds one `walberg run --once` takes, as a command in a process of its own. Its log
@@ -78,8 +96,10 @@ def batch_seconds(config: Path, step: str) -> float:
                re.findall(r"staged in ([0-9.]+) s, committed in ([0-9.]+) s", text))
 
 
-def write_config(dsn: str, work: Path, name: str, by_position: bool = True) -> Path:
-    raw = {
+def write_config(dsn: str, work: Path, name: str, by_position: bool = True,
+                 shape: str = "bigint") -> Path:
+    layout = SHAPES[shape][5]
+    raw: dict[str, Any] = {
         "source": {"postgres": {"dsn": dsn, "slot": f"slot_{name}", "publication": f"pub_{name}",
                                 "tables": [f"public.{name}"]}},
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
@@ -88,16 +108,20 @@ def write_config(dsn: str, work: Path, name: str, by_position: bool = True) -> P
         "buffer": {"dir": str(work / f"segments_{name}")},
         "spark": {"master": "local[2]"},
     }
+    if layout:
+        raw["sink"]["tables"] = {f"public.{name}": layout}
     path = work / f"{name}{'' if by_position else '-merge'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
-def make_table(cur: Any, name: str, rows: int) -> float:
+def make_table(cur: Any, name: str, rows: int, shape: str = "bigint") -> float:
     """The table of ``rows`` rows; returns the seconds `COPY ... TO STDOUT` takes to read it."""
-    cur.execute(f"CREATE TABLE {name} (id bigint PRIMARY KEY, name text, amount numeric(12,2), "
-                "n int)")
-    cur.execute(f"INSERT INTO {name} SELECT g, 'customer ' || g, (g %% 100000) / 100.0, g %% 1000 "
+    key, key_sql, key_names, extra, extra_sql, _ = SHAPES[shape]
+    cur.execute(f"CREATE TABLE {name} ({key}, name text, amount numeric(12,2), n int{extra}, "
+                f"PRIMARY KEY ({key_names}))")
+    cur.execute(f"INSERT INTO {name} SELECT {key_sql.format(g='g')}, 'customer ' || g, "
+                f"(g %% 100000) / 100.0, g %% 1000{extra_sql.format(g='g')} "
                 "FROM generate_series(1, %s) g", (rows,))
     cur.execute(f"VACUUM ANALYZE {name}")
     # The load's dirty pages written out now, not by the checkpointer during the timed runs
@@ -107,25 +131,28 @@ def make_table(cur: Any, name: str, rows: int) -> float:
     return seconds
 
 
-def commit_backlog(cur: Any, name: str, rows: int, changes: int, first_new: int) -> int:
+def commit_backlog(cur: Any, name: str, rows: int, changes: int, first_new: int,
+                   shape: str = "bigint") -> int:
     """Half inserts of new keys (from ``first_new`` on), 3/10 updates and 2/10 deletes of
     random keys up to ``rows``; returns the changes Postgres made (random draws may repeat a
     key)."""
+    _, key_sql, key_names, _, extra_sql, _ = SHAPES[shape]
     made = 0
     inserts, updates = changes // 2, changes * 3 // 10
     deletes = changes - inserts - updates
+    drawn = (f"({key_names}) IN (SELECT {key_sql.format(g='r')} FROM (SELECT 1 + "
+             "(random() * %s)::bigint AS r FROM generate_series(1, %s)) drawn)")
     for lo in range(0, inserts, TXN):
-        cur.execute(f"INSERT INTO {name} SELECT g, 'new ' || g, 1.00, 1 FROM generate_series(%s, %s) g",
+        cur.execute(f"INSERT INTO {name} SELECT {key_sql.format(g='g')}, 'new ' || g, 1.00, 1"
+                    f"{extra_sql.format(g='g')} FROM generate_series(%s, %s) g",
                     (first_new + lo, first_new + min(lo + TXN, inserts) - 1))
         made += cur.rowcount
     for lo in range(0, updates, TXN):
-        cur.execute(f"UPDATE {name} SET amount = amount + 1, n = n + 1 WHERE id IN (SELECT "
-                    "1 + (random() * %s)::bigint FROM generate_series(1, %s))",
+        cur.execute(f"UPDATE {name} SET amount = amount + 1, n = n + 1 WHERE {drawn}",
                     (rows - 1, min(TXN, updates - lo)))
         made += cur.rowcount
     for lo in range(0, deletes, TXN):
-        cur.execute(f"DELETE FROM {name} WHERE id IN (SELECT 1 + (random() * %s)::bigint "
-                    "FROM generate_series(1, %s))", (rows - 1, min(TXN, deletes - lo)))
+        cur.execute(f"DELETE FROM {name} WHERE {drawn}", (rows - 1, min(TXN, deletes - lo)))
         made += cur.rowcount
     return made
 
@@ -141,10 +168,10 @@ def recvlogical(server: EmbeddedPostgres, slot: str, publication: str, end_lsn: 
 
 
 def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
-             changes: int, compare_merge: bool) -> dict[str, Any]:
-    name = f"backlog_{rows}"
-    copy_to_stdout_s = make_table(cur, name, rows)
-    config = write_config(server.dsn, work, name)
+             changes: int, compare_merge: bool, shape: str = "bigint") -> dict[str, Any]:
+    name = f"backlog_{shape}_{rows}"
+    copy_to_stdout_s = make_table(cur, name, rows, shape)
+    config = write_config(server.dsn, work, name, shape=shape)
     copy_s = walberg_once(config, "copy")
     # Three no-op runs, their median: one cold start varies by a second or more on a shared
     # machine, and the net apply time is a difference of two of them.
@@ -154,7 +181,7 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
     noop_bare_s = walberg_once(config, "noop-bare", {**os.environ, "WALBERG_CLASS_CACHE": "off"})
     cur.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
     cur.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}', 'pgoutput')")
-    made = commit_backlog(cur, name, rows, changes, rows + 1)
+    made = commit_backlog(cur, name, rows, changes, rows + 1, shape)
     cur.execute("SELECT pg_current_wal_insert_lsn()::text")
     end_lsn = cur.fetchone()[0]
     recv_s = recvlogical(server, f"recv_{name}", f"recv_{name}", end_lsn)
@@ -165,8 +192,9 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
     if compare_merge:
         # The same kind of backlog on the same table (a few percent larger now), applied by
         # MERGE (sink.apply_by_position: false): what the apply cost before, in this run.
-        more = commit_backlog(cur, name, rows, changes, 2 * rows + 1)
-        merge_s = walberg_once(write_config(server.dsn, work, name, by_position=False), "merge")
+        more = commit_backlog(cur, name, rows, changes, 2 * rows + 1, shape)
+        merge_s = walberg_once(write_config(server.dsn, work, name, by_position=False,
+                                            shape=shape), "merge")
         merge = {"merge_run_once_s": merge_s, "merge_changes": more,
                  "merge_net_s": max(merge_s - noop_s, 1e-3),
                  "merge_batch_s": batch_seconds(config.with_name(f"{name}-merge.yaml"), "merge")}
@@ -215,12 +243,20 @@ def main() -> int:
     ap.add_argument("--changes", type=int, default=200_000)
     ap.add_argument("--compare-merge", action="store_true",
                     help="also apply a second backlog by MERGE (the apply before key indexes)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "backlog.json"))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bigint",
+                    help="the table's key and layout (see SHAPES)")
+    ap.add_argument("--out", default=None,
+                    help="default: bench/results/backlog.json (backlog-<shape>.json for a shape "
+                         "other than bigint)")
     args = ap.parse_args()
+    if args.out is None:
+        suffix = "" if args.shape == "bigint" else f"-{args.shape}"
+        args.out = str(ROOT / "bench" / "results" / f"backlog{suffix}.json")
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="walberg-backlog-"))
     server = EmbeddedPostgres().start()
     results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": [],
+                               "shape": args.shape,
                                "class_archive": class_archive()}
     started = time.monotonic()
     try:
@@ -229,7 +265,7 @@ def main() -> int:
         cur = conn.cursor()
         for rows in sizes:
             results["sizes"].append(one_size(cur, server, work, rows, args.changes,
-                                               args.compare_merge))
+                                               args.compare_merge, args.shape))
             print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
     finally:
         server.stop()
@@ -241,7 +277,7 @@ def main() -> int:
             each["merge_growth"] = each["merge_batch_s"] / base["merge_batch_s"]
     out = save_results(results, args.out)
     print(f"\ncold `walberg run --once` backlog of {args.changes:,} random-key changes, "
-          f"{results['cores']} cores")
+          f"{args.shape} table, {results['cores']} cores")
     print(f"{'table rows':>12} {'no-op run':>10} {'(3 runs)':>10} {'(no archive)':>12} "
           f"{'apply run':>10} {'apply net':>10} "
           f"{'recvlogical':>12} {'ratio':>6} {'growth':>7} {'copy rows/s':>12} {'copy ratio':>11}")

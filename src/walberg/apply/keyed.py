@@ -53,11 +53,12 @@ from walberg.apply.rowdelta import (
     file_keys,
     lake_entries,
     plain_local_files,
-    position_delete_file,
+    position_delete_files,
     written_entries,
 )
 from walberg.apply.session import LakeSession, java_table
 from walberg.apply.tables import Tables
+from walberg.errors import ApplyError
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn
 
@@ -88,6 +89,10 @@ class KeyedApply:
         self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
         self._clashed: set[str] = set()  # tables whose keys share index entries: MERGE
+        # Of a partitioned table: its live data files' partitions (path -> (spec id and
+        # values, the Java DataFile)), as of a snapshot; a position-delete file takes them.
+        self._partitions: dict[str, dict[str, tuple[Any, Any]]] = {}
+        self._partitions_at: dict[str, Optional[int]] = {}
         self._swept = False
 
     @property
@@ -118,6 +123,8 @@ class KeyedApply:
         """The table may have been replaced or repartitioned: look at it afresh."""
         self._positional.pop(target, None)
         self._indexes.pop(target, None)
+        self._partitions.pop(target, None)
+        self._partitions_at.pop(target, None)
 
     # ---- which tables -----------------------------------------------------------------------
 
@@ -173,15 +180,18 @@ class KeyedApply:
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if found.built and now == found.snapshot:
+            self._know_partitions(target, table, now)
             return found
         appended = self._appends_since(table, found.snapshot, now) if found.built else None
         started = time.monotonic()
         with self._scratch() as scratch:
             if appended is not None:
-                entries = list(written_entries(self.lake.spark, tuple(appended), keys, codec,
-                                               scratch))
+                entries = list(written_entries(self.lake.spark,
+                                               tuple(str(f.location()) for f in appended),
+                                               keys, codec, scratch))
                 assert now is not None
                 found.commit(now, np.empty(0, np.int64), _concat(entries))
+                self._add_partitions(target, table, appended, now)
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:
@@ -205,14 +215,59 @@ class KeyedApply:
                         how = "read by Spark, sorted on the driver"
                 log.info("key index of %s rebuilt from the lake (%s): %d keys, in %.2f s",
                          target, how, found.size, time.monotonic() - started)
+        self._know_partitions(target, table, found.snapshot)
         return found
 
+    def _know_partitions(self, target: str, table: Any, snapshot: Optional[int]) -> None:
+        """Of a partitioned table, the partition of every live data file at ``snapshot`` (the
+        index's), read from the table's manifests unless known already."""
+        if table.spec().isUnpartitioned() and table.specs().size() == 1:
+            return
+        if self._partitions_at.get(target, -1) == snapshot and target in self._partitions:
+            return
+        self._partitions[target] = {}
+        self._partitions_at[target] = snapshot
+        if snapshot is None:
+            return
+        tasks = table.newScan().useSnapshot(snapshot).planFiles()
+        try:
+            files = []
+            it = tasks.iterator()
+            while it.hasNext():
+                files.append(it.next().file())
+        finally:
+            tasks.close()
+        self._add_partitions(target, table, files, snapshot)
+
+    def _add_partitions(self, target: str, table: Any, files: Sequence[Any],
+                        snapshot: Optional[int]) -> None:
+        """Data files a commit added, with their partitions, now at ``snapshot``."""
+        known = self._partitions.get(target)
+        if known is None:  # unpartitioned, or not read yet (``_know_partitions`` reads all)
+            return
+        for f in files:
+            known[str(f.location())] = ((int(f.specId()), str(f.partition())), f)
+        self._partitions_at[target] = snapshot
+
+    def _partition_of(self, target: str) -> Optional[Callable[[str], tuple[Any, Any]]]:
+        known = self._partitions.get(target)
+        if known is None:
+            return None
+
+        def partition_of(path: str) -> tuple[Any, Any]:
+            found = known.get(path)
+            if found is None:  # never: every live file's partition is known
+                raise ApplyError(f"{target}: the partition of data file {path} is not known")
+            return found
+
+        return partition_of
+
     def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]
-                       ) -> Optional[list[str]]:
+                       ) -> Optional[list[Any]]:
         """The data files added by the appends and compactions that lead from snapshot
         ``since`` to ``now``, oldest first; None if anything else happened in between, if they
         hold more than FOLLOW_MAX_ROWS rows, or if the way back is lost."""
-        files: list[str] = []
+        files: list[Any] = []
         rows = 0
         at = now
         for _ in range(MAX_APPENDS):
@@ -227,7 +282,7 @@ class KeyedApply:
             rows += sum(int(f.recordCount()) for f in added)
             if rows > FOLLOW_MAX_ROWS:
                 return None
-            files[:0] = [str(f.location()) for f in added]
+            files[:0] = added
             parent = snap.parentId()
             at = None if parent is None else int(parent)
         return None
@@ -261,18 +316,19 @@ class KeyedApply:
         spark = self.lake.spark
         table = java_table(spark, target)  # one load for the index, the new rows, the commit
         index = self.index(target, columns, table)
+        partition_of = self._partition_of(target)
         clock.append(time.monotonic())
         with self._scratch() as scratch, \
                 ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
 
-            def look_up() -> tuple[Hits, Optional[Positions], Optional[tuple[str, int, int]],
+            def look_up() -> tuple[Hits, list[Positions], Optional[tuple[str, Any, Any]],
                                    float]:
                 started = time.monotonic()
                 changed, checks, span = _batch_keys(staged.files, positions, codec, max_seq,
                                                     void)
                 hits = index.lookup(changed, checks)
-                deletes = None if not len(hits.keys) else position_delete_file(
-                    hits.files, hits.positions, scratch)
+                deletes = position_delete_files(hits.files, hits.positions, scratch,
+                                                partition_of)
                 # The commit conflicts with another writer's changes to keys in this range
                 # (of the first key column).
                 keys = None if span is None else (key_names[0], *span)
@@ -309,6 +365,8 @@ class KeyedApply:
             added = _concat(list(written_entries(spark, result.added_files, key_names, codec,
                                                  Path(scratch))))
         index.commit(result.snapshot_id, hits.keys, added)
+        if partition_of is not None:
+            self._add_partitions(target, table, result.data_files, result.snapshot_id)
         clock.append(time.monotonic())
         log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
                  "(new rows %.2f s, beside them the lookup and delete file %.2f s; deletes "
@@ -341,13 +399,12 @@ class KeyedApply:
 
 
 def _positional(table: Any) -> bool:
-    """Whether the Iceberg table takes position-delete files: unpartitioned (one delete file
-    serves the whole table), format v2 (v3 tables take deletion vectors instead) and
-    merge-on-read (a copy-on-write table is meant to have no delete files)."""
+    """Whether the Iceberg table takes position-delete files: format v2 (v3 tables take
+    deletion vectors instead) and merge-on-read (a copy-on-write table is meant to have no
+    delete files). Partitioned or not: a partitioned table gets a delete file per partition."""
     props = table.properties()
     modes = [props.get(f"write.{op}.mode") for op in ("update", "delete", "merge")]
-    return (bool(table.spec().isUnpartitioned())
-            and int(table.operations().current().formatVersion()) == 2
+    return (int(table.operations().current().formatVersion()) == 2
             and "copy-on-write" not in modes)
 
 

@@ -20,8 +20,9 @@ same result is one row delta:
   leaving a key twice; the caller tries again against the new state.
 
 Position deletes, not equality deletes: every reader (Spark, PyIceberg, DuckDB, Trino) applies
-them cheaply, and ``walberg maintain`` compacts them away. Unpartitioned tables only, for now:
-a position-delete file belongs to one partition.
+them cheaply, and ``walberg maintain`` compacts them away. In a partitioned table the deletes
+are written one file per partition of the data files they point into (a position-delete file
+belongs to one partition of one spec).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -57,6 +58,7 @@ class RowDeltaResult:
     added_rows: int
     deleted_rows: int
     added_files: tuple[str, ...] = ()  # the data files the commit wrote
+    data_files: tuple[Any, ...] = ()  # the same, as Iceberg's Java DataFiles
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # deletes, new rows, commit
 
 
@@ -68,30 +70,65 @@ class Positions:
     local: Path
     rows: int
     data_files: list[str]  # the data files they point into, sorted
+    # In a partitioned table: one of those data files (Iceberg's Java DataFile), whose spec and
+    # partition the delete file takes. None: the table's spec, unpartitioned.
+    partition: Any = None
+
+
+# A data file's partition, for grouping: (spec id, partition values as text) and the Java
+# DataFile itself.
+PartitionOf = Callable[[str], tuple[Hashable, Any]]
 
 
 def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path
                          ) -> Positions:
     """The rows at ``positions`` of data files ``files`` as one position-delete Parquet file in
     ``scratch``: sorted by file and position, the spec's field ids on its two columns."""
+    (found,) = position_delete_files(files, positions, scratch)
+    return found
+
+
+def position_delete_files(files: Sequence[str], positions: np.ndarray, scratch: Path,
+                          partition_of: Optional[PartitionOf] = None) -> list[Positions]:
+    """``position_delete_file``, one file per partition of the data files (a position-delete
+    file belongs to one partition of one spec, as Iceberg matches deletes to data files by
+    partition): ``partition_of`` tells each data file's (None: one file for all)."""
+    if not len(files):
+        return []
     # Sorted by the rank of each row's path among the few distinct ones, not by the strings.
     distinct = sorted(set(files))
     rank = {path: i for i, path in enumerate(distinct)}
     ranks = np.fromiter((rank[f] for f in files), dtype=np.int32, count=len(files))
     order = np.lexsort((positions, ranks))
+    ranks, positions = ranks[order], np.asarray(positions)[order]
+    groups: dict[Hashable, list[int]] = {}
+    partitions: dict[Hashable, Any] = {}
+    for i, path in enumerate(distinct):
+        key, partition = partition_of(path) if partition_of is not None else (None, None)
+        groups.setdefault(key, []).append(i)
+        partitions.setdefault(key, partition)
     schema = pa.schema([
         pa.field("file_path", pa.string(), nullable=False,
                  metadata=field_id_metadata(FILE_PATH_ID)),
         pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
-    local = scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
-    pq.write_table(pa.table([pa.array(distinct, pa.string()).take(pa.array(ranks[order])),
-                             pa.array(positions[order], pa.int64())], schema=schema),
-                   local, compression="snappy")
-    return Positions(local, len(files), distinct)
+    paths = pa.array(distinct, pa.string())
+    out = []
+    for key, members in groups.items():
+        if len(groups) == 1:
+            rows = np.arange(len(ranks))
+        else:
+            rows = np.flatnonzero(np.isin(ranks, np.asarray(members, np.int32)))
+        local = scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
+        pq.write_table(pa.table([paths.take(pa.array(ranks[rows])),
+                                 pa.array(positions[rows], pa.int64())], schema=schema),
+                       local, compression="snappy")
+        out.append(Positions(local, len(rows), [distinct[i] for i in members],
+                             partitions[key]))
+    return out
 
 
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
-                     deletes: "Optional[Any | Positions]",
+                     deletes: "Optional[Any | Positions | list[Positions]]",
                      properties: Mapping[str, str], base_snapshot: Optional[int],
                      data_files: Sequence[Any] = (), table: Any = None,
                      keys: Optional[tuple[str, Any, Any]] = None) -> RowDeltaResult:
@@ -111,17 +148,21 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     in that range (None: any such commit conflicts)."""
     if table is None:
         table = java_table(spark, target)
-    if not table.spec().isUnpartitioned():
-        raise ApplyError(f"{target} is partitioned: a row delta by position needs an "
-                         "unpartitioned table (the caller merges instead)")
+    if isinstance(deletes, Positions):
+        deletes = [deletes]
     added = deleted = 0
     written: list[str] = [str(f.location()) for f in data_files]
     new_files: list[Any] = list(data_files)
     staged: Any = None
     clock = [time.monotonic()]
     try:
-        if isinstance(deletes, Positions):
-            files, deleted, referenced = _upload_position_deletes(spark, table, deletes)
+        if isinstance(deletes, list):
+            files, referenced = [], []
+            for each in deletes:
+                found, count, points = _upload_position_deletes(spark, table, each)
+                files += found
+                deleted += count
+                referenced += points
         elif deletes is not None:
             files, deleted, referenced = _write_position_deletes(spark, table, deletes)
         else:
@@ -173,7 +214,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         _remove_staged_metadata(spark, table, staged)
     table.refresh()
     return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
-                          tuple(str(f.location()) for f in new_files),
+                          tuple(str(f.location()) for f in new_files), tuple(new_files),
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
 
 
@@ -399,6 +440,8 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[
     from pyspark.sql import functions as F
 
     jvm = spark._jvm
+    if not table.spec().isUnpartitioned():
+        raise ApplyError("position deletes from a DataFrame need an unpartitioned table")
     frame = deletes.select(
         F.col("file_path").cast("string").alias("file_path",
                                                 metadata={"parquet.field.id": FILE_PATH_ID}),
@@ -450,8 +493,12 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
         True, True, jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri()), dest))
     metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics(
         table.io().newInputFile(name), jvm.org.apache.iceberg.MetricsConfig.forPositionDelete(table))
-    delete = (jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec())
-              .ofPositionDeletes().withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
+    spec = table.spec() if deletes.partition is None else \
+        table.specs().get(deletes.partition.specId())
+    builder = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(spec).ofPositionDeletes()
+    if deletes.partition is not None:
+        builder = builder.withPartition(deletes.partition.partition())
+    delete = (builder.withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
               .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
     return [delete], deletes.rows, deletes.data_files
 
