@@ -79,3 +79,35 @@ def test_keys_without_a_canonical_form_take_the_merge() -> None:
     with pytest.raises(KeyEncodingError):
         codec.encode([pa.array(["a", None])])
     assert codec.encode([pa.array([], pa.string())])[0].dtype == np.int64
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300), st.booleans())
+def test_deletion_vectors_round_trip(positions: list[int], dense: bool) -> None:
+    """A deletion-vector-v1 blob (apply/dv.py) gives back the positions it was made of; a
+    corrupted one is refused."""
+    from walberg.apply import dv
+
+    if dense:
+        positions = positions + list(range(1000, 9000))  # a bitmap container, and runs
+    blob = dv.encode(np.asarray(positions, np.int64))
+    assert list(dv.decode(blob)) == sorted(set(positions))
+    broken = bytearray(blob)
+    broken[-5] ^= 1
+    with pytest.raises(ValueError):
+        dv.decode(bytes(broken))
+
+
+def test_uuids_are_exact_and_parsed_from_their_text() -> None:
+    ids = [uuid.uuid4() for _ in range(200)]
+    codec = KeyCodec.for_types(["STRING"], [True])
+    assert codec is not None and codec.exact and codec.name == "pair:uuid"
+    keys, checks = codec.encode([pa.array([str(u) for u in ids]).slice(0)])
+    assert checks.tolist() == [int.from_bytes(u.bytes[8:], "big", signed=True) for u in ids]
+    assert len(set(zip(keys.tolist(), checks.tolist(), strict=True))) == 200
+    # a sliced array reads from its own offset
+    k2, c2 = codec.encode([pa.array([str(u) for u in ids]).slice(5, 10)])
+    assert k2.tolist() == keys[5:15].tolist() and c2.tolist() == checks[5:15].tolist()
+    for bad in (str(ids[0]).upper(), str(ids[0]).replace("-", ""), "{" + str(ids[0]) + "}"):
+        with pytest.raises(KeyEncodingError):
+            codec.encode([pa.array([bad])])

@@ -419,3 +419,57 @@ def test_partitioned_tables_apply_by_position(pg_conn: Any, postgres: Any, spark
     specs = {f["spec_id"] for f in lake.inspect.files().to_pylist() if f["content"] == 1}
     assert len(specs) == 2, specs
     _rows_equal(pg_conn, warehouse, tables["days"], targets["days"], spark)
+
+
+def test_format_3_tables_get_deletion_vectors_by_position(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A format-version 3 table gets its deletes as deletion vectors written on the driver, one
+    per data file, each merged with that file's earlier one (which the commit removes); a
+    partitioned one as well. Spark, PyIceberg and DuckDB read them; `walberg maintain`
+    compacts them away and the index follows."""
+    tables = {"plain": f"public.{unique}_plain", "days": f"public.{unique}_days"}
+    with pg_conn.cursor() as cur:
+        for table in tables.values():
+            cur.execute(f"CREATE TABLE {table} (id uuid PRIMARY KEY, at timestamptz, v int)")
+            cur.execute(f"INSERT INTO {table} SELECT md5(g::text)::uuid, timestamptz "
+                        "'2024-01-01 00:00:00+00' + (g % 20) * interval '1 day', g "
+                        "FROM generate_series(1, 3000) g")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      list(tables.values())).model_dump(mode="json", exclude={"base_dir"})
+    raw["sink"]["format_version"] = 3
+    raw["sink"]["tables"] = {tables["days"]: {"partition_by": ["days(at)"]}}
+    config = parse_config(raw, tmp_path)
+    targets = {name: config.target_for(t) for name, t in tables.items()}
+    run_once(config, spark)
+    rounds = ["UPDATE {t} SET v = -v WHERE v % 7 = 0", "DELETE FROM {t} WHERE v % 11 = 0",
+              "UPDATE {t} SET v = v + 1000000 WHERE v % 5 = 0"]
+    for statement in rounds:
+        with pg_conn.cursor() as cur:
+            for table in tables.values():
+                cur.execute(statement.format(t=table))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="walberg"):
+            run_once(config, spark)
+        for name, target in targets.items():
+            assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
+            _rows_equal(pg_conn, warehouse, tables[name], target, spark)
+            vectors = spark.sql(f"SELECT file_format, referenced_data_file FROM {target}.files "
+                                "WHERE content = 1").collect()
+            assert vectors and all(f["file_format"] == "PUFFIN" for f in vectors)
+            # One live deletion vector per data file: each new one replaced the earlier.
+            referenced = [f["referenced_data_file"] for f in vectors]
+            assert len(referenced) == len(set(referenced)), name
+    last = hadoop_table(warehouse, targets["plain"]).current_snapshot().summary
+    assert int(last["removed-delete-files"]) > 0, "the earlier vectors were replaced"
+
+    maintain(Lake(config, session=spark), list(tables.values()))
+    with pg_conn.cursor() as cur:
+        for table in tables.values():
+            cur.execute(f"UPDATE {table} SET v = 0 WHERE v % 3 = 0")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
+    for name, target in targets.items():
+        assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
+        _rows_equal(pg_conn, warehouse, tables[name], target, spark)

@@ -36,18 +36,23 @@ import pyarrow.compute as pc
 _KINDS = {"TINYINT": "int", "SMALLINT": "int", "INT": "int", "BIGINT": "int", "DATE": "date",
           "TIMESTAMP": "ts", "TIMESTAMP_NTZ": "ts", "STRING": "str"}
 _INTEGER_LIKE = ("int", "date", "ts")
+_WORDS = {"int": 1, "date": 1, "ts": 1, "uuid": 2, "str": 0}
 # What a key column is turned into by Spark before its rows come back to the driver (the same
 # canonical form the driver gives it): Spark SQL with {} for the quoted column.
 _SPARK_FORM = {"int": "CAST({} AS BIGINT)", "date": "CAST(unix_date({}) AS BIGINT)",
-               "ts": "unix_micros(CAST({} AS TIMESTAMP))", "str": "{}"}
+               "ts": "unix_micros(CAST({} AS TIMESTAMP))", "str": "{}", "uuid": "{}"}
 
 
-class KeyClash(Exception):
+class ByMerge(Exception):
+    """This table's batches cannot go by position (said why): it takes the MERGE."""
+
+
+class KeyClash(ByMerge):
     """Two different keys share an index entry's ``key`` (see the module docstring): the
     table is applied by MERGE instead."""
 
 
-class KeyEncodingError(Exception):
+class KeyEncodingError(ByMerge):
     """A key value that cannot be encoded (a NULL key): the batch is applied by MERGE."""
 
 
@@ -58,10 +63,15 @@ class KeyCodec:
     kinds: tuple[str, ...]
 
     @staticmethod
-    def for_types(spark_sql_types: Sequence[str]) -> Optional["KeyCodec"]:
-        """The codec for key columns of these Spark SQL types; None if one of them has no
-        canonical form here (the table is applied by MERGE)."""
-        kinds = tuple(_KINDS.get(t.upper()) for t in spark_sql_types)
+    def for_types(spark_sql_types: Sequence[str],
+                  uuids: Optional[Sequence[bool]] = None) -> Optional["KeyCodec"]:
+        """The codec for key columns of these Spark SQL types (``uuids``: which of them hold
+        Postgres uuids, as their text); None if one of them has no canonical form here (the
+        table is applied by MERGE)."""
+        kinds = [_KINDS.get(t.upper()) for t in spark_sql_types]
+        for i, is_uuid in enumerate(uuids or ()):
+            if is_uuid and kinds[i] == "str":
+                kinds[i] = "uuid"
         if not kinds or any(k is None for k in kinds):
             return None
         return KeyCodec(tuple(k for k in kinds if k is not None))
@@ -88,9 +98,9 @@ class KeyCodec:
 
     @property
     def exact(self) -> bool:
-        """Whether two different keys always differ in (key, check)."""
-        return self.single or (len(self.kinds) == 2 and all(k in _INTEGER_LIKE
-                                                           for k in self.kinds))
+        """Whether two different keys always differ in (key, check): at most two 64-bit
+        words (a uuid is two)."""
+        return "str" not in self.kinds and sum(_WORDS[k] for k in self.kinds) <= 2
 
     def spark_columns(self, quoted: Sequence[str]) -> list[str]:
         """Spark SQL expressions for the key columns (quoted names) in their canonical form."""
@@ -99,10 +109,10 @@ class KeyCodec:
     def span(self, column: pa.Array | pa.ChunkedArray) -> tuple[Any, Any]:
         """The lowest and highest value of a column of the first key kind, as an Iceberg
         expression on that column takes them (integers for integers, dates and timestamps)."""
-        if self.kinds[0] == "str":
+        if self.kinds[0] in ("str", "uuid"):
             found = pc.min_max(column)
             return found["min"].as_py(), found["max"].as_py()
-        values = _canonical(self.kinds[0], column)
+        (values,) = _canonical(self.kinds[0], column)
         assert isinstance(values, np.ndarray)
         return int(values.min()), int(values.max())
 
@@ -110,8 +120,8 @@ class KeyCodec:
         """(key, check) of each row of the key columns, as two int64 arrays."""
         if len(columns) != len(self.kinds):
             raise ValueError(f"a key of {len(self.kinds)} column(s) was given {len(columns)}")
-        canonical = [_canonical(kind, column) for kind, column in zip(self.kinds, columns,
-                                                                         strict=True)]
+        canonical = [word for kind, column in zip(self.kinds, columns, strict=True)
+                     for word in _canonical(kind, column)]
         n = len(columns[0])
         if self.single:
             values = canonical[0]
@@ -127,8 +137,9 @@ class KeyCodec:
         return _digests(canonical, n)
 
 
-def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> np.ndarray | list[bytes]:
-    """A key column in its canonical form: int64 values, or UTF-8 bytes for text."""
+def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | list[bytes]]:
+    """A key column in its canonical form: int64 words (one a value; a uuid's 128 bits are
+    two), or the UTF-8 bytes of text."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if column.null_count:
@@ -136,14 +147,44 @@ def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> np.ndarray | li
     if kind == "str":
         if pa.types.is_integer(column.type):
             raise KeyEncodingError(f"a text key column arrived as {column.type}")
-        return column.cast(pa.binary()).to_pylist()  # type: ignore[no-any-return]
+        return [column.cast(pa.binary()).to_pylist()]
+    if kind == "uuid":
+        return list(_uuid_words(column))
     if kind == "ts" and pa.types.is_timestamp(column.type):
         column = pc.cast(column, pa.timestamp("us", column.type.tz))
     elif kind == "date" and pa.types.is_date(column.type):
         column = pc.cast(column, pa.date32()).cast(pa.int32())
     elif not pa.types.is_integer(column.type):
         raise KeyEncodingError(f"a {kind} key column arrived as {column.type}")
-    return np.asarray(column.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)
+    return [np.asarray(column.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)]
+
+
+_HEX = np.full(256, 255, np.uint8)
+_HEX[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10, dtype=np.uint8)
+_HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16, dtype=np.uint8)
+_UUID_DIGITS = np.array([i for i in range(36) if i not in (8, 13, 18, 23)])
+
+
+def _uuid_words(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The two 64-bit halves of each uuid of a column of their canonical text (Postgres's:
+    lowercase hex, dashes at 8, 13, 18, 23), parsed without a Python loop. Any other spelling
+    is refused (it would be another key in the table, but the same halves)."""
+    text = column.cast(pa.binary())
+    n = len(text)
+    if n == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    offsets = np.frombuffer(text.buffers()[1], np.int32, n + 1, text.offset * 4)
+    if not bool(np.all(np.diff(offsets) == 36)):
+        raise KeyEncodingError("a uuid key that is not 36 characters long")
+    data = np.frombuffer(text.buffers()[2], np.uint8, 36 * n, int(offsets[0])).reshape(n, 36)
+    if not bool(np.all(data[:, [8, 13, 18, 23]] == ord("-"))):
+        raise KeyEncodingError("a uuid key not in Postgres's spelling")
+    nibbles = _HEX[data[:, _UUID_DIGITS]]
+    if bool(np.any(nibbles == 255)):
+        raise KeyEncodingError("a uuid key not in lowercase hex")
+    raw = (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]
+    words = np.ascontiguousarray(raw).view(">u8").astype(np.uint64).view(np.int64)
+    return words[:, 0].copy(), words[:, 1].copy()
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

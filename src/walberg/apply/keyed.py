@@ -45,20 +45,24 @@ import pyarrow.parquet as pq
 
 from walberg.apply import datafiles, rowdelta
 from walberg.apply.batch import StagedTable, applied_rows, value_column
-from walberg.apply.keycodec import KeyClash, KeyCodec, KeyEncodingError
+from walberg.apply.keycodec import ByMerge, KeyCodec
 from walberg.apply.keyindex import Hits, KeyIndex, sorted_unique_pairs
+from walberg.apply.livefiles import LiveFiles, read_blob
 from walberg.apply.rowdelta import (
     Positions,
+    Vectors,
     commit_row_delta,
+    deletion_vectors,
     file_keys,
     lake_entries,
+    local_path,
     plain_local_files,
     position_delete_files,
     written_entries,
 )
 from walberg.apply.session import LakeSession, java_table
 from walberg.apply.tables import Tables
-from walberg.errors import ApplyError
+from walberg.apply.types import UUID
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn
 
@@ -89,10 +93,9 @@ class KeyedApply:
         self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
         self._clashed: set[str] = set()  # tables whose keys share index entries: MERGE
-        # Of a partitioned table: its live data files' partitions (path -> (spec id and
-        # values, the Java DataFile)), as of a snapshot; a position-delete file takes them.
-        self._partitions: dict[str, dict[str, tuple[Any, Any]]] = {}
-        self._partitions_at: dict[str, Optional[int]] = {}
+        # Of a partitioned or format-3 table: its live data files' partitions and deletion
+        # vectors (see livefiles), as of a snapshot.
+        self._live: dict[str, Optional[LiveFiles]] = {}
         self._swept = False
 
     @property
@@ -123,8 +126,7 @@ class KeyedApply:
         """The table may have been replaced or repartitioned: look at it afresh."""
         self._positional.pop(target, None)
         self._indexes.pop(target, None)
-        self._partitions.pop(target, None)
-        self._partitions_at.pop(target, None)
+        self._live.pop(target, None)
 
     # ---- which tables -----------------------------------------------------------------------
 
@@ -138,7 +140,7 @@ class KeyedApply:
         if not keys or len(keys) == len(columns):
             return None
         codec = KeyCodec.for_types([self.lake.types.spark_type(columns[i], target).sql
-                                    for i in keys])
+                                    for i in keys], [columns[i].type_oid == UUID for i in keys])
         if codec is None:
             return None
         if target not in self._positional:
@@ -180,7 +182,7 @@ class KeyedApply:
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if found.built and now == found.snapshot:
-            self._know_partitions(target, table, now)
+            self._know_files(target, table, now)
             return found
         appended = self._appends_since(table, found.snapshot, now) if found.built else None
         started = time.monotonic()
@@ -191,7 +193,9 @@ class KeyedApply:
                                                keys, codec, scratch))
                 assert now is not None
                 found.commit(now, np.empty(0, np.int64), _concat(entries))
-                self._add_partitions(target, table, appended, now)
+                live = self._live.get(target)
+                if live is not None and live.snapshot == found.snapshot:
+                    live.added(appended, now)
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:
@@ -215,52 +219,17 @@ class KeyedApply:
                         how = "read by Spark, sorted on the driver"
                 log.info("key index of %s rebuilt from the lake (%s): %d keys, in %.2f s",
                          target, how, found.size, time.monotonic() - started)
-        self._know_partitions(target, table, found.snapshot)
+        self._know_files(target, table, found.snapshot)
         return found
 
-    def _know_partitions(self, target: str, table: Any, snapshot: Optional[int]) -> None:
-        """Of a partitioned table, the partition of every live data file at ``snapshot`` (the
-        index's), read from the table's manifests unless known already."""
-        if table.spec().isUnpartitioned() and table.specs().size() == 1:
-            return
-        if self._partitions_at.get(target, -1) == snapshot and target in self._partitions:
-            return
-        self._partitions[target] = {}
-        self._partitions_at[target] = snapshot
-        if snapshot is None:
-            return
-        tasks = table.newScan().useSnapshot(snapshot).planFiles()
-        try:
-            files = []
-            it = tasks.iterator()
-            while it.hasNext():
-                files.append(it.next().file())
-        finally:
-            tasks.close()
-        self._add_partitions(target, table, files, snapshot)
-
-    def _add_partitions(self, target: str, table: Any, files: Sequence[Any],
-                        snapshot: Optional[int]) -> None:
-        """Data files a commit added, with their partitions, now at ``snapshot``."""
-        known = self._partitions.get(target)
-        if known is None:  # unpartitioned, or not read yet (``_know_partitions`` reads all)
-            return
-        for f in files:
-            known[str(f.location())] = ((int(f.specId()), str(f.partition())), f)
-        self._partitions_at[target] = snapshot
-
-    def _partition_of(self, target: str) -> Optional[Callable[[str], tuple[Any, Any]]]:
-        known = self._partitions.get(target)
-        if known is None:
-            return None
-
-        def partition_of(path: str) -> tuple[Any, Any]:
-            found = known.get(path)
-            if found is None:  # never: every live file's partition is known
-                raise ApplyError(f"{target}: the partition of data file {path} is not known")
-            return found
-
-        return partition_of
+    def _know_files(self, target: str, table: Any, snapshot: Optional[int]) -> None:
+        """Of a partitioned or format-3 table, the partition and deletion vector of every live
+        data file at ``snapshot`` (the index's), read from the manifests unless known."""
+        if target not in self._live:
+            self._live[target] = LiveFiles.needed(table)
+        live = self._live[target]
+        if live is not None and (live.snapshot != snapshot or not live.files):
+            live.read(table, snapshot)
 
     def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]
                        ) -> Optional[list[Any]]:
@@ -316,19 +285,27 @@ class KeyedApply:
         spark = self.lake.spark
         table = java_table(spark, target)  # one load for the index, the new rows, the commit
         index = self.index(target, columns, table)
-        partition_of = self._partition_of(target)
+        live = self._live.get(target)
         clock.append(time.monotonic())
         with self._scratch() as scratch, \
                 ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
 
-            def look_up() -> tuple[Hits, list[Positions], Optional[tuple[str, Any, Any]],
-                                   float]:
+            def look_up() -> tuple[Hits, list[Positions] | Optional[Vectors],
+                                   Optional[tuple[str, Any, Any]], float]:
                 started = time.monotonic()
                 changed, checks, span = _batch_keys(staged.files, positions, codec, max_seq,
                                                     void)
                 hits = index.lookup(changed, checks)
-                deletes = position_delete_files(hits.files, hits.positions, scratch,
-                                                partition_of)
+                deletes: list[Positions] | Optional[Vectors]
+                if live is not None and live.vectors:
+                    deletes = deletion_vectors(
+                        hits.files, hits.positions, scratch, live.of,
+                        lambda v: read_blob(spark, v, local_path(v.location)))
+                else:
+                    deletes = position_delete_files(
+                        hits.files, hits.positions, scratch,
+                        None if live is None else lambda p: (live.of(p).group,
+                                                             live.of(p).data_file))
                 # The commit conflicts with another writer's changes to keys in this range
                 # (of the first key column).
                 keys = None if span is None else (key_names[0], *span)
@@ -351,7 +328,7 @@ class KeyedApply:
             written_in = time.monotonic() - started
             try:
                 hits, deletes, keys, lookup_s = looked_up.result()
-            except (KeyClash, KeyEncodingError):
+            except ByMerge:
                 _remove_written(spark, new_files)
                 raise
             crash_point("row-delta")
@@ -365,8 +342,8 @@ class KeyedApply:
             added = _concat(list(written_entries(spark, result.added_files, key_names, codec,
                                                  Path(scratch))))
         index.commit(result.snapshot_id, hits.keys, added)
-        if partition_of is not None:
-            self._add_partitions(target, table, result.data_files, result.snapshot_id)
+        if live is not None:
+            live.committed(result.data_files, result.delete_files, result.snapshot_id)
         clock.append(time.monotonic())
         log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
                  "(new rows %.2f s, beside them the lookup and delete file %.2f s; deletes "
@@ -394,17 +371,17 @@ class KeyedApply:
         if self.key_of(target, columns) is not None:
             try:
                 self.index(target, columns)
-            except (KeyClash, KeyEncodingError) as exc:
+            except ByMerge as exc:
                 self.clashed(target, exc)
 
 
 def _positional(table: Any) -> bool:
-    """Whether the Iceberg table takes position-delete files: format v2 (v3 tables take
-    deletion vectors instead) and merge-on-read (a copy-on-write table is meant to have no
-    delete files). Partitioned or not: a partitioned table gets a delete file per partition."""
+    """Whether the Iceberg table takes deletes by position: format 2 (position-delete files)
+    or 3 (deletion vectors), merge-on-read (a copy-on-write table is meant to have no delete
+    files). Partitioned or not: the deletes are written per partition."""
     props = table.properties()
     modes = [props.get(f"write.{op}.mode") for op in ("update", "delete", "merge")]
-    return (int(table.operations().current().formatVersion()) == 2
+    return (int(table.operations().current().formatVersion()) in (2, 3)
             and "copy-on-write" not in modes)
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply import dv
 from walberg.apply.datafiles import FIELD_ID_KEY, data_folder, field_id_metadata
 from walberg.apply.keycodec import KeyCodec
 from walberg.apply.keyindex import Entry
@@ -59,6 +60,7 @@ class RowDeltaResult:
     deleted_rows: int
     added_files: tuple[str, ...] = ()  # the data files the commit wrote
     data_files: tuple[Any, ...] = ()  # the same, as Iceberg's Java DataFiles
+    delete_files: tuple[Any, ...] = ()  # the delete files it added (Java DeleteFiles)
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # deletes, new rows, commit
 
 
@@ -78,6 +80,46 @@ class Positions:
 # A data file's partition, for grouping: (spec id, partition values as text) and the Java
 # DataFile itself.
 PartitionOf = Callable[[str], tuple[Hashable, Any]]
+
+
+@dataclass(frozen=True)
+class Vectors:
+    """Rows to delete in a format-3 table, as deletion vectors written on this machine, a
+    Puffin file of one blob per data file (``deletion_vectors``). One blob a file: DuckDB
+    1.5.5 applies a Puffin file's first vector to every data file that points into it."""
+
+    puffins: list[tuple[Path, dv.Blob]]
+    data_files: list[Any]  # the Java DataFile of each blob: its spec and partition
+    replaced: list[Any]  # the deletion vectors they replace (Java DeleteFiles)
+    rows: int  # positions newly deleted
+
+
+def deletion_vectors(files: Sequence[str], positions: np.ndarray, scratch: Path,
+                     live: Callable[[str], Any], earlier: Callable[[Any], bytes]) -> Optional[Vectors]:
+    """The rows at ``positions`` of data files ``files`` as deletion vectors, one per data file,
+    each merged with the file's earlier vector (``live(path)``: its ``livefiles.LiveFile``;
+    ``earlier(vector)``: the bytes of an earlier vector's blob)."""
+    if not len(files):
+        return None
+    distinct = sorted(set(files))
+    rank = {path: i for i, path in enumerate(distinct)}
+    ranks = np.fromiter((rank[f] for f in files), dtype=np.int32, count=len(files))
+    order = np.argsort(ranks, kind="stable")
+    bounds = np.searchsorted(ranks[order], np.arange(len(distinct) + 1))
+    positions = np.asarray(positions, dtype=np.int64)[order]
+    puffins: list[tuple[Path, dv.Blob]] = []
+    data_files, replaced = [], []
+    for i, path in enumerate(distinct):
+        found = live(path)
+        bitmap = dv.bitmap_of(positions[bounds[i]:bounds[i + 1]])
+        if found.vector is not None:
+            bitmap |= dv.decode(earlier(found.vector))
+            replaced.append(found.vector.delete_file)
+        local = scratch / f"walberg-dv-{uuid.uuid4().hex}.puffin"
+        (blob,) = dv.write_puffin(local, [(path, dv.encode(bitmap), len(bitmap))], "walberg")
+        puffins.append((local, blob))
+        data_files.append(found.data_file)
+    return Vectors(puffins, data_files, replaced, len(files))
 
 
 def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path
@@ -128,7 +170,7 @@ def position_delete_files(files: Sequence[str], positions: np.ndarray, scratch: 
 
 
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
-                     deletes: "Optional[Any | Positions | list[Positions]]",
+                     deletes: "Optional[Any | Positions | list[Positions] | Vectors]",
                      properties: Mapping[str, str], base_snapshot: Optional[int],
                      data_files: Sequence[Any] = (), table: Any = None,
                      keys: Optional[tuple[str, Any, Any]] = None) -> RowDeltaResult:
@@ -156,7 +198,11 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     staged: Any = None
     clock = [time.monotonic()]
     try:
-        if isinstance(deletes, list):
+        replaced: list[Any] = []
+        if isinstance(deletes, Vectors):
+            files, deleted, referenced = _upload_vectors(spark, table, deletes)
+            replaced = deletes.replaced
+        elif isinstance(deletes, list):
             files, referenced = [], []
             for each in deletes:
                 found, count, points = _upload_position_deletes(spark, table, each)
@@ -181,6 +227,8 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             delta = delta.validateFromSnapshot(base_snapshot)
         for each in files:
             delta = delta.addDeletes(each)
+        for each in replaced:
+            delta = delta.removeDeletes(each)
         if referenced:
             refs = spark._jvm.java.util.ArrayList()
             for path in referenced:
@@ -215,6 +263,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     table.refresh()
     return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
                           tuple(str(f.location()) for f in new_files), tuple(new_files),
+                          tuple(files),
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
 
 
@@ -292,7 +341,7 @@ def plain_local_files(spark: Any, target: str, keys: Sequence[str]
             if not task.deletes().isEmpty():
                 return None
             location = str(task.file().location())
-            local = _local_path(location)
+            local = local_path(location)
             if local is None:
                 return None
             locations.append(location)
@@ -336,7 +385,7 @@ def written_entries(spark: Any, files: tuple[str, ...], keys: Sequence[str], cod
     file's rows in their order (Parquet's row index is Iceberg's position)."""
     if not files:
         return iter(())
-    local = [_local_path(f) for f in files]
+    local = [local_path(f) for f in files]
     if all(p is not None for p in local):
         # A warehouse on this machine's disk: read the key columns on the driver, no Spark job.
         return _local_entries(files, [p for p in local if p is not None], keys, codec)
@@ -362,7 +411,7 @@ def _as_paths(codec: KeyCodec, batches: Iterator[pa.RecordBatch]
                batch.column(n - 1).to_numpy(zero_copy_only=False).astype(np.int64))
 
 
-def _local_path(location: str) -> Optional[Path]:
+def local_path(location: str) -> Optional[Path]:
     """The file on this machine's disk that ``location`` names, if it names one."""
     if location.startswith("file:"):
         from urllib.parse import unquote, urlparse
@@ -501,6 +550,34 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
     delete = (builder.withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
               .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
     return [delete], deletes.rows, deletes.data_files
+
+
+def _upload_vectors(spark: Any, table: Any, vectors: Vectors) -> tuple[list[Any], int, list[str]]:
+    """Put the Puffin files of deletion vectors in the table's data folder and describe each
+    blob as a delete file of its data file's spec and partition."""
+    jvm = spark._jvm
+    puffin = jvm.org.apache.iceberg.FileFormat.PUFFIN
+    folder = data_folder(table)
+    dest = jvm.org.apache.hadoop.fs.Path(folder)
+    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
+    sources = spark.sparkContext._gateway.new_array(jvm.org.apache.hadoop.fs.Path,
+                                                    len(vectors.puffins))
+    for i, (local, _) in enumerate(vectors.puffins):
+        sources[i] = jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri())
+    sizes = [local.stat().st_size for local, _ in vectors.puffins]
+    # All in one call (Hadoop copies the files into the folder).
+    spark_call("uploading deletion vectors",
+               lambda: fs.copyFromLocalFile(True, True, sources, dest))
+    files = []
+    for (local, blob), data_file, size in zip(vectors.puffins, vectors.data_files, sizes,
+                                              strict=True):
+        files.append(jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(
+            table.specs().get(data_file.specId())).ofPositionDeletes()
+            .withPath(f"{folder}/{local.name}")
+            .withFormat(puffin).withFileSizeInBytes(size).withPartition(data_file.partition())
+            .withRecordCount(blob.cardinality).withReferencedDataFile(blob.data_file)
+            .withContentOffset(blob.offset).withContentSizeInBytes(blob.length).build())
+    return files, vectors.rows, [b.data_file for _, b in vectors.puffins]
 
 
 def _may_expire(table: Any) -> bool:

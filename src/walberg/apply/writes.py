@@ -18,7 +18,7 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
-from walberg.apply.keycodec import KeyClash, KeyEncodingError
+from walberg.apply.keycodec import ByMerge
 from walberg.apply.keyed import KeyedApply
 from walberg.apply.session import (
     DLQ_SUFFIX,
@@ -362,7 +362,7 @@ class Writes:
                            lambda: self.keyed.apply(target, staged, last_changes, lsn, max_seq,
                                                     void, self.lake.marks(lsn, marks)))
                 return
-            except (KeyClash, KeyEncodingError) as exc:
+            except ByMerge as exc:
                 self.keyed.clashed(target, exc)  # nothing was committed: MERGE below
 
         df = staged_rows() if staged.files else None
