@@ -1,11 +1,13 @@
-"""kill -9 at 17 moments at 10 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
+"""kill -9 at 20 moments at 10 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
 writer keeps changing rows: inside the initial copy (its data files written on the driver, not
 yet committed), during a restart's check of the lake while the stream already writes segments,
 once the first batch has been staged during that check, while writing a segment, between seal
 and apply, while decoding, inside the Spark commit, after the commit before the slot hears of
 it, and inside the apply by position (before its row delta, while its key index catches up with
-it); each followed by a restart. The last run ends with the lake equal to Postgres: no row
-lost, none duplicated."""
+it); each followed by a restart. Beside a table with one integer key, the apply by position
+runs on a uuid-keyed table partitioned by day, a composite-keyed format-3 table (deletion
+vectors) and a text-keyed one, so the crashes inside it land in each. The last run ends with
+the lake equal to Postgres: no row lost, none duplicated."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import yaml
 
 from conftest import make_config, run_once, writing
 from lake import iceberg_rows, postgres_rows, snapshot_lsns
+from walberg.config import parse_config
 from walberg.model import Lsn
 
 HITS = (1, 3)  # the n-th pass of each point: the first, and one with a history behind it
@@ -29,21 +32,41 @@ POINTS = {"copy-files": (1,), "lake-check": (1,), "early-staged": (1,),
           "segment-write": HITS, "seal": HITS,
           "decode": HITS, "commit": HITS, "committed": HITS,
           # Inside the apply by position (apply.keyed): before its row delta commits, and
-          # while the key index is brought up to that commit.
-          "row-delta": HITS, "indexed": (1, 2)}
+          # while the key index is brought up to that commit; a batch applies the tables one
+          # after the other, so later passes land in the other shapes' paths.
+          "row-delta": (1, 2, 3, 4), "indexed": (1, 2, 3)}
+# The other shapes (see the module docstring): columns, key, and Iceberg layout.
+SHAPES = {"uuid_days": ("id uuid PRIMARY KEY, at timestamptz, v int",
+                        {"partition_by": ["days(at)"]}),
+          "pair_v3": ("a int, b bigint, v int, PRIMARY KEY (a, b)", {"format_version": 3}),
+          "text": ("id text PRIMARY KEY, v int", {})}
 
 
-def test_kill_9_at_17_moments_loses_and_duplicates_nothing(
+def test_kill_9_at_20_moments_loses_and_duplicates_nothing(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
         unique: str) -> None:
     table = f"public.{unique}"
+    others = {shape: f"public.{unique}_{shape}" for shape in SHAPES}
+    # Each shape's row of number g, as a SELECT list over g.
+    rows = {"uuid_days": "md5(({g})::text)::uuid, timestamptz '2024-01-01 00:00:00+00' + "
+                         "(({g}) % 30) * interval '1 day', 0",
+            "pair_v3": "({g}) % 7, {g}, 0", "text": "'key-' || ({g}), 0"}
+    keys = {"uuid_days": "id = md5(({g})::text)::uuid", "pair_v3": "b = {g}",
+            "text": "id = 'key-' || ({g})"}
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
         cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 5000) g")
-    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table],
-                         max_segment_bytes=65536)
+        for shape, (columns, _) in SHAPES.items():
+            cur.execute(f"CREATE TABLE {others[shape]} ({columns})")
+            cur.execute(f"INSERT INTO {others[shape]} SELECT {rows[shape].format(g='g')} "
+                        "FROM generate_series(1, 2000) g")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      [table, *others.values()], max_segment_bytes=65536
+                      ).model_dump(mode="json", exclude={"base_dir"})
+    raw["sink"]["tables"] = {others[shape]: layout for shape, (_, layout) in SHAPES.items()}
+    config = parse_config(raw, tmp_path)
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    path.write_text(yaml.safe_dump(raw))
 
     # A steady writer (about a hundred row changes a transaction, a few dozen transactions a
     # second): every crash meets changes in flight, and each run's backlog stays small.
@@ -55,6 +78,11 @@ def test_kill_9_at_17_moments_loses_and_duplicates_nothing(
         # update or delete however long the 14 runs take (deleting copied rows did, after
         # 5,000 steps: the last points then met only inserts and were never reached).
         cur.execute(f"DELETE FROM {table} WHERE id = {10000 + i - 5}")
+        for shape, other in others.items():
+            cur.execute(f"UPDATE {other} SET v = v + 1 WHERE "
+                        f"{keys[shape].format(g=1 + (i * 37) % 2000)}")
+            cur.execute(f"INSERT INTO {other} SELECT {rows[shape].format(g=10000 + i)}")
+            cur.execute(f"DELETE FROM {other} WHERE {keys[shape].format(g=10000 + i - 5)}")
         cur.execute("COMMIT")
 
     killed: dict[str, int] = {}
@@ -81,6 +109,13 @@ def test_kill_9_at_17_moments_loses_and_duplicates_nothing(
     assert killed == {p: len(hits) for p, hits in POINTS.items()}
     assert (lost, duplicated) == (0, 0)
     assert lake == source
+    for shape, other in others.items():
+        key = {"pair_v3": "b"}.get(shape, "id")
+        lake_rows = [tuple(str(v) for v in r.values())
+                     for r in iceberg_rows(warehouse, config.target_for(other), key=key)]
+        source_rows = [tuple(str(v) for v in r.values())
+                       for r in postgres_rows(pg_conn, other, key=key)]
+        assert sorted(lake_rows) == sorted(source_rows), shape
 
 
 def test_a_restart_streams_while_the_lake_is_checked_and_confirms_nothing_early(

@@ -58,9 +58,10 @@ from walberg.apply.rowdelta import (
     local_path,
     plain_local_files,
     position_delete_files,
+    scan_of,
     written_entries,
 )
-from walberg.apply.session import LakeSession, java_table
+from walberg.apply.session import LSN_PROPERTY, SOURCE_COLUMN, LakeSession, java_table
 from walberg.apply.tables import Tables
 from walberg.apply.types import UUID
 from walberg.faults import crash_point
@@ -100,8 +101,8 @@ class KeyedApply:
 
     @property
     def _enabled(self) -> bool:
-        """Whether any table may go by position: a place for the indexes, one source."""
-        return self.root is not None and self.lake.source is None
+        """Whether any table may go by position: a place for the indexes."""
+        return self.root is not None
 
     def warm(self) -> None:
         """Load the JVM code of a row delta's commit now, in a thread, while the caller goes on
@@ -144,7 +145,8 @@ class KeyedApply:
         if codec is None:
             return None
         if target not in self._positional:
-            self._positional[target] = _positional(java_table(self.lake.spark, target))
+            self._positional[target] = _positional(java_table(self.lake.spark, target),
+                                                   self.lake.source)
         return (keys, codec) if self._positional[target] else None
 
     def takes(self, target: str, staged: StagedTable) -> bool:
@@ -199,7 +201,7 @@ class KeyedApply:
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:
-                plain = plain_local_files(self.lake.spark, target, keys)
+                plain = plain_local_files(self.lake.spark, target, keys, self.lake.source)
                 if plain is not None:
                     # No delete file: every row of the data files is live. Their key columns
                     # are read on the driver and sorted on disk, with no Spark job.
@@ -210,7 +212,7 @@ class KeyedApply:
                 else:
                     files: list[str] = []
                     snapshot, entries_ = lake_entries(self.lake.spark, target, keys, codec,
-                                                      scratch, files)
+                                                      scratch, files, self.lake.source)
                     if codec.sorted_like_the_table:
                         found.rebuild(snapshot, entries_, files)
                         how = "read and sorted by Spark"
@@ -229,7 +231,8 @@ class KeyedApply:
             self._live[target] = LiveFiles.needed(table)
         live = self._live[target]
         if live is not None and (live.snapshot != snapshot or not live.files):
-            live.read(table, snapshot)
+            live.read(None if snapshot is None else
+                      scan_of(self.lake.spark, table, snapshot, self.lake.source), snapshot)
 
     def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]
                        ) -> Optional[list[Any]]:
@@ -245,9 +248,16 @@ class KeyedApply:
             if at is None:
                 return None
             snap = table.snapshot(at)
-            if snap is None or str(snap.operation()) not in FOLLOWED:
+            if snap is None:
                 return None
-            added = list(snap.addedDataFiles(table.io()))
+            if self._by_another_source(snap):
+                # It changed that source's partition only: nothing of this source's moved.
+                parent = snap.parentId()
+                at = None if parent is None else int(parent)
+                continue
+            if str(snap.operation()) not in FOLLOWED:
+                return None
+            added = [f for f in snap.addedDataFiles(table.io()) if self._ours(table, f)]
             rows += sum(int(f.recordCount()) for f in added)
             if rows > FOLLOW_MAX_ROWS:
                 return None
@@ -255,6 +265,25 @@ class KeyedApply:
             parent = snap.parentId()
             at = None if parent is None else int(parent)
         return None
+
+    def _by_another_source(self, snap: Any) -> bool:
+        """Whether a snapshot of a fan-in table was committed by another source (its marks
+        are another's)."""
+        if self.lake.source is None:
+            return False
+        marks = [str(k) for k in snap.summary().keySet() if str(k).startswith(LSN_PROPERTY)]
+        return bool(marks) and self.lake.lsn_property not in marks
+
+    def _ours(self, table: Any, data_file: Any) -> bool:
+        """Whether a data file is in this source's partition (always, with one source)."""
+        if self.lake.source is None:
+            return True
+        spec = table.specs().get(data_file.specId())
+        at = _source_field(table, spec)
+        assert at is not None  # (_positional made sure of it)
+        jvm = self.lake.spark._jvm
+        return str(data_file.partition().get(at, jvm.java.lang.String._java_lang_class)) \
+            == self.lake.source
 
     def _scratch(self) -> "_Scratch":
         assert self.root is not None
@@ -336,7 +365,7 @@ class KeyedApply:
             # touched these rows fails it, and the caller tries again (lakeside's retries,
             # which forget the table, so the index is brought to the new state first).
             result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
-                                      new_files, table, keys)
+                                      new_files, table, keys, self.lake.source)
             clock.append(time.monotonic())
             crash_point("indexed", delay=0.5)
             added = _concat(list(written_entries(spark, result.added_files, key_names, codec,
@@ -375,14 +404,31 @@ class KeyedApply:
                 self.clashed(target, exc)
 
 
-def _positional(table: Any) -> bool:
+def _positional(table: Any, source: Optional[str]) -> bool:
     """Whether the Iceberg table takes deletes by position: format 2 (position-delete files)
     or 3 (deletion vectors), merge-on-read (a copy-on-write table is meant to have no delete
-    files). Partitioned or not: the deletes are written per partition."""
+    files). Partitioned or not: the deletes are written per partition. A table several
+    sources fan in to, when every spec keeps each source's rows in partitions of their own
+    (identity on the source column, as walberg makes them): the index holds one source's."""
     props = table.properties()
     modes = [props.get(f"write.{op}.mode") for op in ("update", "delete", "merge")]
+    if source is not None and any(_source_field(table, spec) is None
+                                  for spec in table.specs().values()):
+        return False
     return (int(table.operations().current().formatVersion()) in (2, 3)
             and "copy-on-write" not in modes)
+
+
+def _source_field(table: Any, spec: Any) -> Optional[int]:
+    """The position of the identity partition on the source column in ``spec``, if any."""
+    column = table.schema().findField(SOURCE_COLUMN)
+    if column is None:
+        return None
+    for i, field in enumerate(spec.fields()):
+        if int(field.sourceId()) == int(column.fieldId()) and \
+                str(field.transform()) == "identity":
+            return i
+    return None
 
 
 class _Scratch:

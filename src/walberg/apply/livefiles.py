@@ -56,12 +56,13 @@ class LiveFiles:
             return None
         return LiveFiles(v3)
 
-    def read(self, table: Any, snapshot: Optional[int]) -> None:
-        """Every live data file of ``snapshot``, with its deletion vector, from the manifests."""
+    def read(self, scan: Any, snapshot: Optional[int]) -> None:
+        """Every live data file ``scan`` (of the table at ``snapshot``; None if the table is
+        empty) plans, with its deletion vector, from the manifests."""
         self.files, self.snapshot = {}, snapshot
-        if snapshot is None:
+        if scan is None:
             return
-        tasks = table.newScan().useSnapshot(snapshot).planFiles()
+        tasks = scan.planFiles()
         try:
             it = tasks.iterator()
             while it.hasNext():

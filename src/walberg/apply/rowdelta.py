@@ -44,7 +44,7 @@ from walberg.apply import dv
 from walberg.apply.datafiles import FIELD_ID_KEY, data_folder, field_id_metadata
 from walberg.apply.keycodec import KeyCodec
 from walberg.apply.keyindex import Entry
-from walberg.apply.session import java_table, quote_target
+from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
 from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
 
@@ -173,7 +173,8 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                      deletes: "Optional[Any | Positions | list[Positions] | Vectors]",
                      properties: Mapping[str, str], base_snapshot: Optional[int],
                      data_files: Sequence[Any] = (), table: Any = None,
-                     keys: Optional[tuple[str, Any, Any]] = None) -> RowDeltaResult:
+                     keys: Optional[tuple[str, Any, Any]] = None,
+                     source: Optional[str] = None) -> RowDeltaResult:
     """Add ``rows`` (a DataFrame in the table's schema) and ``data_files`` (Iceberg data files
     written already, see ``apply.datafiles``) and delete the rows at ``deletes``
     (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
@@ -187,7 +188,8 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     updated rows, perhaps the same ones: committing too would leave a key twice) or if data
     files were added that may hold rows of the same keys. ``keys``: (a key column, the lowest
     and highest of its values the batch changes) narrows the last two to commits whose files may hold keys
-    in that range (None: any such commit conflicts)."""
+    in that range (None: any such commit conflicts); ``source``, to that source's partition of
+    a fan-in table (another source's commits never conflict)."""
     if table is None:
         table = java_table(spark, target)
     if isinstance(deletes, Positions):
@@ -236,8 +238,9 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
         # What another writer did since the base snapshot: deletes or new rows for these keys.
         delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles()
-        if keys is not None:
-            delta = delta.conflictDetectionFilter(_key_range(spark, *keys))
+        conflicts = _conflicts(spark, keys, source)
+        if conflicts is not None:
+            delta = delta.conflictDetectionFilter(conflicts)
         for each in new_files:
             added += int(each.recordCount())
             delta = delta.addRows(each)
@@ -267,6 +270,17 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
 
 
+def _conflicts(spark: Any, keys: Optional[tuple[str, Any, Any]], source: Optional[str]) -> Any:
+    """The rows a concurrent commit conflicts on: the batch's key range, in its source's
+    partition (None: any row)."""
+    expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
+    found = None if keys is None else _key_range(spark, *keys)
+    if source is not None:
+        mine = expressions.equal(SOURCE_COLUMN, source)
+        found = mine if found is None else getattr(expressions, "and")(found, mine)
+    return found
+
+
 def _key_range(spark: Any, key: str, lowest: Any, highest: Any) -> Any:
     """The Iceberg expression ``lowest <= key <= highest``."""
     expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
@@ -278,22 +292,25 @@ Entries = Iterator[Entry]
 
 
 def lake_entries(spark: Any, target: str, keys: Sequence[str], codec: KeyCodec, scratch: Path,
-                 files: list[str]) -> tuple[Optional[int], Entries]:
+                 files: list[str], source: Optional[str] = None) -> tuple[Optional[int], Entries]:
     """What a key index of ``target`` holds: (key, check, data file number in ``files``,
     position) of every row of the table's current snapshot, in batches; with that snapshot's
     id. Spark reads the key columns (in their canonical form, see ``keycodec``) with each row's
     file and position; for a key that sorts as its index entries do, Spark sorts too. The
     driver reads the result back from ``scratch`` a row group at a time, encodes the keys and
-    numbers the files (appended to ``files`` as they come)."""
+    numbers the files (appended to ``files`` as they come). ``source``: only that source's
+    rows of a table several sources fan in to."""
     table = java_table(spark, target)
     current = table.currentSnapshot()
     snapshot = None if current is None else int(current.snapshotId())
     if snapshot is None:
         return None, iter(())
     forms = codec.spark_columns([_quote(k) for k in keys])
-    frame = spark.read.option("snapshot-id", str(snapshot)).table(quote_target(target)) \
-        .selectExpr(*(f"{f} AS k{i}" for i, f in enumerate(forms)), "_file AS file_path",
-                    "_pos AS pos")
+    frame = spark.read.option("snapshot-id", str(snapshot)).table(quote_target(target))
+    if source is not None:
+        frame = frame.where(frame[SOURCE_COLUMN] == source)
+    frame = frame.selectExpr(*(f"{f} AS k{i}" for i, f in enumerate(forms)),
+                             "_file AS file_path", "_pos AS pos")
     if codec.sorted_like_the_table:
         frame = frame.orderBy("k0")
     return snapshot, _encoded(codec, _read_back(spark, frame, scratch), files)
@@ -317,12 +334,13 @@ def _encoded(codec: KeyCodec, batches: Iterator[pa.RecordBatch], files: list[str
                batch.column(n - 1).to_numpy(zero_copy_only=False).astype(np.int64))
 
 
-def plain_local_files(spark: Any, target: str, keys: Sequence[str]
+def plain_local_files(spark: Any, target: str, keys: Sequence[str], source: Optional[str] = None
                       ) -> Optional[tuple[Optional[int], list[str], list[Path], list[int]]]:
     """The data files of ``target``'s current snapshot, when every one is on this machine's disk
     and no delete file applies to any (just after a copy, or a compaction): (snapshot, their
     locations, their local paths, the key columns' Iceberg field ids). Then every row of those
-    files is live, and a row's position is its ordinal in its file. None otherwise."""
+    files is live, and a row's position is its ordinal in its file. None otherwise.
+    ``source``: only the files of that source's partition of a fan-in table."""
     table = java_table(spark, target)
     current = table.currentSnapshot()
     if current is None:
@@ -333,7 +351,7 @@ def plain_local_files(spark: Any, target: str, keys: Sequence[str]
         return None
     locations: list[str] = []
     paths: list[Path] = []
-    tasks = table.newScan().useSnapshot(snapshot).planFiles()
+    tasks = scan_of(spark, table, snapshot, source).planFiles()
     try:
         it = tasks.iterator()
         while it.hasNext():
@@ -349,6 +367,16 @@ def plain_local_files(spark: Any, target: str, keys: Sequence[str]
     finally:
         tasks.close()
     return snapshot, locations, paths, [int(f.fieldId()) for f in fields]
+
+
+def scan_of(spark: Any, table: Any, snapshot: int, source: Optional[str]) -> Any:
+    """A scan of ``table`` at ``snapshot``; of one source's partition when ``source`` is given
+    (a fan-in table is partitioned by source first)."""
+    scan = table.newScan().useSnapshot(snapshot)
+    if source is not None:
+        expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
+        scan = scan.filter(expressions.equal(SOURCE_COLUMN, source))
+    return scan
 
 
 def file_keys(paths: Sequence[Path], field_ids: Sequence[int], codec: KeyCodec
