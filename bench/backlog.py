@@ -3,7 +3,7 @@
     python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
                             [--shape bigint|uuid|text|composite|days|v3]
 
-Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.classcache),
+Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.jvm.classcache),
 as a machine's first walberg run makes it in the background; the time it took is reported.
 Then for each table size N, in one run, on one embedded PostgreSQL:
 
@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from run import _Null, save_results, timed  # noqa: E402
 
 from walberg.apply import classcache  # noqa: E402
-from walberg.apply.spark import check_java, find_java  # noqa: E402
+from walberg.apply.jvm.spark import check_java, find_java  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 10_000  # changes per source transaction
@@ -221,7 +221,7 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
 
 
 def class_archive() -> dict[str, Any]:
-    """The driver JVM's class-data archive (walberg.apply.classcache), made before anything is
+    """The driver JVM's class-data archive (walberg.apply.jvm.classcache), made before anything is
     timed, as a machine's first walberg run would have made it in the background."""
     java = find_java()
     archive = classcache.archive_for(java, check_java(java), {})

@@ -33,7 +33,7 @@ import psycopg2
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from walberg.apply.spark import build_session, stop_session  # noqa: E402
+from walberg.apply.jvm.spark import build_session, stop_session  # noqa: E402
 from walberg.config import parse_config  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 from walberg.pipeline import Pipeline  # noqa: E402

@@ -11,7 +11,7 @@ disk and once uploaded to an S3-compatible server on loopback (moto) and read fr
 two in alternating order. A first batch of inserts warms the JVM and is not counted. Prints the
 seconds per batch of each and the ratio (object storage / local); the machines are shared and
 noisy, so the ratio is the figure to compare. Needs the s3a jars (WALBERG_S3A_JARS or
-sagemaker-pyspark, see walberg.apply.storage).
+sagemaker-pyspark, see walberg.apply.catalog.storage).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from run import ROOT, save_results  # noqa: E402
 from walberg.apply import storage  # noqa: E402
 from walberg.apply.batch import BatchBuilder  # noqa: E402
 from walberg.apply.iceberg import IcebergSink  # noqa: E402
-from walberg.apply.spark import build_session, stop_session  # noqa: E402
+from walberg.apply.jvm.spark import build_session, stop_session  # noqa: E402
 from walberg.apply.types import TypeMap  # noqa: E402
 from walberg.model import Column, Lsn  # noqa: E402
 

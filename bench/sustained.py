@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from backlog import make_table, recvlogical, walberg_once  # noqa: E402
 from run import save_results  # noqa: E402
 
-from walberg.apply.metadata import read_hadoop_history  # noqa: E402
+from walberg.apply.catalog.metadata import read_hadoop_history  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 1_000  # changes per transaction while writing flat out

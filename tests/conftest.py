@@ -18,7 +18,7 @@ import psycopg2
 import pytest
 
 from walberg.apply.jdbc import driver_jar
-from walberg.apply.spark import build_session, stop_session
+from walberg.apply.jvm.spark import build_session, stop_session
 from walberg.config import Config, parse_config
 from walberg.embedded_pg import EmbeddedPostgres
 from walberg.model import Lsn

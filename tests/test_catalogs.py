@@ -13,7 +13,7 @@ import yaml
 
 from conftest import jdbc_catalog, make_config, walberg_ok
 from lake import postgres_rows
-from walberg.apply import catalog_reads, catalogs
+from walberg.apply.catalog import catalog_reads, catalogs
 from walberg.config import parse_config
 from walberg.errors import ConfigError, EnvironmentProblem
 

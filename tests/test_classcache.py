@@ -1,4 +1,4 @@
-"""The driver JVM's class-data archive (walberg.apply.classcache): made by a process of its own,
+"""The driver JVM's class-data archive (walberg.apply.jvm.classcache): made by a process of its own,
 checked, used by the next session, and never in the way: a damaged one is dropped and made
 again while the session starts without it. Each session here runs in a process of its own,
 since this test session's Spark is running already."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from walberg.apply import classcache
-from walberg.apply.spark import check_java, find_java
+from walberg.apply.jvm import classcache
+from walberg.apply.jvm.spark import check_java, find_java
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 # given it, and that the JVM answers SQL.
 SESSION = """
 import sys
-from walberg.apply import classcache
-from walberg.apply.spark import build_session, check_java, find_java, stop_session
+from walberg.apply.jvm import classcache
+from walberg.apply.jvm.spark import build_session, check_java, find_java, stop_session
 java = find_java()
 archive = classcache.archive_for(java, check_java(java), {})
 # With a second argument: a session for a `--once` run, with those options of the user's own.

@@ -22,8 +22,8 @@ import yaml
 from conftest import free_port, make_config, wait_port, walberg_cli, walberg_ok
 from lake import postgres_rows
 from s3server import client, keys, lake_rows, lake_table, moto_server, storage_section
-from walberg.apply import storage
-from walberg.apply.spark import find_java
+from walberg.apply.catalog import storage
+from walberg.apply.jvm.spark import find_java
 from walberg.config import load_config
 from walberg.errors import EnvironmentProblem
 
@@ -105,7 +105,7 @@ def _copy_stream_crash_and_restart(pg_conn: Any, postgres: Any, tmp_path: Path, 
     with pg_conn.cursor() as cur:
         # An array column is converted by Spark: that table's copy and new rows are staged
         # for the executors (through the bucket). The other's new rows are written by the
-        # driver straight into the bucket (apply.datafiles).
+        # driver straight into the bucket (apply.position.datafiles).
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text, n numeric(9,2), "
                     "a int[])")
         cur.execute(f"CREATE TABLE {other} (id int PRIMARY KEY, v text, n numeric(9,2))")
@@ -131,7 +131,7 @@ def _copy_stream_crash_and_restart(pg_conn: Any, postgres: Any, tmp_path: Path, 
     raw["spark"] = {"master": master, "conf": {"spark.executor.memory": "1g",
                                                "spark.cores.max": "2"}}
     # Each source's table its own (no fan-in): the tables are applied by position, so the key
-    # index is built and followed through the cluster's executors too (see apply.keyed).
+    # index is built and followed through the cluster's executors too (see apply.position.keyed).
     raw["sink"]["fan_in"] = False
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -31,7 +31,7 @@ HITS = (1, 3)  # the n-th pass of each point: the first, and one with a history 
 POINTS = {"copy-files": (1,), "lake-check": (1,), "early-staged": (1,),
           "segment-write": HITS, "seal": HITS,
           "decode": HITS, "commit": HITS, "committed": HITS,
-          # Inside the apply by position (apply.keyed): before its row delta commits, and
+          # Inside the apply by position (apply.position.keyed): before its row delta commits, and
           # while the key index is brought up to that commit; a batch applies the tables one
           # after the other, so later passes land in the other shapes' paths.
           "row-delta": (1, 2, 3, 4), "indexed": (1, 2, 3)}

@@ -1,4 +1,4 @@
-"""How keys become index entries (apply/keycodec.py): one value, whatever form it arrives in
+"""How keys become index entries (apply/position/keycodec.py): one value, whatever form it arrives in
 (a staged batch file, a data file written on the driver, one written by Spark); different keys
 never the same entry where the encoding is exact."""
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from walberg.apply.keycodec import KeyCodec, KeyEncodingError
+from walberg.apply.position.keycodec import KeyCodec, KeyEncodingError
 
 
 def _pairs(codec: KeyCodec, *columns: pa.Array) -> list[tuple[int, int]]:
@@ -84,9 +84,9 @@ def test_keys_without_a_canonical_form_take_the_merge() -> None:
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=300), st.booleans())
 def test_deletion_vectors_round_trip(positions: list[int], dense: bool) -> None:
-    """A deletion-vector-v1 blob (apply/dv.py) gives back the positions it was made of; a
+    """A deletion-vector-v1 blob (apply/position/dv.py) gives back the positions it was made of; a
     corrupted one is refused."""
-    from walberg.apply import dv
+    from walberg.apply.position import dv
 
     if dense:
         positions = positions + list(range(1000, 9000))  # a bitmap container, and runs

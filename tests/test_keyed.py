@@ -1,4 +1,4 @@
-"""Batches applied by position (apply.keyed): a table with one integer key gets its updates and
+"""Batches applied by position (apply.position.keyed): a table with one integer key gets its updates and
 deletes as position deletes found through the key index, with no MERGE over the table. Real
 PostgreSQL, Spark and Iceberg; the lake is read back by PyIceberg and DuckDB."""
 
@@ -14,8 +14,8 @@ import pytest
 
 from conftest import make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
-from walberg.apply import keyed
-from walberg.apply.keyindex import KeyIndex
+from walberg.apply.position import keyed
+from walberg.apply.position.keyindex import KeyIndex
 from walberg.config import parse_config
 from walberg.lake.maintain import maintain
 from walberg.lake.services import Lake
@@ -265,7 +265,7 @@ def test_every_key_shape_applies_by_position(pg_conn: Any, postgres: Any, spark:
                                              warehouse: Path, tmp_path: Path, unique: str,
                                              caplog: pytest.LogCaptureFixture) -> None:
     """uuid, text and composite keys (with text, with a timestamp) get their updates, deletes
-    and key changes by position, through an index of their own encoding (apply.keycodec); it
+    and key changes by position, through an index of their own encoding (apply.position.keycodec); it
     is rebuilt by Spark from a table with delete files, and follows a compaction. Every reader
     sees the source's rows."""
     tables = {shape: f"public.{unique}_{shape}" for shape in KEY_SHAPES}

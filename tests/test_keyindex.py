@@ -1,4 +1,4 @@
-"""The key index (apply/keyindex.py) against a plain dict: whatever sequence of rebuilds and
+"""The key index (apply/position/keyindex.py) against a plain dict: whatever sequence of rebuilds and
 commits, a lookup finds exactly the keys the table holds, with their current file and
 position; the deltas merge into the base without changing an answer; a reopened index answers
 the same."""
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from walberg.apply.keycodec import KeyClash
-from walberg.apply.keyindex import Entry, KeyIndex
+from walberg.apply.position.keycodec import KeyClash
+from walberg.apply.position.keyindex import Entry, KeyIndex
 
 Model = dict[int, tuple[str, int]]
 

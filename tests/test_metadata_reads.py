@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from walberg.apply.metadata import read_hadoop_history
+from walberg.apply.catalog.metadata import read_hadoop_history
 
 
 def test_history_from_the_metadata_file_equals_sparks(spark: Any, warehouse: Path,

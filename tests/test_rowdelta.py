@@ -1,4 +1,4 @@
-"""A row delta by position (apply/rowdelta.py): new rows and position deletes in one commit,
+"""A row delta by position (apply/position/rowdelta.py): new rows and position deletes in one commit,
 without a join over the table, read back by Spark, PyIceberg and DuckDB; a compaction between
 reading the positions and committing makes the commit fail rather than delete wrong rows."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lake import duckdb_rows, hadoop_table, iceberg_rows
-from walberg.apply.rowdelta import commit_row_delta, java_table, warm
+from walberg.apply.position.rowdelta import commit_row_delta, java_table, warm
 from walberg.errors import ApplyError
 
 ROWS = 2000
@@ -88,9 +88,9 @@ def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
 
     import numpy as np
 
-    from walberg.apply.keycodec import KeyCodec
-    from walberg.apply.keyindex import KeyIndex
-    from walberg.apply.rowdelta import lake_entries, written_entries
+    from walberg.apply.position.keycodec import KeyCodec
+    from walberg.apply.position.keyindex import KeyIndex
+    from walberg.apply.position.rowdelta import lake_entries, written_entries
 
     codec = KeyCodec(("int",))
 

@@ -14,7 +14,7 @@ import yaml
 from conftest import make_config, walberg_ok
 from lake import postgres_rows
 from s3server import client, keys, lake_rows, moto_server, storage_section
-from walberg.apply import storage
+from walberg.apply.catalog import storage
 from walberg.errors import EnvironmentProblem
 
 

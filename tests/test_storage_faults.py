@@ -27,7 +27,7 @@ import yaml
 from conftest import free_port, jdbc_catalog, make_config, walberg_cli
 from lake import postgres_rows
 from s3server import KEYS, moto_server, storage_section
-from walberg.apply import storage
+from walberg.apply.catalog import storage
 from walberg.errors import EnvironmentProblem
 
 

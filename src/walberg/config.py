@@ -341,7 +341,7 @@ class Config(_Model):
 
     @property
     def index_dir(self) -> Optional[Path]:
-        """Where the key indexes of tables applied by position live (see apply.keyed); None
+        """Where the key indexes of tables applied by position live (see apply.position.keyed); None
         when ``sink.apply_by_position`` is off."""
         return self.segment_dir / "keyindex" if self.sink.apply_by_position else None
 

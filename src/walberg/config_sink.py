@@ -52,7 +52,7 @@ class Catalog(_Model):
         return self
 
     def options(self) -> dict[str, Optional[str]]:
-        """The type-specific settings, by name (see apply.catalogs)."""
+        """The type-specific settings, by name (see apply.catalog.catalogs)."""
         return {"user": self.user, "password": self.password, "credential": self.credential,
                 "token": self.token, "oauth2_server_uri": self.oauth2_server_uri,
                 "scope": self.scope, "region": self.region, "catalog_id": self.catalog_id,
@@ -160,9 +160,11 @@ class Sink(_Model):
         "merge-on-read", description="updates and deletes: merge-on-read (delete files, fast "
                                      "writes) or copy-on-write (rewritten data files, fast reads)")
     apply_by_position: bool = Field(
-        True, description="apply a batch to a table with one integer key as one row delta "
-                          "found through a key index in buffer.dir (cost follows the changes); "
-                          "false: always MERGE (cost follows the table)")
+        True, description="apply a batch to a keyed table (integer, date, timestamp, text or "
+                          "uuid key columns, partitioned or not, format 2 or 3, fanned in or "
+                          "not) as one row delta found through a key index in buffer.dir "
+                          "(cost follows the changes); false: always MERGE (cost follows the "
+                          "table)")
     properties: dict[str, str] = Field(
         default_factory=dict, description="Iceberg table properties for every table")
     tables: dict[str, TableLayout] = Field(

@@ -9,10 +9,11 @@ import threading
 from typing import Any, Callable, Optional
 
 from walberg import metrics
-from walberg.apply import catalogs, jdbc, staging, storage
+from walberg.apply import jdbc, staging
+from walberg.apply.catalog import catalogs, storage
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.spark import build_session, stop_session, storage_watch, watch_storage
-from walberg.apply.watch import StorageWatch
+from walberg.apply.jvm.spark import build_session, stop_session, storage_watch, watch_storage
+from walberg.apply.jvm.watch import StorageWatch
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.config_sink import Sink

@@ -2,7 +2,7 @@
 
 Spark's part of a copy whose columns are all staged in their final type was to read the staged
 files, rename their columns, add ``_walberg_lsn`` and write them again: at 10M rows two thirds
-of the copy. Here the staged row groups become the table's data files (``apply.datafiles``) and
+of the copy. Here the staged row groups become the table's data files (``apply.position.datafiles``) and
 one Iceberg commit replaces the table's rows with them, carrying the copy's LSN as every
 walberg commit does. Which tables: those ``datafiles.why_not`` lets through.
 """
@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from walberg.apply import datafiles
+from walberg.apply.jvm.spark import spark_call
+from walberg.apply.position import datafiles
 from walberg.apply.session import LakeSession, java_table
-from walberg.apply.spark import spark_call
 from walberg.apply.tables import Tables
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn

@@ -18,8 +18,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from walberg.apply.batch import StagedTable
 from walberg.apply.evolution import Step
-from walberg.apply.keyed import KeyedApply
 from walberg.apply.maintenance import Maintenance
+from walberg.apply.position.keyed import KeyedApply
 from walberg.apply.query import Queries, pin_tables
 from walberg.apply.session import (
     COPY_PREFIX,
@@ -47,7 +47,7 @@ class IcebergSink:
         its rows carry ``_walberg_source``, and its commits record their LSN as
         ``walberg.lsn.<source>``. ``stage_root``: where staged files go for the executors
         (None: read from the driver's disk; see ``apply.staging``). ``index_dir``: where key
-        indexes live, for applying batches by position (see apply.keyed; None: always by
+        indexes live, for applying batches by position (see apply.position.keyed; None: always by
         MERGE)."""
         self.lake = LakeSession(session, types, source, stage_root)
         self.tables = Tables(self.lake)

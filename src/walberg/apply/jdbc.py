@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Mapping, Sequence
 
-from walberg.apply.catalogs import jdbc_driver
+from walberg.apply.catalog.catalogs import jdbc_driver
 
 
 def driver_jar() -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from walberg.apply.jvm.spark import spark_call
 from walberg.apply.session import LakeSession, quote_target
 from walberg.apply.snapshots import Snapshots
-from walberg.apply.spark import spark_call
 
 
 class Maintenance:

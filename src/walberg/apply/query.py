@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from walberg.apply.jvm.spark import spark_call
 from walberg.apply.session import LakeSession
-from walberg.apply.spark import spark_call
 
 
 class Queries:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from walberg.apply.batch import value_column
-from walberg.apply.spark import spark_call
+from walberg.apply.jvm.spark import spark_call
 from walberg.apply.staging import StageArea
 from walberg.apply.types import TypeMap, quote
 from walberg.model import Column, Lsn

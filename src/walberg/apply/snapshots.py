@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
+from walberg.apply.jvm.spark import spark_call
 from walberg.apply.session import (
     COPY_PREFIX,
     LSN_PROPERTY,
@@ -14,7 +15,6 @@ from walberg.apply.session import (
     java_table,
     quote_target,
 )
-from walberg.apply.spark import spark_call
 from walberg.model import Lsn
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from walberg.apply.evolution import Step
+from walberg.apply.jvm.spark import spark_call
 from walberg.apply.session import (
     LSN_COLUMN,
     OP_COLUMN,
@@ -19,7 +20,6 @@ from walberg.apply.session import (
     java_properties,
     quote_target,
 )
-from walberg.apply.spark import spark_call
 from walberg.apply.types import quote, sql_string
 from walberg.errors import ApplyError, StorageUnavailable
 from walberg.model import Column, Layout

@@ -18,8 +18,9 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
-from walberg.apply.keycodec import ByMerge
-from walberg.apply.keyed import KeyedApply
+from walberg.apply.jvm.spark import spark_call, with_commit_properties
+from walberg.apply.position.keycodec import ByMerge
+from walberg.apply.position.keyed import KeyedApply
 from walberg.apply.session import (
     DLQ_SUFFIX,
     LSN_COLUMN,
@@ -29,7 +30,6 @@ from walberg.apply.session import (
     quote_target,
 )
 from walberg.apply.snapshots import Snapshots
-from walberg.apply.spark import spark_call, with_commit_properties
 from walberg.apply.tables import Tables
 from walberg.apply.types import quote, sql_string
 from walberg.model import Column, Lsn, Op
@@ -351,7 +351,7 @@ class Writes:
         if (staged.files and not (staged.insert_only and not upsert)
                 and spark_call(f"reading the layout of {target}",
                                lambda: self.keyed.takes(target, staged))):
-            # One row delta by position: no join over the table (see apply.keyed). Spark
+            # One row delta by position: no join over the table (see apply.position.keyed). Spark
             # reads the staged rows only if the new rows cannot be written on the driver.
             def last_changes() -> Any:
                 df = staged_rows()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Optional
 
-from walberg.apply.metadata import read_hadoop_history
+from walberg.apply.catalog.metadata import read_hadoop_history
 from walberg.lake.services import Lake
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Optional
 
-from walberg.apply import catalog_reads
+from walberg.apply.catalog import catalog_reads
 from walberg.apply.iceberg import IcebergSink
+from walberg.apply.jvm.spark import stop_session
 from walberg.apply.session import LSN_PROPERTY
-from walberg.apply.spark import stop_session
 from walberg.apply.types import TypeMap
 from walberg.config import Config, PostgresSource
 from walberg.errors import ConfigError, Terminal
@@ -58,7 +58,7 @@ class LakeSource:
 
     def catalog_metadata(self, target: str) -> Optional[dict[str, Any]]:
         """The current metadata of ``target`` read through its catalog from Python (jdbc,
-        rest, or a hadoop warehouse on object storage; see apply.catalog_reads), or None when
+        rest, or a hadoop warehouse on object storage; see apply.catalog.catalog_reads), or None when
         the table does not exist or its catalog type is not read that way."""
         config = self.config
         cat = config.sink.catalog

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from walberg.apply import catalogs, staging, storage
-from walberg.apply.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
+from walberg.apply import staging
+from walberg.apply.catalog import catalogs, storage
+from walberg.apply.jvm.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
 from walberg.errors import Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.source import kafka

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from walberg.apply.metadata import TableSummary, read_hadoop_table, summarize
+from walberg.apply.catalog.metadata import TableSummary, read_hadoop_table, summarize
 from walberg.buffer.files import Mapped, inspect_directory, read_freshness
 from walberg.buffer.recovery import NAME
 from walberg.buffer.segment import Scanner, check_magic

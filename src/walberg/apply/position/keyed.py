@@ -43,12 +43,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from walberg.apply import datafiles, rowdelta
 from walberg.apply.batch import StagedTable, applied_rows, value_column
-from walberg.apply.keycodec import ByMerge, KeyCodec
-from walberg.apply.keyindex import Hits, KeyIndex, sorted_unique_pairs
-from walberg.apply.livefiles import LiveFiles, read_blob
-from walberg.apply.rowdelta import (
+from walberg.apply.position import datafiles, rowdelta
+from walberg.apply.position.keycodec import ByMerge, KeyCodec
+from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
+from walberg.apply.position.livefiles import LiveFiles, read_blob
+from walberg.apply.position.rowdelta import (
     Positions,
     Vectors,
     commit_row_delta,
@@ -301,7 +301,7 @@ class KeyedApply:
     def apply(self, target: str, staged: StagedTable, netted: Callable[[], Any], lsn: Lsn,
               max_seq: int, void: Sequence[tuple[int, int]], marks: Mapping[str, str]) -> None:
         """Apply one table's batch as one row delta. Its new rows are written on the driver
-        when ``apply.datafiles`` allows, else by Spark from ``netted()`` (the batch's last
+        when ``apply.position.datafiles`` allows, else by Spark from ``netted()`` (the batch's last
         change per key, as a DataFrame). The rows to delete are looked up in the index and
         written as a position-delete file in a thread meanwhile (numpy and Arrow leave the
         GIL to the other)."""

@@ -2,7 +2,7 @@
 
 Below a Spark call that reads or writes the warehouse sit three retry layers walberg does not
 control end to end: a catalog's metadata refresh (Iceberg retries it 20 times, with waits up
-to 5 s), S3A's Invoker, and the AWS SDK. Their settings (apply.storage.s3a_deadlines) make
+to 5 s), S3A's Invoker, and the AWS SDK. Their settings (apply.catalog.storage.s3a_deadlines) make
 one storage request fail fast, but not the layers above. So the watch keeps a list of the Spark
 calls in flight; once one has run for ``storage.timeout_seconds``, it asks the store itself
 (``S3Probe``, from Python, independent of the JVM). A store that answers means a long call,
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from walberg.apply.storage import Problem, S3Probe
+from walberg.apply.catalog.storage import Problem, S3Probe
 from walberg.errors import StorageUnavailable
 
 log = logging.getLogger("walberg")

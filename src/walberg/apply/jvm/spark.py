@@ -13,11 +13,11 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
-from walberg.apply import classcache
+from walberg.apply.jvm import classcache
 from walberg.errors import ApplyError, EnvironmentProblem
 
 if TYPE_CHECKING:
-    from walberg.apply.watch import StorageWatch
+    from walberg.apply.jvm.watch import StorageWatch
 
 ICEBERG_JAR = "iceberg-spark-runtime-3.5_2.12-1.10.2.jar"
 JAR_PACKAGE = "snowpark-connect-deps-iceberg==1.0.2"
@@ -195,7 +195,7 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
                   jars: Sequence[str] = (), class_cache: bool = True,
                   short_lived: bool = False) -> Any:
     """One SparkSession per process, with the Iceberg catalog `catalog` configured. With
-    ``class_cache``, the driver's JVM starts from a class-data archive (apply.classcache); with
+    ``class_cache``, the driver's JVM starts from a class-data archive (apply.jvm.classcache); with
     ``short_lived`` (a run that ends when it has caught up), from the options of
     ``short_lived_options``."""
     global _archive_wanted
@@ -374,7 +374,7 @@ def _transient(exc: BaseException) -> bool:
     return False
 
 
-# The storage watch of this process's session (apply.watch), when its warehouse is on S3.
+# The storage watch of this process's session (apply.jvm.watch), when its warehouse is on S3.
 _watch: Optional["StorageWatch"] = None
 
 
@@ -392,7 +392,7 @@ def storage_watch() -> Optional["StorageWatch"]:
 
 def spark_call(what: str, fn: Callable[[], T]) -> T:
     """Run a Spark call; a Java failure becomes an ApplyError that says what was attempted,
-    and one for an object store that does not answer a StorageUnavailable (see apply.watch)."""
+    and one for an object store that does not answer a StorageUnavailable (see apply.jvm.watch)."""
     watch = _watch
     token = watch.begin(what) if watch is not None else None
     try:

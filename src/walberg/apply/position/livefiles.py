@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from walberg.apply.keycodec import ByMerge
+from walberg.apply.position.keycodec import ByMerge
 from walberg.errors import ApplyError
 
 

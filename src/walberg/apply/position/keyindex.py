@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from walberg.apply.keycodec import KeyClash
+from walberg.apply.position.keycodec import KeyClash
 
 MANIFEST = "manifest.json"
 TOMBSTONE = -1

@@ -2,7 +2,7 @@
 the current snapshot, the LSN (or the Kafka offsets) of walberg's last commit, sizes, and the
 snapshot log. Read here from a local hadoop warehouse (``<warehouse>/<namespace>/<table>/
 metadata/v<N>.metadata.json`` + ``version-hint.text``); ``summarize`` also takes metadata read
-through other catalogs (apply.catalog_reads). No JVM to start, so these answer in well under a
+through other catalogs (apply.catalog.catalog_reads). No JVM to start, so these answer in well under a
 second where a Spark session takes several."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def read_hadoop_table(warehouse: Path, namespace: str, table: str,
 
 def summarize(meta: dict[str, Any], lsn_property: str = LSN_PROPERTY) -> TableSummary:
     """The summary of a table from its current metadata (the metadata file's JSON), however
-    it was read (see apply.catalog_reads for catalogs other than a local hadoop warehouse)."""
+    it was read (see apply.catalog.catalog_reads for catalogs other than a local hadoop warehouse)."""
     snapshots = {s["snapshot-id"]: s for s in meta.get("snapshots", [])}
     current_id = meta.get("current-snapshot-id")
     current = snapshots.get(current_id) if current_id not in (None, -1) else None

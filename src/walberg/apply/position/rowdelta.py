@@ -9,7 +9,7 @@ same result is one row delta:
 - the rows to delete are written as a position-delete file: Parquet with the columns
   ``file_path`` and ``pos`` under the field ids the Iceberg spec reserves for them, sorted by
   both, written by Spark itself (so the work runs on the executors);
-- the new rows come as data files written on the driver (``apply.datafiles``), or are
+- the new rows come as data files written on the driver (``apply.position.datafiles``), or are
   written by Iceberg's own Spark writer into a *staged* snapshot (write-audit-publish:
   ``spark.wap.id``), which is never part of the table's history; its data files are taken
   from it;
@@ -40,12 +40,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from walberg.apply import dv
-from walberg.apply.datafiles import FIELD_ID_KEY, data_folder, field_id_metadata
-from walberg.apply.keycodec import KeyCodec
-from walberg.apply.keyindex import Entry
+from walberg.apply.jvm.spark import spark_call
+from walberg.apply.position import dv
+from walberg.apply.position.datafiles import FIELD_ID_KEY, data_folder, field_id_metadata
+from walberg.apply.position.keycodec import KeyCodec
+from walberg.apply.position.keyindex import Entry
 from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
-from walberg.apply.spark import spark_call
 from walberg.errors import ApplyError
 
 # Field ids the Iceberg spec reserves for the columns of a position-delete file.
@@ -176,7 +176,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                      keys: Optional[tuple[str, Any, Any]] = None,
                      source: Optional[str] = None) -> RowDeltaResult:
     """Add ``rows`` (a DataFrame in the table's schema) and ``data_files`` (Iceberg data files
-    written already, see ``apply.datafiles``) and delete the rows at ``deletes``
+    written already, see ``apply.position.datafiles``) and delete the rows at ``deletes``
     (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
     ``properties`` in its summary. ``table``: the Iceberg Java table, if the caller has just
     loaded it.

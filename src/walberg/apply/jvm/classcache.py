@@ -13,7 +13,7 @@ One archive per Java, pyspark and driver class path, in a per-user cache folder
 (``$XDG_CACHE_HOME/walberg/jvm``, else ``~/.cache/walberg/jvm``; ``WALBERG_CLASS_CACHE`` names
 another folder, or ``off``). About 180 MB each; the three used last are kept. The first
 session that finds none has one made after it stops, by a process of its own in the
-background (``python -m walberg.apply.classbuild``):
+background (``python -m walberg.apply.jvm.classbuild``):
 that process starts a session whose JVM writes the archive to a temporary file, runs a small
 workload on a scratch Iceberg table, waits for its JVM to exit, checks that a JVM starts with
 the archive, and only then renames it into place. A JVM given a damaged archive refuses to
@@ -43,7 +43,7 @@ _STALE_SECONDS = 900.0
 # Archives kept in the folder (the ones used last).
 KEEP = 3
 # The module that makes an archive, run as a process of its own.
-BUILDER = "walberg.apply.classbuild"
+BUILDER = "walberg.apply.jvm.classbuild"
 
 
 def java_major(version_output: str) -> Optional[int]:

@@ -54,7 +54,7 @@ def s3a_deadlines(timeout: float) -> dict[str, str]:
     endpoint fails one call in well under the deadline. Throttling (503 SlowDown) is the store
     answering, not an outage: fs.s3a.retry.throttle.* keep their defaults. Iceberg's own
     retries (a catalog's metadata refresh, commit.retry.*) sit above these; walberg's
-    storage watch (apply.watch) bounds them."""
+    storage watch (apply.jvm.watch) bounds them."""
     ms = max(int(timeout * 1000), 1000)
     return {
         "spark.hadoop.fs.s3a.connection.establish.timeout": str(min(5000, ms)),

@@ -1,5 +1,5 @@
-"""Making the driver JVM's class-data archive (see apply.classcache), in a process of its own:
-``python -m walberg.apply.classbuild <archive>``. It starts a session whose JVM writes the
+"""Making the driver JVM's class-data archive (see apply.jvm.classcache), in a process of its own:
+``python -m walberg.apply.jvm.classbuild <archive>``. It starts a session whose JVM writes the
 archive to a temporary file as it exits, runs a small workload on a scratch Iceberg table,
 waits for the JVM to exit, checks that a JVM starts with the archive, and only then renames it
 into place. Exit status 0 when the archive is in place."""
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from walberg.apply.classcache import dump_options, prune, starts_with
-from walberg.apply.spark import build_session, find_java, temp_folder
+from walberg.apply.jvm.classcache import dump_options, prune, starts_with
+from walberg.apply.jvm.spark import build_session, find_java, temp_folder
 
 # Statements that load what a batch, a copy and a start-up use: catalog lookups, DDL, reading
 # Parquet, netting by window, writes, a MERGE and a delete by position.
