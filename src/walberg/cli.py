@@ -249,7 +249,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         report = pipeline.run(once=args.once)
     finally:
-        pipeline.close()
+        pipeline.close(exiting=True)
         _restore_signals(previous)
     logging.getLogger("walberg").info(
         "stopped: %d batch(es), %d change(s) applied, lake complete up to LSN %s",

@@ -111,12 +111,12 @@ def stage_root(config: Config, session: Any) -> Optional[str]:
     return f"{area}/{folder}"
 
 
-def release(store: Optional[SegmentStore], session: Any) -> None:
+def release(store: Optional[SegmentStore], session: Any, exiting: bool = False) -> None:
     """Close a pipeline's segment store and stop the Spark session it built (None: a session
-    the caller owns, left running)."""
+    the caller owns, left running; ``exiting``: see ``stop_session``)."""
     if store is not None:
         store.close()
-    stop_session(session)
+    stop_session(session, exiting)
 
 
 def commit_with_retries(sink_cfg: Sink, stop: threading.Event, sink: IcebergSink, source: str,

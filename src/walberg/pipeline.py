@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -81,6 +82,12 @@ class Pipeline:
         self._store: Optional[SegmentStore] = None
         self._state = RunState()
         self._run_error: Optional[BaseException] = None
+        # The session this pipeline builds, opened in a thread of its own at the start of a
+        # run (the JVM starts while the segments are recovered and the source is met).
+        self._opening: Optional[Future[Any]] = None
+        self._opened_early = False
+        self._active_in: set[int] = set()  # threads the early session was made active in
+        self._session_lock = threading.Lock()
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Pipeline":
@@ -88,9 +95,41 @@ class Pipeline:
 
     # ---- wiring ------------------------------------------------------------------------------
 
+    def _open_early(self) -> None:
+        """Start opening the Spark session in a thread, if this pipeline builds its own and
+        has not yet."""
+        with self._session_lock:
+            if self._session is not None or self._opening is not None:
+                return
+            opening: Future[Any] = Future()
+
+            def run() -> None:
+                try:
+                    opening.set_result(open_session(self.config))
+                except BaseException as exc:  # given to whoever needs the session
+                    opening.set_exception(exc)
+
+            self._opening = opening
+            threading.Thread(target=run, name="walberg-session", daemon=True).start()
+
     def session(self) -> Any:
+        with self._session_lock:
+            session = self._session_now()
+            if self._opened_early and threading.get_ident() not in self._active_in:
+                # A session built in another thread is not the active one of this thread's
+                # JVM peer, and Spark would resolve `lake.ns.table` against its default
+                # catalog: made active here, once per thread.
+                session._jvm.org.apache.spark.sql.SparkSession.setActiveSession(
+                    session._jsparkSession)
+                self._active_in.add(threading.get_ident())
+            return session
+
+    def _session_now(self) -> Any:
         if self._session is None:
-            self._session = open_session(self.config)
+            opening, self._opening = self._opening, None
+            self._opened_early = opening is not None
+            self._session = opening.result() if opening is not None else \
+                open_session(self.config)
             self._sink = IcebergSink(self._session, self.types, self._tag,
                                      stage_root(self.config, self._session),
                                      self.config.index_dir)
@@ -118,8 +157,15 @@ class Pipeline:
         """Ask a running ``run`` to stop after the current step (safe from signal handlers)."""
         self._state.request_stop()
 
-    def close(self) -> None:
-        release(self._store, self._session if self._owns_session else None)
+    def close(self, exiting: bool = False) -> None:
+        """``exiting``: the process ends next (the CLI), so the JVM need not be stopped
+        gracefully (see ``apply.jvm.spark.stop_session``)."""
+        if self._opening is not None:  # opened early, never used: stopped all the same
+            try:
+                self.session()
+            except BaseException:
+                pass
+        release(self._store, self._session if self._owns_session else None, exiting)
         self._store = None
         if self._owns_session:
             self._session = self._sink = None
@@ -165,6 +211,7 @@ class Pipeline:
             metrics.serve(self.config.metrics.port, self.config.metrics.host)
         state = self._state
         ready_storage(self.config, once, state.stop)
+        self._open_early()
         relations = Relations()
         store = SegmentStore(self.config.segment_dir, self.config.buffer.max_segment_bytes,
                              preamble=relations.preamble)

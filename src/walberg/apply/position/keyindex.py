@@ -13,8 +13,9 @@ shadows the base, and a tombstone (file id -1) says the key is gone. When the de
 than ``max_delta`` entries they are merged into a new base.
 
 Memory stays flat whatever the table's size: the base is read in chunks of ``chunk`` keys
-(8 bytes a key), the deltas are bounded by ``max_delta``. On disk it takes 28 bytes a key
-(20 for one integer key, which has no checks file) plus the data file paths once each.
+(8 bytes a key), the deltas are bounded by ``max_delta`` (28 bytes an entry: 56 MB at most).
+On disk it takes 28 bytes a key (20 for one integer-like key, whose checks are all 0 and not
+written) plus the data file paths once each.
 
 Crash safety: the index describes one snapshot of the table (``snapshot`` in its manifest,
 replaced atomically). A caller that finds the table at another snapshot (a crash between an
@@ -23,6 +24,7 @@ Iceberg commit and the index update, a compaction, a copy) rebuilds it from the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -205,7 +207,7 @@ class KeyIndex:
         folder.mkdir()
         size = 0
         last: Optional[tuple[int, int]] = None
-        with open(folder / "keys", "wb") as k, open(folder / "checks", "wb") as c, \
+        with open(folder / "keys", "wb") as k, self._checks_file(folder) as c, \
                 open(folder / "files", "wb") as f, open(folder / "positions", "wb") as p:
             for keys, checks, paths, positions in entries:
                 keys = np.asarray(keys, dtype=np.int64)
@@ -230,7 +232,8 @@ class KeyIndex:
                        np.fromiter((self._file_id(x) for x in paths), dtype=np.int32,
                                    count=len(keys)))
                 keys.tofile(k)
-                checks.tofile(c)
+                if c is not None:
+                    checks.tofile(c)
                 ids.tofile(f)
                 np.asarray(positions, dtype=np.int64).tofile(p)
                 size, last = size + len(keys), (int(keys[-1]), int(checks[-1]))
@@ -355,7 +358,7 @@ class KeyIndex:
         folder.mkdir()
         size, taken = 0, 0
         chunks = list(self._base_chunks()) or [(0, np.empty(0, np.int64))]
-        with open(folder / "keys", "wb") as k, open(folder / "checks", "wb") as c, \
+        with open(folder / "keys", "wb") as k, self._checks_file(folder) as c, \
                 open(folder / "files", "wb") as f, open(folder / "positions", "wb") as p:
             for n, (offset, chunk) in enumerate(chunks):
                 count = len(chunk)
@@ -374,7 +377,8 @@ class KeyIndex:
                                                                      pos_m)
                 live = ids_m != TOMBSTONE
                 keys_m[live].tofile(k)
-                checks_m[live].tofile(c)
+                if c is not None:
+                    checks_m[live].tofile(c)
                 ids_m[live].tofile(f)
                 pos_m[live].tofile(p)
                 size += int(live.sum())
@@ -382,11 +386,18 @@ class KeyIndex:
         self._deltas, self._delta_names = [], []
         self._save()
 
+    def _checks_file(self, folder: Path) -> Any:
+        """Where a new base's checks go: nowhere for a key whose checks are all 0 (one
+        integer-like column; 20 bytes a key instead of 28)."""
+        if self.encoding == "int" or self.encoding.startswith("one:"):
+            return contextlib.nullcontext(None)
+        return open(folder / "checks", "wb")
+
     def _base_slice(self, column: str, dtype: type, offset: int, count: int) -> np.ndarray:
         if not self._base or count == 0:
             return np.empty(0, dtype)
         path = self.directory / self._base / column
-        if column == "checks" and not path.exists():  # a base made before checks were kept
+        if column == "checks" and not path.exists():  # all 0 (see _checks_file)
             return np.zeros(count, dtype)
         width = np.dtype(dtype).itemsize
         return np.fromfile(path, dtype=dtype, count=count, offset=offset * width)
