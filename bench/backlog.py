@@ -1,7 +1,7 @@
 """The user's situation, cold: `walberg run --once` as a command, on tables of growing size.
 
     python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
-                            [--shape bigint|uuid|text|composite|days|v3]
+                            [--shape bigint|uuid|text|composite|days|v3|full|cow]
 
 Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.jvm.classcache),
 as a machine's first walberg run makes it in the background; the time it took is reported.
@@ -28,7 +28,8 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
 
 --shape picks the table's key and layout (SHAPES): a bigint key (the default), a uuid, a text
 key, a composite (tenant int, id bigint) key, a bigint key with the Iceberg table partitioned
-by days(ts) over a year, or a bigint key in a format-version 3 table.
+by days(ts) over a year, or a bigint key in a format-version 3 table; and two that keep the
+MERGE: no key (REPLICA IDENTITY FULL) and a copy-on-write table.
 
 These machines are shared and noisy: the figures that matter are the ratios within one run.
 """
@@ -72,6 +73,9 @@ SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
              ", timestamptz '2024-01-01 00:00:00+00' + (({g}) % 365) * interval '1 day' "
              "+ (({g}) % 86400) * interval '1 second'", {"partition_by": ["days(ts)"]}),
     "v3": ("id bigint", "{g}", "id", "", "", {"format_version": 3}),
+    # No key: REPLICA IDENTITY FULL (updates and deletes find rows by their whole value).
+    "full": ("id bigint", "{g}", "id", "", "", {}),
+    "cow": ("id bigint", "{g}", "id", "", "", {"write_mode": "copy-on-write"}),
 }
 
 
@@ -118,8 +122,12 @@ def write_config(dsn: str, work: Path, name: str, by_position: bool = True,
 def make_table(cur: Any, name: str, rows: int, shape: str = "bigint") -> float:
     """The table of ``rows`` rows; returns the seconds `COPY ... TO STDOUT` takes to read it."""
     key, key_sql, key_names, extra, extra_sql, _ = SHAPES[shape]
-    cur.execute(f"CREATE TABLE {name} ({key}, name text, amount numeric(12,2), n int{extra}, "
-                f"PRIMARY KEY ({key_names}))")
+    primary = "" if shape == "full" else f", PRIMARY KEY ({key_names})"
+    cur.execute(f"CREATE TABLE {name} ({key}, name text, amount numeric(12,2), n int{extra}"
+                f"{primary})")
+    if shape == "full":  # (an index, not a key, so the backlog's statements find rows fast)
+        cur.execute(f"ALTER TABLE {name} REPLICA IDENTITY FULL")
+        cur.execute(f"CREATE INDEX ON {name} (id)")
     cur.execute(f"INSERT INTO {name} SELECT {key_sql.format(g='g')}, 'customer ' || g, "
                 f"(g %% 100000) / 100.0, g %% 1000{extra_sql.format(g='g')} "
                 "FROM generate_series(1, %s) g", (rows,))

@@ -14,7 +14,7 @@ import sys
 import time
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import yaml
@@ -468,3 +468,45 @@ def test_a_new_optional_field_in_the_schema_adds_a_column(
     report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
     assert report.dead_letters == 0 and report.records == 1
     assert iceberg_rows(warehouse, target)[-1] == {"id": 4, "name": "d", "email": None}
+
+
+def test_string_and_composite_keys_apply_by_position(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Debezium keys of several string fields: the second batch's updates and deletes go by
+    position through the key index (apply.position), not by MERGE."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic, partitions=1)
+    p = Producer(kafka_broker)
+    schema = row_schema([{"field": "tenant", "type": "string"},
+                         {"field": "code", "type": "string"},
+                         {"field": "qty", "type": "int32", "optional": True}])
+
+    def send(op: str, tenant: str, code: str, qty: Optional[int], before: Optional[int] = None
+             ) -> None:
+        after = None if op == "d" else {"tenant": tenant, "code": code, "qty": qty}
+        old = None if op in ("c", "r") else {"tenant": tenant, "code": code, "qty": before}
+        p.send(topic, {"schema": {"type": "struct"}, "payload": {"tenant": tenant, "code": code}},
+               envelope(op, old, after, schema=schema), partition=0)
+
+    for t in ("acme", "globex"):
+        for c in range(50):
+            send("c", t, f"item-{c}", c)
+    config = _config(_raw(kafka_broker, warehouse, tmp_path, unique, [topic]), tmp_path)
+    run_once(config, spark, KafkaPipeline)
+    for c in range(0, 50, 3):
+        send("u", "acme", f"item-{c}", -c, before=c)
+    for c in range(0, 50, 7):
+        send("d", "globex", f"item-{c}", None, before=c)
+    send("c", "initech", "item-1", 1)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark, KafkaPipeline)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert f"{target} by position: " in caplog.text, caplog.text[-3000:]
+    expected = {("acme", f"item-{c}"): (-c if c % 3 == 0 else c) for c in range(50)}
+    expected.update({("globex", f"item-{c}"): c for c in range(50) if c % 7})
+    expected[("initech", "item-1")] = 1
+    rows = hadoop_table(warehouse, target).scan().to_arrow().to_pylist()
+    assert {(r["tenant"], r["code"]): r["qty"] for r in rows} == expected
+    assert len(rows) == len(expected)
