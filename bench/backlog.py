@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from run import _Null, save_results, timed  # noqa: E402
 
-from walberg.apply import classcache  # noqa: E402
+from walberg.apply.jvm import classcache  # noqa: E402
 from walberg.apply.jvm.spark import check_java, find_java  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 
