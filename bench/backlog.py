@@ -122,6 +122,8 @@ def write_config(dsn: str, work: Path, name: str, by_position: bool = True,
 def make_table(cur: Any, name: str, rows: int, shape: str = "bigint") -> float:
     """The table of ``rows`` rows; returns the seconds `COPY ... TO STDOUT` takes to read it."""
     key, key_sql, key_names, extra, extra_sql, _ = SHAPES[shape]
+    # (statements with parameters: a % of the shape's SQL is doubled for psycopg2)
+    key_sql, extra_sql = key_sql.replace("%", "%%"), extra_sql.replace("%", "%%")
     primary = "" if shape == "full" else f", PRIMARY KEY ({key_names})"
     cur.execute(f"CREATE TABLE {name} ({key}, name text, amount numeric(12,2), n int{extra}"
                 f"{primary})")
@@ -145,6 +147,7 @@ def commit_backlog(cur: Any, name: str, rows: int, changes: int, first_new: int,
     random keys up to ``rows``; returns the changes Postgres made (random draws may repeat a
     key)."""
     _, key_sql, key_names, _, extra_sql, _ = SHAPES[shape]
+    key_sql, extra_sql = key_sql.replace("%", "%%"), extra_sql.replace("%", "%%")
     made = 0
     inserts, updates = changes // 2, changes * 3 // 10
     deletes = changes - inserts - updates

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import ROOT, save_results  # noqa: E402
 
-from walberg.apply.catalog import storage  # noqa: E402
 from walberg.apply.batch import BatchBuilder  # noqa: E402
+from walberg.apply.catalog import storage  # noqa: E402
 from walberg.apply.iceberg import IcebergSink  # noqa: E402
 from walberg.apply.jvm.spark import build_session, stop_session  # noqa: E402
 from walberg.apply.types import TypeMap  # noqa: E402
