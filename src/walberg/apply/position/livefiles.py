@@ -68,7 +68,7 @@ class LiveFiles:
             while it.hasNext():
                 task = it.next()
                 vector = None
-                for delete in task.deletes():
+                for delete in (task.deletes() if self.vectors else ()):
                     if str(delete.format()) != "PUFFIN":
                         if self.vectors:
                             raise NotByPosition(
