@@ -10,8 +10,10 @@ source's marks. Nothing reads the table.
 
 Which tables: a key of integer, date, timestamp or text-like columns (uuid, text, varchar,
 and any combination of them; ``keycodec`` says how each key becomes an index entry),
-unpartitioned, format v2 and merge-on-read, one source (not a fan-in table), in upsert mode,
-with ``sink.apply_by_position`` on (the default). Which batches: those without a TRUNCATE and
+partitioned or not (deletes are written per partition), format 2 (position-delete files) or 3
+(deletion vectors), merge-on-read, written by one source or fanned in from several (each
+source's index holds its own partition), in upsert mode, with ``sink.apply_by_position`` on
+(the default). Which batches: those without a TRUNCATE and
 without an UPDATE that left a TOASTed value unsent (its value has to come from the lake's
 row). Every other table or batch takes the MERGE, as before; so does a table two of whose keys
 share an index entry (``KeyClash``, a 64-bit clash: about one table in 400,000 at ten million
@@ -194,10 +196,10 @@ class KeyedApply:
                                                tuple(str(f.location()) for f in appended),
                                                keys, codec, scratch))
                 assert now is not None
-                found.commit(now, np.empty(0, np.int64), _concat(entries))
                 live = self._live.get(target)
                 if live is not None and live.snapshot == found.snapshot:
-                    live.added(appended, now)
+                    live.added(appended, now)  # (else _know_files reads them all below)
+                found.commit(now, np.empty(0, np.int64), _concat(entries))
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:

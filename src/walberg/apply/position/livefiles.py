@@ -70,11 +70,9 @@ class LiveFiles:
                 vector = None
                 for delete in (task.deletes() if self.vectors else ()):
                     if str(delete.format()) != "PUFFIN":
-                        if self.vectors:
-                            raise NotByPosition(
-                                "it is format version 3 and holds position-delete files from "
-                                "before; `walberg maintain` compacts them away")
-                        continue
+                        raise NotByPosition(
+                            "it is format version 3 and holds position-delete files from "
+                            "before; `walberg maintain` compacts them away")
                     vector = _vector(delete)
                 self._add(task.file(), vector)
         finally:
