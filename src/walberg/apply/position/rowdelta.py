@@ -101,9 +101,7 @@ def deletion_vectors(files: Sequence[str], positions: np.ndarray, scratch: Path,
     ``earlier(vector)``: the bytes of an earlier vector's blob)."""
     if not len(files):
         return None
-    distinct = sorted(set(files))
-    rank = {path: i for i, path in enumerate(distinct)}
-    ranks = np.fromiter((rank[f] for f in files), dtype=np.int32, count=len(files))
+    distinct, ranks = _ranked(files)
     order = np.argsort(ranks, kind="stable")
     bounds = np.searchsorted(ranks[order], np.arange(len(distinct) + 1))
     positions = np.asarray(positions, dtype=np.int64)[order]
@@ -122,6 +120,13 @@ def deletion_vectors(files: Sequence[str], positions: np.ndarray, scratch: Path,
     return Vectors(puffins, data_files, replaced, len(files))
 
 
+def _ranked(files: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    """The distinct data files, sorted, and each row's file as its rank among them."""
+    distinct = sorted(set(files))
+    rank = {path: i for i, path in enumerate(distinct)}
+    return distinct, np.fromiter((rank[f] for f in files), dtype=np.int32, count=len(files))
+
+
 def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path
                          ) -> Positions:
     """The rows at ``positions`` of data files ``files`` as one position-delete Parquet file in
@@ -138,9 +143,7 @@ def position_delete_files(files: Sequence[str], positions: np.ndarray, scratch: 
     if not len(files):
         return []
     # Sorted by the rank of each row's path among the few distinct ones, not by the strings.
-    distinct = sorted(set(files))
-    rank = {path: i for i, path in enumerate(distinct)}
-    ranks = np.fromiter((rank[f] for f in files), dtype=np.int32, count=len(files))
+    distinct, ranks = _ranked(files)
     order = np.lexsort((positions, ranks))
     ranks, positions = ranks[order], np.asarray(positions)[order]
     groups: dict[Hashable, list[int]] = {}
@@ -578,6 +581,22 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
     return [delete], deletes.rows, deletes.data_files
 
 
+def _move_in(spark: Any, table: Any, locals_: Sequence[Path], what: str
+             ) -> tuple[str, list[int]]:
+    """Move files written on the driver into the table's data folder in one Hadoop call,
+    whatever the warehouse's storage; the folder and each file's size."""
+    jvm = spark._jvm
+    folder = data_folder(table)
+    dest = jvm.org.apache.hadoop.fs.Path(folder)
+    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
+    sizes = [local.stat().st_size for local in locals_]
+    sources = spark.sparkContext._gateway.new_array(jvm.org.apache.hadoop.fs.Path, len(locals_))
+    for i, local in enumerate(locals_):
+        sources[i] = jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri())
+    spark_call(f"uploading {what}", lambda: fs.copyFromLocalFile(True, True, sources, dest))
+    return folder, sizes
+
+
 def _upload_partition_deletes(spark: Any, table: Any, deletes: Sequence[Positions]
                               ) -> tuple[list[Any], int, list[str]]:
     """Position-delete files of several partitions, put in the table's data folder in one
@@ -588,15 +607,7 @@ def _upload_partition_deletes(spark: Any, table: Any, deletes: Sequence[Position
     if not deletes:
         return [], 0, []
     jvm = spark._jvm
-    folder = data_folder(table)
-    dest = jvm.org.apache.hadoop.fs.Path(folder)
-    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
-    sizes = [d.local.stat().st_size for d in deletes]
-    sources = spark.sparkContext._gateway.new_array(jvm.org.apache.hadoop.fs.Path, len(deletes))
-    for i, each in enumerate(deletes):
-        sources[i] = jvm.org.apache.hadoop.fs.Path(each.local.resolve().as_uri())
-    spark_call("uploading position deletes",
-               lambda: fs.copyFromLocalFile(True, True, sources, dest))
+    folder, sizes = _move_in(spark, table, [d.local for d in deletes], "position deletes")
     parquet = jvm.org.apache.iceberg.FileFormat.PARQUET
     files = []
     for each, size in zip(deletes, sizes, strict=True):
@@ -615,17 +626,8 @@ def _upload_vectors(spark: Any, table: Any, vectors: Vectors) -> tuple[list[Any]
     blob as a delete file of its data file's spec and partition."""
     jvm = spark._jvm
     puffin = jvm.org.apache.iceberg.FileFormat.PUFFIN
-    folder = data_folder(table)
-    dest = jvm.org.apache.hadoop.fs.Path(folder)
-    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
-    sources = spark.sparkContext._gateway.new_array(jvm.org.apache.hadoop.fs.Path,
-                                                    len(vectors.puffins))
-    for i, (local, _) in enumerate(vectors.puffins):
-        sources[i] = jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri())
-    sizes = [local.stat().st_size for local, _ in vectors.puffins]
-    # All in one call (Hadoop copies the files into the folder).
-    spark_call("uploading deletion vectors",
-               lambda: fs.copyFromLocalFile(True, True, sources, dest))
+    folder, sizes = _move_in(spark, table, [local for local, _ in vectors.puffins],
+                             "deletion vectors")
     files = []
     for (local, blob), data_file, size in zip(vectors.puffins, vectors.data_files, sizes,
                                               strict=True):
