@@ -21,6 +21,13 @@ from walberg.lake.maintain import maintain
 from walberg.lake.services import Lake
 
 
+def _run_logged(config: Any, spark: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """`run --once`, with only its own log in ``caplog`` (INFO and up)."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
+
+
 def _operations(warehouse: Path, target: str) -> list[str]:
     table = hadoop_table(warehouse, target)
     out = []
@@ -88,9 +95,7 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         with pg_conn.cursor() as cur:
             for statement in statements:
                 cur.execute(statement)
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="walberg"):
-            run_once(config, spark)
+        _run_logged(config, spark, caplog)
         assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
         if any("UPDATE" in s or "DELETE" in s for s in statements):
             # Staging left every column typed: the new rows became data files on the driver.
@@ -142,9 +147,7 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
     assert report.after.delete_files == 0
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 99 WHERE id % 3 = 0")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        run_once(config, spark)
+    _run_logged(config, spark, caplog)
     assert "followed" in caplog.text and "rebuilt" not in caplog.text, caplog.text[-2000:]
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
@@ -156,9 +159,7 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 7 WHERE id % 4 = 0")
         cur.execute(f"DELETE FROM {table} WHERE id % 11 = 0")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        run_once(config, spark)
+    _run_logged(config, spark, caplog)
     assert "rebuilt from the lake (" in caplog.text and "read on the driver)" in caplog.text, \
         caplog.text[-2000:]
     assert "followed" not in caplog.text
@@ -294,9 +295,7 @@ def test_every_key_shape_applies_by_position(pg_conn: Any, postgres: Any, spark:
                 for statement in statements:
                     cur.execute(statement.replace("{key_change}", KEY_SHAPES[shape][2])
                                 .format(t=table))
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="walberg"):
-            run_once(config, spark)
+        _run_logged(config, spark, caplog)
         for shape, target in targets.items():
             assert f"{target} by position: " in caplog.text and \
                 "added (written on the driver)" in caplog.text, (shape, caplog.text[-3000:])
@@ -311,9 +310,7 @@ def test_every_key_shape_applies_by_position(pg_conn: Any, postgres: Any, spark:
     with pg_conn.cursor() as cur:
         for table in tables.values():
             cur.execute(f"UPDATE {table} SET v = -v WHERE v % 3 = 0")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        run_once(config, spark)
+    _run_logged(config, spark, caplog)
     assert caplog.text.count("rebuilt from the lake (read by Spark, sorted on the driver)") \
         == len(targets), caplog.text[-3000:]
     for shape, target in targets.items():
@@ -325,9 +322,7 @@ def test_every_key_shape_applies_by_position(pg_conn: Any, postgres: Any, spark:
         for table in tables.values():
             cur.execute(f"UPDATE {table} SET note = 'compacted' WHERE v % 4 = 0")
             cur.execute(f"DELETE FROM {table} WHERE v % 9 = 0")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        run_once(config, spark)
+    _run_logged(config, spark, caplog)
     assert caplog.text.count("followed") == len(targets), caplog.text[-3000:]
     for shape, target in targets.items():
         assert _operations(warehouse, target)[-1] == "overwrite"
@@ -384,9 +379,7 @@ def test_partitioned_tables_apply_by_position(pg_conn: Any, postgres: Any, spark
             for table in tables.values():
                 for statement in statements:
                     cur.execute(statement.format(t=table))
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="walberg"):
-            run_once(config, spark)
+        _run_logged(config, spark, caplog)
         for name, target in targets.items():
             assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
             _rows_equal(pg_conn, warehouse, tables[name], target, spark)
@@ -408,9 +401,7 @@ def test_partitioned_tables_apply_by_position(pg_conn: Any, postgres: Any, spark
     run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {tables['days']} SET v = -v WHERE id % 5 = 0 OR id > 6040")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        run_once(config, spark)
+    _run_logged(config, spark, caplog)
     assert f"{targets['days']} by position: " in caplog.text, caplog.text[-3000:]
     lake = hadoop_table(warehouse, targets["days"])
     assert len(lake.specs()) > 1
@@ -446,9 +437,7 @@ def test_format_3_tables_get_deletion_vectors_by_position(
         with pg_conn.cursor() as cur:
             for table in tables.values():
                 cur.execute(statement.format(t=table))
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="walberg"):
-            run_once(config, spark)
+        _run_logged(config, spark, caplog)
         for name, target in targets.items():
             assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
             _rows_equal(pg_conn, warehouse, tables[name], target, spark)
@@ -465,9 +454,7 @@ def test_format_3_tables_get_deletion_vectors_by_position(
     with pg_conn.cursor() as cur:
         for table in tables.values():
             cur.execute(f"UPDATE {table} SET v = 0 WHERE v % 3 = 0")
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        run_once(config, spark)
+    _run_logged(config, spark, caplog)
     for name, target in targets.items():
         assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
         _rows_equal(pg_conn, warehouse, tables[name], target, spark)

@@ -44,6 +44,16 @@ def _databases(pg_conn: Any, postgres: Any, unique: str, names: tuple[str, str],
     return dsns, conns
 
 
+def _source_rows(conns: dict[str, Any], table: str) -> list[tuple[str, int, str]]:
+    """(source, id, v) of every row of ``table`` in each source's database, sorted."""
+    rows = []
+    for name, conn in conns.items():
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT id, v FROM {table}")
+            rows += [(name, i, v) for i, v in cur.fetchall()]
+    return sorted(rows)
+
+
 def _raw(dsns: dict[str, str], tables: dict[str, list[str]], unique: str, warehouse: Path,
          tmp_path: Path) -> dict[str, Any]:
     return {
@@ -76,14 +86,6 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
     target = config.for_source("east").target_for(f"public.{unique}")
     assert target == config.for_source("west").target_for(f"public.{unique}")
 
-    def expected() -> list[tuple[str, int, str]]:
-        rows = []
-        for name, conn in conns.items():
-            with conn.cursor() as cur:
-                cur.execute(f"SELECT id, v FROM {unique}")
-                rows += [(name, i, v) for i, v in cur.fetchall()]
-        return sorted(rows)
-
     _run(config, spark)
     with conns["east"].cursor() as cur:
         cur.execute(f"UPDATE {unique} SET v = 'changed' WHERE id <= 5")
@@ -101,9 +103,9 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
     table = hadoop_table(warehouse, target)
     got = sorted((r["_walberg_source"], r["id"], r["v"])
                  for r in table.scan().to_arrow().to_pylist())
-    assert got == expected()
+    assert got == _source_rows(conns, unique)
     assert sorted((r["id"], r["v"]) for r in duckdb_rows(warehouse, target, key="id")) == \
-        sorted((i, v) for _, i, v in expected())
+        sorted((i, v) for _, i, v in _source_rows(conns, unique))
     summaries = [s.summary.additional_properties for s in table.snapshots()]
     assert any("walberg.lsn.east" in s for s in summaries)
     assert any("walberg.lsn.west" in s for s in summaries)
@@ -272,14 +274,6 @@ def test_fan_in_sources_apply_by_position_each_to_its_own_rows(
                                tmp_path), tmp_path)
     target = config.for_source("east").target_for(f"public.{unique}")
 
-    def expected() -> list[tuple[str, int, str]]:
-        rows = []
-        for name, conn in conns.items():
-            with conn.cursor() as cur:
-                cur.execute(f"SELECT id, v FROM {unique}")
-                rows += [(name, i, v) for i, v in cur.fetchall()]
-        return sorted(rows)
-
     def lake() -> list[tuple[str, int, str]]:
         table = hadoop_table(warehouse, target)
         return sorted((r["_walberg_source"], r["id"], r["v"])
@@ -307,9 +301,9 @@ def test_fan_in_sources_apply_by_position_each_to_its_own_rows(
         assert len(re.findall(rf"{re.escape(target)} by position: \d+ deleted",
                               caplog.text)) == 2, caplog.text[-4000:]
         assert "rebuilt from the lake" not in caplog.text, caplog.text[-4000:]
-        assert lake() == expected()
+        assert lake() == _source_rows(conns, unique)
     assert sorted((r["id"], r["v"]) for r in duckdb_rows(warehouse, target, key="id")) == \
-        sorted((i, v) for _, i, v in expected())
+        sorted((i, v) for _, i, v in _source_rows(conns, unique))
     for name in ("east", "west"):
         assert (tmp_path / "segments" / name / "keyindex").is_dir()
     for conn in conns.values():
