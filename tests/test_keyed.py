@@ -16,6 +16,7 @@ from conftest import make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.position import keyed
 from walberg.apply.position.keyindex import KeyIndex
+from walberg.apply.session import java_table, quote_target
 from walberg.config import parse_config
 from walberg.lake.maintain import maintain
 from walberg.lake.services import Lake
@@ -381,8 +382,11 @@ def test_partitioned_tables_apply_by_position(pg_conn: Any, postgres: Any, spark
                     cur.execute(statement.format(t=table))
         _run_logged(config, spark, caplog)
         for name, target in targets.items():
-            assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
+            # New rows in their partitions, written on the driver.
+            assert re.search(rf"{re.escape(target)} by position: \d+ deleted, \d+ added "
+                             r"\(written on the driver\)", caplog.text), (name, caplog.text[-3000:])
             _rows_equal(pg_conn, warehouse, tables[name], target, spark)
+            _partitions_hold_their_rows(spark, target)
     for target in targets.values():
         lake = hadoop_table(warehouse, target)
         deletes = [(f["spec_id"], str(f["partition"])) for f in lake.inspect.files().to_pylist()
@@ -408,6 +412,26 @@ def test_partitioned_tables_apply_by_position(pg_conn: Any, postgres: Any, spark
     specs = {f["spec_id"] for f in lake.inspect.files().to_pylist() if f["content"] == 1}
     assert len(specs) == 2, specs
     _rows_equal(pg_conn, warehouse, tables["days"], targets["days"], spark)
+
+
+def _partitions_hold_their_rows(spark: Any, target: str) -> None:
+    """Each row of the table's current spec's files is in the partition Iceberg's own
+    transforms give it (through Spark's ``system`` functions)."""
+    name = quote_target(target)
+    table = java_table(spark, target)
+    spec = table.spec()
+    checks = []
+    for field in spec.fields():
+        column = str(table.schema().findField(field.sourceId()).name())
+        kind, _, arg = str(field.transform()).partition("[")
+        call = column if kind == "identity" else \
+            f"lake.system.{kind}s({column})" if not arg else \
+            f"lake.system.{kind}({arg.rstrip(']')}, {column})"
+        checks.append(f"NOT (_partition.{field.name()} <=> {call})")
+    spark.sql(f"REFRESH TABLE {name}")
+    wrong = spark.sql(f"SELECT count(*) AS n FROM {name} WHERE _spec_id = {spec.specId()} AND "
+                      f"({' OR '.join(checks)})").collect()[0]["n"]
+    assert wrong == 0, (target, checks)
 
 
 def test_format_3_tables_get_deletion_vectors_by_position(
@@ -439,8 +463,11 @@ def test_format_3_tables_get_deletion_vectors_by_position(
                 cur.execute(statement.format(t=table))
         _run_logged(config, spark, caplog)
         for name, target in targets.items():
-            assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
+            # New rows in their partitions, written on the driver.
+            assert re.search(rf"{re.escape(target)} by position: \d+ deleted, \d+ added "
+                             r"\(written on the driver\)", caplog.text), (name, caplog.text[-3000:])
             _rows_equal(pg_conn, warehouse, tables[name], target, spark)
+            _partitions_hold_their_rows(spark, target)
             vectors = spark.sql(f"SELECT file_format, referenced_data_file FROM {target}.files "
                                 "WHERE content = 1").collect()
             assert vectors and all(f["file_format"] == "PUFFIN" for f in vectors)

@@ -298,8 +298,9 @@ def test_fan_in_sources_apply_by_position_each_to_its_own_rows(
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="walberg"):
             _run(config, spark)
-        assert len(re.findall(rf"{re.escape(target)} by position: \d+ deleted",
-                              caplog.text)) == 2, caplog.text[-4000:]
+        assert len(re.findall(rf"{re.escape(target)} by position: \d+ deleted, \d+ added "
+                              r"\(written on the driver\)", caplog.text)) == 2, \
+            caplog.text[-4000:]
         assert "rebuilt from the lake" not in caplog.text, caplog.text[-4000:]
         assert lake() == _source_rows(conns, unique)
     assert sorted((r["id"], r["v"]) for r in duckdb_rows(warehouse, target, key="id")) == \

@@ -61,7 +61,7 @@ def _with_lsn(files: Sequence[Path], schema: pa.Schema, lsn: int) -> Iterator[pa
                 schema=schema)
 
 
-def _commit(spark: Any, table: Any, written: list[tuple[str, Path]],
+def _commit(spark: Any, table: Any, written: list[datafiles.Written],
             marks: Mapping[str, str]) -> int:
     """Commit the written files in place of every row the table held."""
     iceberg = spark._jvm.org.apache.iceberg

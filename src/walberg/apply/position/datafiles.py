@@ -22,13 +22,15 @@ and through Hadoop's file system (the session's storage settings) elsewhere.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from walberg.apply.session import LSN_COLUMN, LakeSession, java_properties
+from walberg.apply.position.partitions import Partitioner
+from walberg.apply.session import LSN_COLUMN, SOURCE_COLUMN, LakeSession, java_properties
 from walberg.apply.tables import Tables
 from walberg.apply.types import SparkType
 from walberg.model import Column
@@ -45,11 +47,13 @@ def final_when_staged(t: SparkType) -> bool:
 
 
 def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-            table: Any, props: Mapping[str, str]) -> Optional[str]:
-    """Why rows of this table are written by Spark instead (None: they can be written here)."""
-    if lake.source is not None:
+            table: Any, props: Mapping[str, str], partitioned: bool = False) -> Optional[str]:
+    """Why rows of this table are written by Spark instead (None: they can be written here).
+    ``partitioned``: whether the caller partitions the rows (``write`` with a partitioner,
+    for a batch); else only an unpartitioned table of one source is written here."""
+    if lake.source is not None and not partitioned:
         return "the table is shared by several sources"
-    if not table.spec().isUnpartitioned():
+    if not table.spec().isUnpartitioned() and not partitioned:
         return "the table is partitioned"
     if not table.sortOrder().isUnsorted():
         return "the table has a sort order"
@@ -60,17 +64,25 @@ def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Co
     if codec.lower() not in CODECS:
         return f"its compression is {codec}"
     names = [str(f.name()) for f in table.schema().columns()]
-    if names != [c.name for c in columns] + [LSN_COLUMN] or not tables.columns_match(target,
-                                                                                     columns):
+    if names != [c.name for c in columns] + written_columns(lake) or \
+            not tables.columns_match(target, columns):
         return "its columns are not the source's"
-    return None
+    found = Partitioner.of(table, arrow_schema(table, columns, lake, target))
+    return found if isinstance(found, str) else None
+
+
+def written_columns(lake: LakeSession) -> list[str]:
+    """The columns walberg adds after the source's: the change's LSN, and in a table several
+    sources share, the source's name."""
+    return [LSN_COLUMN] + ([SOURCE_COLUMN] if lake.source is not None else [])
 
 
 def why_not_staged(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-                   table: Any, files: Sequence[Path]) -> Optional[str]:
+                   table: Any, files: Sequence[Path], partitioned: bool = False
+                   ) -> Optional[str]:
     """``why_not``, and whether the staged ``files`` (a copy's or a batch's: ``c0..cN``, then
     any change metadata) hold the columns in their types."""
-    why = why_not(lake, tables, target, columns, table, java_properties(table))
+    why = why_not(lake, tables, target, columns, table, java_properties(table), partitioned)
     want = staged_types(lake, target, columns)
     if why is None and any(pq.read_schema(f).types[:len(want)] != want for f in files):
         why = "its staged files are not in the columns' types"
@@ -98,6 +110,9 @@ def arrow_schema(table: Any, columns: Sequence[Column], lake: LakeSession,
               for c, t in zip(columns, staged_types(lake, target, columns), strict=True)]
     fields.append(pa.field(LSN_COLUMN, pa.int64(),
                            metadata=field_id_metadata(iceberg.findField(LSN_COLUMN).fieldId())))
+    if lake.source is not None:
+        fields.append(pa.field(SOURCE_COLUMN, pa.string(), metadata=field_id_metadata(
+            iceberg.findField(SOURCE_COLUMN).fieldId())))
     return pa.schema(fields)
 
 
@@ -116,18 +131,43 @@ def data_folder(table: Any) -> str:
     return f"{str(table.location()).rstrip('/')}/data"
 
 
+@dataclass(frozen=True)
+class Written:
+    """A data file ``write`` made: its location in the table, the file as written here, and
+    its partition's values (as ``withPartitionValues`` takes them; empty if unpartitioned)."""
+
+    location: str
+    path: Path
+    partition: list[Optional[str]] = field(default_factory=list)
+
+
 def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
-          scratch: Path, prefix: str) -> list[tuple[str, Path]]:
+          scratch: Path, prefix: str, partitioner: Optional[Partitioner] = None
+          ) -> list[Written]:
     """Write ``parts`` (tables in ``schema``) as data files of ``table`` named ``prefix-*``:
     in its data folder when that is on this disk, else under ``scratch`` for ``data_files``
-    to upload. Returns (location, the file as written here) of each."""
+    to upload. With a ``partitioner``, the rows are first gathered (a batch's new rows) and
+    written a partition at a time, each in files of its own under a folder named for it."""
+    if partitioner is None:
+        return _write(spark, table, schema, parts, scratch, prefix, "", [])
+    gathered = list(parts)
+    rows = pa.concat_tables(gathered) if gathered else schema.empty_table()
+    written: list[Written] = []
+    for values, members in partitioner.split(rows):
+        written += _write(spark, table, schema, [members], scratch, prefix,
+                          partitioner.folder(values), values)
+    return written
+
+
+def _write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table], scratch: Path,
+           prefix: str, folder_name: str, partition: list[Optional[str]]) -> list[Written]:
     props = java_properties(table)
     codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
     level = props.get("write.parquet.compression-level")
     target_bytes = int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES))
-    folder = data_folder(table)
+    folder = data_folder(table) + (f"/{folder_name}" if folder_name else "")
     here = local_folder(spark, folder)
-    written: list[tuple[str, Path]] = []
+    written: list[Written] = []
     writer: Any = None
     sink: Any = None
     options: dict[str, Any] = {"compression": codec, "use_dictionary": False}
@@ -147,7 +187,7 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
                                               **options)
                 except TypeError:  # an older pyarrow: fixed-length decimals, read by all
                     writer = pq.ParquetWriter(sink, schema, **options)
-                written.append((f"{folder}/{name}", path))
+                written.append(Written(f"{folder}/{name}", path, partition))
             writer.write_table(part)
             if sink.tell() >= target_bytes:
                 writer.close()
@@ -161,26 +201,31 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     return written
 
 
-def data_files(spark: Any, table: Any, written: Sequence[tuple[str, Path]]) -> list[Any]:
+def data_files(spark: Any, table: Any, written: Sequence[Written]) -> list[Any]:
     """Put the files ``write`` made in the table's storage (uploaded through Hadoop's file
-    system unless they are there already) and describe each as an Iceberg data file, with the
-    metrics Iceberg reads from its footer."""
+    system unless they are there already) and describe each as an Iceberg data file of the
+    table's current spec, with its partition and the metrics Iceberg reads from its footer."""
     jvm = spark._jvm
     iceberg = jvm.org.apache.iceberg
     conf = spark._jsc.hadoopConfiguration()
     metrics_config = iceberg.MetricsConfig.forTable(table)
+    spec = table.spec()
+    partitioned = not spec.isUnpartitioned()
     upload = local_folder(spark, data_folder(table)) is None  # as ``write`` decided
     files = []
-    for location, path in written:
-        dest = jvm.org.apache.hadoop.fs.Path(location)
+    for each in written:
+        dest = jvm.org.apache.hadoop.fs.Path(each.location)
         fs = dest.getFileSystem(conf)
         if upload:
-            fs.copyFromLocalFile(True, True, jvm.org.apache.hadoop.fs.Path(path.resolve().as_uri()),
+            fs.copyFromLocalFile(True, True,
+                                 jvm.org.apache.hadoop.fs.Path(each.path.resolve().as_uri()),
                                  dest)
-        metrics = iceberg.parquet.ParquetUtil.fileMetrics(table.io().newInputFile(location),
+        metrics = iceberg.parquet.ParquetUtil.fileMetrics(table.io().newInputFile(each.location),
                                                           metrics_config)
-        files.append(iceberg.DataFiles.builder(table.spec()).withPath(location)
-                     .withFormat(iceberg.FileFormat.PARQUET)
-                     .withFileSizeInBytes(fs.getFileStatus(dest).getLen())
-                     .withMetrics(metrics).build())
+        builder = iceberg.DataFiles.builder(spec).withPath(each.location) \
+            .withFormat(iceberg.FileFormat.PARQUET) \
+            .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics)
+        if partitioned:
+            builder = builder.withPartitionValues(each.partition)
+        files.append(builder.build())
     return files

@@ -50,6 +50,7 @@ from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
 from walberg.apply.position.livefiles import LiveFiles, read_blob
+from walberg.apply.position.partitions import Partitioner
 from walberg.apply.position.rowdelta import (
     Positions,
     Vectors,
@@ -349,9 +350,13 @@ class KeyedApply:
             started = time.monotonic()
             if why is None:
                 schema = datafiles.arrow_schema(table, columns, self.lake, target)
-                written = datafiles.write(spark, table, schema,
-                                          _new_rows(staged.files, schema, max_seq, void),
-                                          scratch, "walberg-rows")
+                partitioner = Partitioner.of(table, schema)
+                assert isinstance(partitioner, Partitioner)  # as ``why`` found
+                written = datafiles.write(
+                    spark, table, schema,
+                    _new_rows(staged.files, schema, max_seq, void, self.lake.source),
+                    scratch, "walberg-rows",
+                    None if table.spec().isUnpartitioned() else partitioner)
                 new_files = datafiles.data_files(spark, table, written)
             else:
                 rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
@@ -389,7 +394,7 @@ class KeyedApply:
         log once per table and reason."""
         why = ("the batch was not netted per key when it was staged" if not staged.unique_keys
                else datafiles.why_not_staged(self.lake, self.tables, target, staged.columns,
-                                             table, staged.files))
+                                             table, staged.files, partitioned=True))
         if why is not None and self._told.get(target) != why:
             self._told[target] = why
             log.info("%s by position: new rows written by Spark, because %s", target, why)
@@ -488,10 +493,11 @@ def _remove_written(spark: Any, files: Sequence[Any]) -> None:
 
 
 def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,
-              void: Sequence[tuple[int, int]]) -> Iterator[pa.Table]:
+              void: Sequence[tuple[int, int]], source: Optional[str]) -> Iterator[pa.Table]:
     """The rows a netted batch adds (its applied inserts and updates), a row group at a time,
-    in the data files' schema: the staged values, and each change's LSN as ``_walberg_lsn``."""
-    values = len(schema) - 1
+    in the data files' schema: the staged values, each change's LSN as ``_walberg_lsn``, and
+    in a table several sources share, the source's name."""
+    values = len(schema) - (1 if source is None else 2)
     for path in files:
         parquet = pq.ParquetFile(path)
         for group in range(parquet.num_row_groups):
@@ -503,5 +509,6 @@ def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,
             if not keep.any():
                 continue
             part = part.filter(pa.array(keep))
+            named = [] if source is None else [pa.array([source] * part.num_rows, pa.string())]
             yield pa.Table.from_arrays(
-                [*part.columns[:values], part.column("_wb_lsn")], schema=schema)
+                [*part.columns[:values], part.column("_wb_lsn"), *named], schema=schema)
