@@ -9,14 +9,18 @@ commit as the data. What a table holds is therefore always known from the table 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 from walberg.apply.batch import value_column
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.staging import StageArea
 from walberg.apply.types import TypeMap, quote
 from walberg.model import Column, Lsn
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 LSN_PROPERTY = "walberg.lsn"
 # The source server a commit's LSN belongs to: "<system identifier>/<timeline>" (a promoted
@@ -50,6 +54,17 @@ def java_table(spark: Any, target: str) -> Any:
 def java_properties(table: Any) -> dict[str, str]:
     """An Iceberg Java table's properties, as Python strings."""
     return {str(k): str(v) for k, v in table.properties().items()}
+
+
+def jvm_map(call: Callable[[T], R], items: Sequence[T], threads: int = 4) -> list[R]:
+    """``call`` over ``items``, in order; in ``threads`` Python threads when there are many.
+    For many small JVM calls per item (describing hundreds of files): each call is a round
+    trip to the JVM, and each Python thread has a JVM thread of its own (PySpark's pinned
+    threads), so the round trips and the JVM's work overlap."""
+    if len(items) < threads:
+        return [call(item) for item in items]
+    with ThreadPoolExecutor(threads, thread_name_prefix="walberg-jvm") as pool:
+        return list(pool.map(call, items))
 
 
 def find_java_table(spark: Any, target: str) -> Optional[Any]:

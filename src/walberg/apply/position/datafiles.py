@@ -30,7 +30,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.position.partitions import Partitioner
-from walberg.apply.session import LSN_COLUMN, SOURCE_COLUMN, LakeSession, java_properties
+from walberg.apply.session import (
+    LSN_COLUMN,
+    SOURCE_COLUMN,
+    LakeSession,
+    java_properties,
+    jvm_map,
+)
 from walberg.apply.tables import Tables
 from walberg.apply.types import SparkType
 from walberg.model import Column
@@ -148,48 +154,60 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     in its data folder when that is on this disk, else under ``scratch`` for ``data_files``
     to upload. With a ``partitioner``, the rows are first gathered (a batch's new rows) and
     written a partition at a time, each in files of its own under a folder named for it."""
+    props = java_properties(table)
+    codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
+    level = props.get("write.parquet.compression-level")
+    options: dict[str, Any] = {"compression": codec, "use_dictionary": False}
+    if level is not None and codec in ("zstd", "gzip"):
+        options["compression_level"] = int(level)
+    folder = data_folder(table)
+    target = _Target(folder, local_folder(spark, folder) or scratch, options,
+                     int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES)))
     if partitioner is None:
-        return _write(spark, table, schema, parts, scratch, prefix, "", [])
+        return _write(target, schema, parts, prefix, "", [])
     gathered = list(parts)
     rows = pa.concat_tables(gathered) if gathered else schema.empty_table()
     written: list[Written] = []
     for values, members in partitioner.split(rows):
-        written += _write(spark, table, schema, [members], scratch, prefix,
-                          partitioner.folder(values), values)
+        written += _write(target, schema, [members], prefix, partitioner.folder(values), values)
     return written
 
 
-def _write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table], scratch: Path,
-           prefix: str, folder_name: str, partition: list[Optional[str]]) -> list[Written]:
-    props = java_properties(table)
-    codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
-    level = props.get("write.parquet.compression-level")
-    target_bytes = int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES))
-    folder = data_folder(table) + (f"/{folder_name}" if folder_name else "")
-    here = local_folder(spark, folder)
+@dataclass(frozen=True)
+class _Target:
+    """Where and how ``write`` writes: the table's data folder, the folder on this disk the
+    files go to (the data folder itself, or a scratch folder to upload from), the Parquet
+    writer's options, and the size a file rolls at."""
+
+    folder: str
+    here: Path
+    options: dict[str, Any]
+    roll_bytes: int
+
+
+def _write(target: _Target, schema: pa.Schema, parts: Iterable[pa.Table], prefix: str,
+           subfolder: str, partition: list[Optional[str]]) -> list[Written]:
     written: list[Written] = []
     writer: Any = None
     sink: Any = None
-    options: dict[str, Any] = {"compression": codec, "use_dictionary": False}
-    if level is not None and codec in ("zstd", "gzip"):
-        options["compression_level"] = int(level)
     try:
         for part in parts:
             if part.num_rows == 0:
                 continue
             if writer is None:
-                name = f"{prefix}-{uuid.uuid4().hex}.parquet"
-                path = (here or scratch) / name
+                name = f"{subfolder}/{prefix}-{uuid.uuid4().hex}.parquet" if subfolder else \
+                    f"{prefix}-{uuid.uuid4().hex}.parquet"
+                path = target.here / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 sink = open(path, "wb")
                 try:  # decimals as INT32/INT64 where they fit, as Iceberg's own writer does
                     writer = pq.ParquetWriter(sink, schema, store_decimal_as_integer=True,
-                                              **options)
+                                              **target.options)
                 except TypeError:  # an older pyarrow: fixed-length decimals, read by all
-                    writer = pq.ParquetWriter(sink, schema, **options)
-                written.append(Written(f"{folder}/{name}", path, partition))
+                    writer = pq.ParquetWriter(sink, schema, **target.options)
+                written.append(Written(f"{target.folder}/{name}", path, partition))
             writer.write_table(part)
-            if sink.tell() >= target_bytes:
+            if sink.tell() >= target.roll_bytes:
                 writer.close()
                 sink.close()
                 writer = sink = None
@@ -205,27 +223,32 @@ def data_files(spark: Any, table: Any, written: Sequence[Written]) -> list[Any]:
     """Put the files ``write`` made in the table's storage (uploaded through Hadoop's file
     system unless they are there already) and describe each as an Iceberg data file of the
     table's current spec, with its partition and the metrics Iceberg reads from its footer."""
+    # Each call into the JVM costs a round trip (about 0.4 ms here): classes and objects used
+    # for every file are looked up once, and a file's size is known on this side.
     jvm = spark._jvm
     iceberg = jvm.org.apache.iceberg
-    conf = spark._jsc.hadoopConfiguration()
+    hadoop_path = jvm.org.apache.hadoop.fs.Path
+    builder_of = iceberg.DataFiles.builder
+    parquet = iceberg.FileFormat.PARQUET
+    file_metrics = iceberg.parquet.ParquetUtil.fileMetrics
     metrics_config = iceberg.MetricsConfig.forTable(table)
+    io = table.io()
     spec = table.spec()
     partitioned = not spec.isUnpartitioned()
     upload = local_folder(spark, data_folder(table)) is None  # as ``write`` decided
-    files = []
-    for each in written:
-        dest = jvm.org.apache.hadoop.fs.Path(each.location)
-        fs = dest.getFileSystem(conf)
+    conf = spark._jsc.hadoopConfiguration()
+
+    def described(each: Written) -> Any:
+        size = each.path.stat().st_size
         if upload:
-            fs.copyFromLocalFile(True, True,
-                                 jvm.org.apache.hadoop.fs.Path(each.path.resolve().as_uri()),
-                                 dest)
-        metrics = iceberg.parquet.ParquetUtil.fileMetrics(table.io().newInputFile(each.location),
-                                                          metrics_config)
-        builder = iceberg.DataFiles.builder(spec).withPath(each.location) \
-            .withFormat(iceberg.FileFormat.PARQUET) \
-            .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics)
+            dest = hadoop_path(each.location)
+            dest.getFileSystem(conf).copyFromLocalFile(
+                True, True, hadoop_path(each.path.resolve().as_uri()), dest)
+        builder = builder_of(spec).withPath(each.location).withFormat(parquet) \
+            .withFileSizeInBytes(size) \
+            .withMetrics(file_metrics(io.newInputFile(each.location), metrics_config))
         if partitioned:
             builder = builder.withPartitionValues(each.partition)
-        files.append(builder.build())
-    return files
+        return builder.build()
+
+    return jvm_map(described, written)

@@ -25,9 +25,9 @@ nulls, non-ASCII text).
 from __future__ import annotations
 
 import datetime
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
-from urllib.parse import quote
 
 import mmh3
 import numpy as np
@@ -90,9 +90,10 @@ class Partitioner:
 
     def folder(self, values: Sequence[Optional[str]]) -> str:
         """A folder name for a partition's files, as Iceberg's writers name theirs
-        (``field=value/...``; for people: the table's metadata, not the path, says which
-        partition a file is in)."""
-        return "/".join(f"{quote(f.name, safe='')}={quote('null' if v is None else v, safe='')}"
+        (``field=value/...``), with any character beyond letters, digits, ``.``, ``-`` and
+        ``_`` as ``_``: for people only (the table's metadata, not the path, says which
+        partition a file is in; file names are unique whatever the folder)."""
+        return "/".join(f"{_plain(f.name)}={_plain('null' if v is None else v)}"
                         for f, v in zip(self.fields, values, strict=True))
 
     def split(self, rows: pa.Table) -> Iterator[tuple[list[Optional[str]], pa.Table]]:
@@ -110,6 +111,10 @@ class Partitioner:
         for g, members in enumerate(grouped.column("row_list").to_pylist()):
             yield ([_as_text(v[g], f) for v, f in zip(values, self.fields, strict=True)],
                    rows.take(pa.array(members, pa.int64())))
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:64] or "_"
 
 
 def _transform(field: _Field, column: pa.Array) -> pa.Array:

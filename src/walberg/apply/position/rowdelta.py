@@ -42,10 +42,15 @@ import pyarrow.parquet as pq
 
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.position import dv
-from walberg.apply.position.datafiles import FIELD_ID_KEY, data_folder, field_id_metadata
+from walberg.apply.position.datafiles import (
+    FIELD_ID_KEY,
+    data_folder,
+    field_id_metadata,
+    local_folder,
+)
 from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.keyindex import Entry
-from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
+from walberg.apply.session import SOURCE_COLUMN, java_table, jvm_map, quote_target
 from walberg.errors import ApplyError
 
 # Field ids the Iceberg spec reserves for the columns of a position-delete file.
@@ -587,9 +592,17 @@ def _move_in(spark: Any, table: Any, locals_: Sequence[Path], what: str
     whatever the warehouse's storage; the folder and each file's size."""
     jvm = spark._jvm
     folder = data_folder(table)
+    sizes = [local.stat().st_size for local in locals_]
+    here = local_folder(spark, folder)
+    if here is not None:
+        # The warehouse is on this disk: a rename each (Hadoop's local copy would write each
+        # file again, with a checksum file beside it).
+        here.mkdir(parents=True, exist_ok=True)
+        for local in locals_:
+            shutil.move(str(local), str(here / local.name))
+        return folder, sizes
     dest = jvm.org.apache.hadoop.fs.Path(folder)
     fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
-    sizes = [local.stat().st_size for local in locals_]
     sources = spark.sparkContext._gateway.new_array(jvm.org.apache.hadoop.fs.Path, len(locals_))
     for i, local in enumerate(locals_):
         sources[i] = jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri())
@@ -609,15 +622,20 @@ def _upload_partition_deletes(spark: Any, table: Any, deletes: Sequence[Position
     jvm = spark._jvm
     folder, sizes = _move_in(spark, table, [d.local for d in deletes], "position deletes")
     parquet = jvm.org.apache.iceberg.FileFormat.PARQUET
-    files = []
-    for each, size in zip(deletes, sizes, strict=True):
-        spec = table.spec() if each.partition is None else \
-            table.specs().get(each.partition.specId())
-        builder = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(spec).ofPositionDeletes()
-        if each.partition is not None:
-            builder = builder.withPartition(each.partition.partition())
-        files.append(builder.withPath(f"{folder}/{each.local.name}").withFormat(parquet)
-                     .withFileSizeInBytes(size).withRecordCount(each.rows).build())
+    builder_of = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder
+    specs = {int(k): v for k, v in table.specs().items()}
+
+    def described(each_size: tuple[Positions, int]) -> Any:
+        each, size = each_size
+        if each.partition is None:
+            builder = builder_of(table.spec()).ofPositionDeletes()
+        else:
+            builder = builder_of(specs[int(each.partition.specId())]).ofPositionDeletes() \
+                .withPartition(each.partition.partition())
+        return builder.withPath(f"{folder}/{each.local.name}").withFormat(parquet) \
+            .withFileSizeInBytes(size).withRecordCount(each.rows).build()
+
+    files = jvm_map(described, list(zip(deletes, sizes, strict=True)))
     return files, sum(d.rows for d in deletes), [p for d in deletes for p in d.data_files]
 
 
