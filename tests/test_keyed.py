@@ -135,9 +135,12 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET note = 'after rebuild' WHERE id % 5 = 0")
         cur.execute(f"DELETE FROM {table} WHERE id % 17 = 0")
+    # A warehouse the driver cannot read itself (here made so): Spark reads the table,
+    # applying its delete files, and sorts it.
+    monkeypatch.setattr(keyed, "live_scan", lambda *args: None)
     with caplog.at_level(logging.INFO, logger="walberg"):
         run_once(config, spark)
-    # The table has delete files by now: Spark reads it, applying them, and sorts it.
+    monkeypatch.undo()
     assert "rebuilt from the lake (read and sorted by Spark)" in caplog.text
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
@@ -312,8 +315,10 @@ def test_every_key_shape_applies_by_position(pg_conn: Any, postgres: Any, spark:
         for table in tables.values():
             cur.execute(f"UPDATE {table} SET v = -v WHERE v % 3 = 0")
     _run_logged(config, spark, caplog)
-    assert caplog.text.count("rebuilt from the lake (read by Spark, sorted on the driver)") \
-        == len(targets), caplog.text[-3000:]
+    # The tables have delete files by now: the driver reads the key columns less the deletes.
+    assert len(re.findall(r"rebuilt from the lake \(\d+ data file\(s\) and [1-9]\d* delete "
+                          r"file\(s\) read on the driver\)", caplog.text)) == len(targets), \
+        caplog.text[-3000:]
     for shape, target in targets.items():
         _rows_equal(pg_conn, warehouse, tables[shape], target, spark)
 
@@ -428,6 +433,8 @@ def _partitions_hold_their_rows(spark: Any, target: str) -> None:
             f"lake.system.{kind}s({column})" if not arg else \
             f"lake.system.{kind}({arg.rstrip(']')}, {column})"
         checks.append(f"NOT (_partition.{field.name()} <=> {call})")
+    if not checks:
+        return  # unpartitioned
     spark.sql(f"REFRESH TABLE {name}")
     wrong = spark.sql(f"SELECT count(*) AS n FROM {name} WHERE _spec_id = {spec.specId()} AND "
                       f"({' OR '.join(checks)})").collect()[0]["n"]

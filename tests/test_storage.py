@@ -5,13 +5,15 @@ settings become for Spark, with a clear error when a connector's jars are missin
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import yaml
 
-from conftest import make_config, walberg_ok
+from conftest import make_config, walberg_cli, walberg_ok
 from lake import postgres_rows
 from s3server import client, keys, lake_rows, moto_server, storage_section
 from walberg.apply.catalog import storage
@@ -73,6 +75,16 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
         cur.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 50")
         cur.execute(f"DELETE FROM {table} WHERE id > 450")
     walberg("run", "--once")
+    assert "[ok  ]" in walberg("verify")
+    # The driver moves to a fresh machine (no key index here): the index is made anew from
+    # the bucket on the driver, the key column and the delete files read through Arrow's S3.
+    shutil.rmtree(tmp_path / "segments" / "keyindex")
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 'moved' WHERE id BETWEEN 40 AND 60")
+    done = walberg_cli("run", "--once", "-c", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"rebuilt from the lake \(\d+ data file\(s\) and [1-9]\d* delete file\(s\) "
+                     r"read on the driver\)", done.stdout + done.stderr), done.stderr[-3000:]
     assert "[ok  ]" in walberg("verify")
     # status reads the metadata straight from the bucket, no JVM
     held = json.loads(walberg("status", "--json"))["tables"][table]

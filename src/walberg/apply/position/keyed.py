@@ -49,6 +49,7 @@ from walberg.apply.batch import StagedTable, applied_rows, value_column
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
+from walberg.apply.position.lakekeys import live_scan
 from walberg.apply.position.livefiles import LiveFiles, read_blob
 from walberg.apply.position.partitions import Partitioner
 from walberg.apply.position.rowdelta import (
@@ -56,10 +57,8 @@ from walberg.apply.position.rowdelta import (
     Vectors,
     commit_row_delta,
     deletion_vectors,
-    file_keys,
     lake_entries,
     local_path,
-    plain_local_files,
     position_delete_files,
     scan_of,
     written_entries,
@@ -204,14 +203,15 @@ class KeyedApply:
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:
-                plain = plain_local_files(self.lake.spark, target, keys, self.lake.source)
-                if plain is not None:
-                    # No delete file: every row of the data files is live. Their key columns
-                    # are read on the driver and sorted on disk, with no Spark job.
-                    snapshot, locations, paths, field_ids = plain
-                    found.rebuild_from_files(snapshot, locations,
-                                             file_keys(paths, field_ids, codec), scratch)
-                    how = f"{len(locations)} data file(s) read on the driver"
+                scan = live_scan(self.lake.spark, table, keys, self.lake.source)
+                if scan is not None:
+                    # The key columns and the deletes are read on the driver and sorted on
+                    # disk, with no Spark job.
+                    found.rebuild_from_files(scan.snapshot, scan.locations, scan.rows(codec),
+                                             scratch)
+                    deletes = (f" and {scan.delete_files} delete file(s)"
+                               if scan.delete_files else "")
+                    how = f"{len(scan.locations)} data file(s){deletes} read on the driver"
                 else:
                     files: list[str] = []
                     snapshot, entries_ = lake_entries(self.lake.spark, target, keys, codec,

@@ -242,11 +242,11 @@ class KeyIndex:
         self._save()
 
     def rebuild_from_files(self, snapshot: Optional[int], files: list[str],
-                           rows: Iterator[tuple[int, int, np.ndarray, Optional[np.ndarray]]],
+                           rows: Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]],
                            scratch: Path, run: int = 1 << 21) -> None:
         """Make the index anew from the keys of data files, in any order: ``rows`` gives
-        (file number in ``files``, position of the first row, the keys and checks of
-        consecutive rows).
+        (file number in ``files``, the position of the first of consecutive rows or an array
+        of the rows' positions, their keys and checks).
         Sorted on disk under ``scratch`` in runs of ``run`` keys, then merged, so memory stays
         bounded by the run whatever the table's size (about 50 bytes a key of the run: 100 MB
         for the default run of 2M keys)."""
@@ -409,13 +409,16 @@ def _same(held: np.ndarray, wanted: np.ndarray) -> None:
         raise KeyClash("a key of the batch shares its index entry with another key")
 
 
-def _numbered(rows: Iterator[tuple[int, int, np.ndarray, Optional[np.ndarray]]]
+def _numbered(rows: Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]]
               ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """(keys, checks, file numbers, positions) of consecutive rows of numbered files."""
-    for file_number, first, keys, checks in rows:
+    """(keys, checks, file numbers, positions) of rows of numbered files: consecutive rows
+    from a first position, or rows at an array of positions."""
+    for file_number, at, keys, checks in rows:
         keys = np.asarray(keys, dtype=np.int64)
+        positions = (np.asarray(at, dtype=np.int64) if isinstance(at, np.ndarray)
+                     else np.arange(at, at + len(keys), dtype=np.int64))
         yield (keys, _checks(checks, len(keys)), np.full(len(keys), file_number, np.int32),
-               np.arange(first, first + len(keys), dtype=np.int64))
+               positions)
 
 
 Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # keys, checks, files, positions

@@ -43,7 +43,6 @@ import pyarrow.parquet as pq
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.position import dv
 from walberg.apply.position.datafiles import (
-    FIELD_ID_KEY,
     data_folder,
     field_id_metadata,
     local_folder,
@@ -340,41 +339,6 @@ def _encoded(codec: KeyCodec, batches: Iterator[pa.RecordBatch], files: list[str
                batch.column(n - 1).to_numpy(zero_copy_only=False).astype(np.int64))
 
 
-def plain_local_files(spark: Any, target: str, keys: Sequence[str], source: Optional[str] = None
-                      ) -> Optional[tuple[Optional[int], list[str], list[Path], list[int]]]:
-    """The data files of ``target``'s current snapshot, when every one is on this machine's disk
-    and no delete file applies to any (just after a copy, or a compaction): (snapshot, their
-    locations, their local paths, the key columns' Iceberg field ids). Then every row of those
-    files is live, and a row's position is its ordinal in its file. None otherwise.
-    ``source``: only the files of that source's partition of a fan-in table."""
-    table = java_table(spark, target)
-    current = table.currentSnapshot()
-    if current is None:
-        return None
-    snapshot = int(current.snapshotId())
-    fields = [table.schema().findField(k) for k in keys]
-    if any(f is None for f in fields):
-        return None
-    locations: list[str] = []
-    paths: list[Path] = []
-    tasks = scan_of(spark, table, snapshot, source).planFiles()
-    try:
-        it = tasks.iterator()
-        while it.hasNext():
-            task = it.next()
-            if not task.deletes().isEmpty():
-                return None
-            location = str(task.file().location())
-            local = local_path(location)
-            if local is None:
-                return None
-            locations.append(location)
-            paths.append(local)
-    finally:
-        tasks.close()
-    return snapshot, locations, paths, [int(f.fieldId()) for f in fields]
-
-
 def scan_of(spark: Any, table: Any, snapshot: int, source: Optional[str]) -> Any:
     """A scan of ``table`` at ``snapshot``; of one source's partition when ``source`` is given
     (a fan-in table is partitioned by source first)."""
@@ -383,34 +347,6 @@ def scan_of(spark: Any, table: Any, snapshot: int, source: Optional[str]) -> Any
         expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
         scan = scan.filter(expressions.equal(SOURCE_COLUMN, source))
     return scan
-
-
-def file_keys(paths: Sequence[Path], field_ids: Sequence[int], codec: KeyCodec
-              ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-    """(file number, position of the first row, keys, checks) of every row of local Parquet
-    data files, a row group at a time. The key columns are found by their Iceberg field ids,
-    so a file written before a column was renamed is read right."""
-    for number, path in enumerate(paths):
-        parquet = pq.ParquetFile(path)
-        names = _columns_by_id(parquet.schema_arrow, field_ids, path)
-        offset = 0
-        for group in range(parquet.num_row_groups):
-            part = parquet.read_row_group(group, columns=names)
-            keys, checks = codec.encode([part.column(n) for n in names])
-            yield number, offset, keys, checks
-            offset += len(keys)
-
-
-def _columns_by_id(schema: pa.Schema, field_ids: Sequence[int], path: Path) -> list[str]:
-    names = []
-    for field_id in field_ids:
-        at = [f.name for f in schema
-              if f.metadata and f.metadata.get(FIELD_ID_KEY) == str(field_id).encode()]
-        if len(at) != 1:
-            raise ApplyError(f"{path} has no column with field id {field_id}: it is not a data "
-                             "file of this table as walberg knows it")
-        names.append(at[0])
-    return names
 
 
 def written_entries(spark: Any, files: tuple[str, ...], keys: Sequence[str], codec: KeyCodec,
