@@ -25,6 +25,10 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
    from 200k to 10M rows).
 5. With --compare-merge: a second backlog of the same kind on the same table, applied by
    MERGE (`sink.apply_by_position: false`), the apply path before key indexes.
+6. With --moved-driver: a further backlog of the same kind, applied with the table's key index
+   removed from this disk, as a driver on a fresh machine meets it (the index is made anew from
+   the lake, delete files and all): its batch time over the first backlog's (the target: at
+   most 2x).
 
 --shape picks the table's key and layout (SHAPES): a bigint key (the default), a uuid, a text
 key, a composite (tenant int, id bigint) key, a bigint key with the Iceberg table partitioned
@@ -179,7 +183,8 @@ def recvlogical(server: EmbeddedPostgres, slot: str, publication: str, end_lsn: 
 
 
 def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
-             changes: int, compare_merge: bool, shape: str = "bigint") -> dict[str, Any]:
+             changes: int, compare_merge: bool, shape: str = "bigint",
+             moved: bool = False) -> dict[str, Any]:
     name = f"backlog_{shape}_{rows}"
     copy_to_stdout_s = make_table(cur, name, rows, shape)
     config = write_config(server.dsn, work, name, shape=shape)
@@ -209,6 +214,17 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
         merge = {"merge_run_once_s": merge_s, "merge_changes": more,
                  "merge_net_s": max(merge_s - noop_s, 1e-3),
                  "merge_batch_s": batch_seconds(config.with_name(f"{name}-merge.yaml"), "merge")}
+    if moved:
+        # The driver moves to a fresh machine: a backlog of the same kind, applied with no key
+        # index on this disk (it is made anew from the lake, delete files and all).
+        more = commit_backlog(cur, name, rows, changes, 3 * rows + 1, shape)
+        shutil.rmtree(work / f"segments_{name}" / "keyindex")
+        walberg_once(config, "moved")
+        text = config.with_suffix(".moved.log").read_text()
+        found = re.search(r"rebuilt from the lake \((.*?)\): \d+ keys, in ([0-9.]+) s", text)
+        merge["moved"] = {"changes": more, "batch_s": batch_seconds(config, "moved"),
+                          "index_s": float(found.group(2)) if found else None,
+                          "how": found.group(1) if found else None}
     result = {
         "rows": rows, "changes": made,
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
@@ -254,6 +270,9 @@ def main() -> int:
     ap.add_argument("--changes", type=int, default=200_000)
     ap.add_argument("--compare-merge", action="store_true",
                     help="also apply a second backlog by MERGE (the apply before key indexes)")
+    ap.add_argument("--moved-driver", action="store_true",
+                    help="also apply a further backlog with no key index on this disk, as a "
+                         "driver on a fresh machine does")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="bigint",
                     help="the table's key and layout (see SHAPES)")
     ap.add_argument("--out", default=None,
@@ -276,7 +295,8 @@ def main() -> int:
         cur = conn.cursor()
         for rows in sizes:
             results["sizes"].append(one_size(cur, server, work, rows, args.changes,
-                                               args.compare_merge, args.shape))
+                                               args.compare_merge, args.shape,
+                                               args.moved_driver))
             print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
     finally:
         server.stop()
@@ -308,6 +328,15 @@ def main() -> int:
             print(f"{s['rows']:>12,} {s['apply_batch_s']:>11.1f}s {s['growth']:>6.2f}x "
                   f"{s['merge_batch_s']:>8.1f}s {s['merge_growth']:>6.2f}x "
                   f"{s['merge_batch_s'] / s['apply_batch_s']:>17.2f}")
+    if args.moved_driver:
+        print("\na further backlog applied by a driver on a fresh machine (no key index here):")
+        print(f"{'table rows':>12} {'warm batch':>11} {'first batch':>12} {'of it, index':>13} "
+              f"{'first / warm':>13}  index made from")
+        for s in results["sizes"]:
+            m = s["moved"]
+            print(f"{s['rows']:>12,} {s['apply_batch_s']:>10.1f}s {m['batch_s']:>11.1f}s "
+                  f"{m['index_s'] or 0:>12.1f}s {m['batch_s'] / s['apply_batch_s']:>13.2f}  "
+                  f"{m['how']}")
     print(f"results: {out}; each run's log: {work}/*.log")
     return 0
 

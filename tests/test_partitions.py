@@ -11,9 +11,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from walberg.apply.position import datafiles
-from walberg.apply.position.partitions import Partitioner
+from walberg.apply.position.partitions import HIVE_NULL, NotHere, Partitioner
 from walberg.apply.session import java_table
 
 UTC = datetime.timezone.utc
@@ -109,6 +110,11 @@ def test_partitions_are_icebergs(spark: Any, tmp_path: Path, unique: str) -> Non
     read_back = {r["id"]: [_as_text(v) for v in r["_partition"]]
                  for r in spark.sql(f"SELECT id, _partition FROM {by_driver}").collect()}
     assert read_back == theirs
+    # A text Iceberg would read back as a null partition value: this batch goes to Spark.
+    odd = rows.set_column(rows.schema.get_field_index("s2"), schema.field("s2"),
+                          pa.array([HIVE_NULL] * rows.num_rows))
+    with pytest.raises(NotHere, match=HIVE_NULL):
+        list(partitioner.split(odd))
     for column, value in [("i", -9), ("s", "😀x😀"), ("d3", datetime.date(1969, 12, 31)),
                           ("t2", STAMPS[1]), ("l", 2**63 - 1), ("s2", "a/b=c%d"), ("b", False)]:
         want = [r["id"] for r in rows.to_pylist() if r[column] == value]

@@ -51,7 +51,7 @@ from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
 from walberg.apply.position.lakekeys import live_scan
 from walberg.apply.position.livefiles import LiveFiles, read_blob
-from walberg.apply.position.partitions import Partitioner
+from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.position.rowdelta import (
     Positions,
     Vectors,
@@ -352,13 +352,18 @@ class KeyedApply:
                 schema = datafiles.arrow_schema(table, columns, self.lake, target)
                 partitioner = Partitioner.of(table, schema)
                 assert isinstance(partitioner, Partitioner)  # as ``why`` found
-                written = datafiles.write(
-                    spark, table, schema,
-                    _new_rows(staged.files, schema, max_seq, void, self.lake.source),
-                    scratch, "walberg-rows",
-                    None if table.spec().isUnpartitioned() else partitioner)
-                new_files = datafiles.data_files(spark, table, written)
-            else:
+                try:
+                    written = datafiles.write(
+                        spark, table, schema,
+                        _new_rows(staged.files, schema, max_seq, void, self.lake.source),
+                        scratch, "walberg-rows",
+                        None if table.spec().isUnpartitioned() else partitioner)
+                    new_files = datafiles.data_files(spark, table, written)
+                except NotHere as exc:
+                    why = str(exc)
+                    log.info("%s by position: this batch's new rows written by Spark, because "
+                             "%s", target, why)
+            if why is not None:
                 rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
                                        "_wb_lsn")
             written_in = time.monotonic() - started

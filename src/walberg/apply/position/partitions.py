@@ -49,6 +49,13 @@ _EPOCH = datetime.date(1970, 1, 1)
 _INT_MAX = 0x7FFFFFFF
 
 
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # what withPartitionValues takes as null
+
+
+class NotHere(Exception):
+    """This batch's rows cannot be partitioned here (its values say why): Spark writes them."""
+
+
 @dataclass(frozen=True)
 class _Field:
     """One partition field: its source column (in the rows' schema), its transform and
@@ -108,9 +115,13 @@ class Partitioner:
                            names=[*names, "row"]).group_by(names, use_threads=False) \
             .aggregate([("row", "list")])
         values = [grouped.column(n).to_pylist() for n in names]
-        for g, members in enumerate(grouped.column("row_list").to_pylist()):
-            yield ([_as_text(v[g], f) for v, f in zip(values, self.fields, strict=True)],
-                   rows.take(pa.array(members, pa.int64())))
+        texts = [[_as_text(v[g], f) for v, f in zip(values, self.fields, strict=True)]
+                 for g in range(grouped.num_rows)]
+        if any(t == HIVE_NULL for each in texts for t in each):
+            # Iceberg reads this text as a null partition value: Spark writes this batch.
+            raise NotHere(f"a partition value is the text {HIVE_NULL}")
+        for each, members in zip(texts, grouped.column("row_list").to_pylist(), strict=True):
+            yield each, rows.take(pa.array(members, pa.int64()))
 
 
 def _plain(text: str) -> str:
@@ -180,5 +191,8 @@ def _as_text(value: Any, field: _Field) -> Optional[str]:
     if isinstance(value, datetime.date):
         return value.isoformat()
     if field.dated:
-        return (_EPOCH + datetime.timedelta(days=int(value))).isoformat()
+        try:
+            return (_EPOCH + datetime.timedelta(days=int(value))).isoformat()
+        except OverflowError:
+            raise NotHere(f"a date past what Python's dates hold in {field.name}") from None
     return str(value)
