@@ -1,11 +1,12 @@
 """The user's situation, warm: a long-running `walberg run` on a large table under a writer.
 
     python bench/sustained.py [--rows 10000000] [--seconds 300] [--rate 2000]
-                              [--steady-seconds 120]
+                              [--steady-seconds 120] [--shape bigint|uuid]
 
 In one run, on one embedded PostgreSQL:
 
-1. A table (id bigint key, name text, amount numeric(12,2), n int) of --rows rows is copied by
+1. A table (id key, a bigint or with --shape uuid a uuid; name text, amount numeric(12,2),
+   n int) of --rows rows is copied by
    `walberg run --once`; then `walberg run` starts (its own process, `max_interval_seconds: 1`,
    metrics on a local port) and keeps running.
 2. Flat out: a writer commits mixed changes as fast as it can for --seconds (transactions of
@@ -55,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from backlog import make_table, recvlogical, walberg_once  # noqa: E402
+from backlog import SHAPES, make_table, recvlogical, walberg_once  # noqa: E402
 from run import save_results  # noqa: E402
 
 from walberg.apply.catalog.metadata import read_hadoop_history  # noqa: E402
@@ -146,7 +147,10 @@ def lsn_int(text: str) -> int:
 class Writer:
     """Commits mixed changes to ``name``: flat out, or at a steady rate."""
 
-    def __init__(self, dsn: str, name: str, rows: int) -> None:
+    def __init__(self, dsn: str, name: str, rows: int, shape: str = "bigint") -> None:
+        # The key of new rows and of rows drawn at random, as the shape spells it from a
+        # number (backlog.SHAPES): a bigint is the number, a uuid an md5 of it.
+        self.key = SHAPES[shape][1]
         self.conn = psycopg2.connect(dsn)
         self.conn.autocommit = True
         self.cur = self.conn.cursor()
@@ -161,15 +165,15 @@ class Writer:
         deletes = size - inserts - updates
         cur, name = self.cur, self.name
         cur.execute("BEGIN")
-        cur.execute(f"INSERT INTO {name} SELECT g, 'new ' || g, 1.00, 1 "
+        drawn = self.key.format(g="1 + (random() * %s)::bigint")
+        cur.execute(f"INSERT INTO {name} SELECT {self.key.format(g='g')}, 'new ' || g, 1.00, 1 "
                     "FROM generate_series(%s, %s) g", (self.next_key, self.next_key + inserts - 1))
         made = cur.rowcount
         self.next_key += inserts
         cur.execute(f"UPDATE {name} SET amount = amount + 1, n = n + 1 WHERE id IN (SELECT "
-                    "1 + (random() * %s)::bigint FROM generate_series(1, %s))",
-                    (self.next_key - 2, updates))
+                    f"{drawn} FROM generate_series(1, %s))", (self.next_key - 2, updates))
         made += cur.rowcount
-        cur.execute(f"DELETE FROM {name} WHERE id IN (SELECT 1 + (random() * %s)::bigint "
+        cur.execute(f"DELETE FROM {name} WHERE id IN (SELECT {drawn} "
                     "FROM generate_series(1, %s))", (self.next_key - 2, deletes))
         made += cur.rowcount
         # Just before the commit record: the LSN walberg reports for this transaction is at
@@ -282,18 +286,24 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=300, help="flat-out writing phase")
     ap.add_argument("--rate", type=int, default=2000, help="changes/s in the steady phase")
     ap.add_argument("--steady-seconds", type=float, default=120)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sustained.json"))
+    ap.add_argument("--shape", choices=["bigint", "uuid"], default="bigint",
+                    help="the table's key: a bigint, or a uuid")
+    ap.add_argument("--out", default=None,
+                    help="default: bench/results/sustained.json (sustained-uuid.json for uuid)")
     args = ap.parse_args()
+    if args.out is None:
+        suffix = "" if args.shape == "bigint" else f"-{args.shape}"
+        args.out = str(ROOT / "bench" / "results" / f"sustained{suffix}.json")
     work = Path(tempfile.mkdtemp(prefix="walberg-sustained-"))
     server = EmbeddedPostgres().start()
     name, port = "sustained", free_port()
-    results: dict[str, Any] = {"rows": args.rows, "cores": os.cpu_count()}
+    results: dict[str, Any] = {"rows": args.rows, "cores": os.cpu_count(), "shape": args.shape}
     proc: Optional[subprocess.Popen[str]] = None
     try:
         conn = psycopg2.connect(server.dsn)
         conn.autocommit = True
         cur = conn.cursor()
-        make_table(cur, name, args.rows)
+        make_table(cur, name, args.rows, args.shape)
         config = write_config(server.dsn, work, name, port)
         results["copy_run_once_s"] = walberg_once(config, "copy")
         log = open(work / "run.log", "w")
@@ -313,7 +323,7 @@ def main() -> int:
              "-f", "/dev/null", "-s", "1", "-F", "1", "--no-loop"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-        writer = Writer(server.dsn, name, args.rows)
+        writer = Writer(server.dsn, name, args.rows, args.shape)
         start = time.monotonic()
         writer.flat_out(args.seconds)
         written_s = time.monotonic() - start

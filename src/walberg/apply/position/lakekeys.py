@@ -63,8 +63,8 @@ class LiveScan:
         return len({d.location for applies in self.deletes for d in applies})
 
     def rows(self, codec: KeyCodec) -> Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]]:
-        """(file number, positions, keys, checks) of the live rows of each data file, a row
-        group at a time; positions as the first row's (every row of the group is live) or
+        """(file number, positions, keys, checks) of the live rows of each data file, about 1M
+        rows at a time; positions as the first row's (every row of the group is live) or
         as an array (some were deleted)."""
         for number, location in enumerate(self.locations):
             deleted = self._deleted(location, self.deletes[number])
@@ -72,8 +72,8 @@ class LiveScan:
                 parquet = pq.ParquetFile(source)
                 names = _columns_by_id(parquet.schema_arrow, self.field_ids, location)
                 offset = 0
-                for group in range(parquet.num_row_groups):
-                    part = parquet.read_row_group(group, columns=names)
+                for groups in _spans(parquet.metadata):
+                    part = parquet.read_row_groups(groups, columns=names)
                     keys, checks = codec.encode([part.column(n) for n in names])
                     count = len(keys)
                     low, high = np.searchsorted(deleted, [offset, offset + count])
@@ -245,6 +245,21 @@ def live_scan(spark: Any, table: Any, keys: Sequence[str], source: Optional[str]
     finally:
         tasks.close()
     return LiveScan(snapshot, locations, deletes, [int(f.fieldId()) for f in fields], files)
+
+
+def _spans(metadata: Any, rows: int = 1 << 20) -> Iterator[list[int]]:
+    """A file's row groups in runs of about ``rows`` rows: small row groups (a copy's are
+    64k rows) read and encoded one by one cost more in Python than in Arrow and numpy."""
+    run: list[int] = []
+    held = 0
+    for group in range(metadata.num_row_groups):
+        run.append(group)
+        held += metadata.row_group(group).num_rows
+        if held >= rows:
+            yield run
+            run, held = [], 0
+    if run:
+        yield run
 
 
 def _columns_by_id(schema: pa.Schema, field_ids: Sequence[int], location: str) -> list[str]:
