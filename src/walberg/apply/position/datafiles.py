@@ -233,6 +233,7 @@ def data_files(spark: Any, table: Any, written: Sequence[Written]) -> list[Any]:
     file_metrics = iceberg.parquet.ParquetUtil.fileMetrics
     metrics_config = iceberg.MetricsConfig.forTable(table)
     io = table.io()
+    local_input = iceberg.Files.localInput
     spec = table.spec()
     partitioned = not spec.isUnpartitioned()
     upload = local_folder(spark, data_folder(table)) is None  # as ``write`` decided
@@ -244,9 +245,11 @@ def data_files(spark: Any, table: Any, written: Sequence[Written]) -> list[Any]:
             dest = hadoop_path(each.location)
             dest.getFileSystem(conf).copyFromLocalFile(
                 True, True, hadoop_path(each.path.resolve().as_uri()), dest)
+        # The footer read back from where it was written: this disk's file directly (a third
+        # cheaper than through Hadoop's local file system), else the table's storage.
+        footer = io.newInputFile(each.location) if upload else local_input(str(each.path))
         builder = builder_of(spec).withPath(each.location).withFormat(parquet) \
-            .withFileSizeInBytes(size) \
-            .withMetrics(file_metrics(io.newInputFile(each.location), metrics_config))
+            .withFileSizeInBytes(size).withMetrics(file_metrics(footer, metrics_config))
         if partitioned:
             builder = builder.withPartitionValues(each.partition)
         return builder.build()
