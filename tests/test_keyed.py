@@ -371,7 +371,10 @@ def test_partitioned_tables_apply_by_position(pg_conn: Any, postgres: Any, spark
 
     config = configured(PARTITIONINGS)
     targets = {name: config.target_for(t) for name, t in tables.items()}
-    run_once(config, spark)
+    _run_logged(config, spark, caplog)
+    for target in targets.values():  # the copy too, a file per partition
+        assert f"initial copy of {target}: written on the driver" in caplog.text, \
+            caplog.text[-3000:]
     rounds = [
         ["UPDATE {t} SET v = v + 1 WHERE id % 7 = 0", "DELETE FROM {t} WHERE id % 11 = 0",
          "INSERT INTO {t} SELECT g, timestamptz '2025-06-01 00:00:00+00' + (g % 5) * interval "

@@ -134,3 +134,30 @@ def test_unsupported_partitions_say_why(spark: Any, unique: str) -> None:
                         ("m", pa.decimal128(10, 2))])
     why = Partitioner.of(table, schema)
     assert why == "its partition field m_bucket is bucket[4] of a decimal", why
+
+
+def test_a_copy_into_too_many_partitions_leaves_nothing_written(
+        spark: Any, tmp_path: Path, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy's rows are written as they come, a file open per partition; past the limit of
+    open files the copy is Spark's (``NotHere``), and the files begun are removed."""
+    name = f"lake.parts.{unique}_many"
+    spark.sql(f"CREATE TABLE {name} (id BIGINT, i INT) USING iceberg PARTITIONED BY (i)")
+    table = java_table(spark, name)
+    schema = pa.schema([pa.field(n, t, metadata=datafiles.field_id_metadata(
+        table.schema().findField(n).fieldId())) for n, t in (("id", pa.int64()),
+                                                               ("i", pa.int32()))])
+    partitioner = Partitioner.of(table, schema)
+    assert isinstance(partitioner, Partitioner)
+    parts = [pa.table({"id": pa.array(range(k * 10, k * 10 + 10), pa.int64()),
+                       "i": pa.array([k % 3] * 5 + [k % 5] * 5, pa.int32())}, schema=schema)
+             for k in range(6)]
+    written = datafiles.write(spark, table, schema, parts, tmp_path, "ok", partitioner,
+                              fanout=True)
+    assert sorted(tuple(w.partition) for w in written) == [(str(i),) for i in range(5)]
+    for each in written:  # a partition's rows in one file, one row group: held, then written
+        assert pq.ParquetFile(each.path).metadata.num_row_groups == 1
+    monkeypatch.setattr(datafiles, "MAX_OPEN_PARTITIONS", 3)
+    with pytest.raises(NotHere, match="over 3 partitions"):
+        datafiles.write(spark, table, schema, parts, tmp_path, "many", partitioner, fanout=True)
+    data = Path(str(datafiles.local_folder(spark, datafiles.data_folder(table))))
+    assert not list(data.rglob("many-*.parquet"))

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.position import datafiles
+from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.session import LakeSession, java_table
 from walberg.apply.tables import Tables
 from walberg.faults import crash_point
@@ -35,14 +36,22 @@ def write_copy(lake: LakeSession, tables: Tables, target: str, columns: Sequence
     spark = lake.spark
     table = java_table(spark, target)
     why = spark_call(f"checking {target} for a copy written on the driver",
-                     lambda: datafiles.why_not_staged(lake, tables, target, columns, table, files))
+                     lambda: datafiles.why_not_staged(lake, tables, target, columns, table, files,
+                                                      partitioned=True))
     if why is not None:
         log.info("initial copy of %s: written by Spark, because %s", target, why)
         return None
     schema = datafiles.arrow_schema(table, columns, lake, target)
     scratch = Path(files[0]).parent if files else Path(".")
-    written = spark_call(f"writing the initial copy of {target}", lambda: datafiles.write(
-        spark, table, schema, _with_lsn(files, schema, int(lsn)), scratch, "walberg-copy"))
+    partitioner = None if table.spec().isUnpartitioned() else Partitioner.of(table, schema)
+    assert not isinstance(partitioner, str)  # as ``why`` found
+    try:
+        written = spark_call(f"writing the initial copy of {target}", lambda: datafiles.write(
+            spark, table, schema, _with_lsn(files, schema, int(lsn)), scratch, "walberg-copy",
+            partitioner, fanout=True))
+    except NotHere as exc:
+        log.info("initial copy of %s: written by Spark, because %s", target, exc)
+        return None
     crash_point("copy-files")
     added = spark_call(f"committing the initial copy of {target}",
                        lambda: _commit(spark, table, written, marks))

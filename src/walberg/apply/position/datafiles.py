@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from walberg.apply.position.partitions import Partitioner
+from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.session import (
     LSN_COLUMN,
     SOURCE_COLUMN,
@@ -53,11 +53,13 @@ def final_when_staged(t: SparkType) -> bool:
 
 
 def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-            table: Any, props: Mapping[str, str], partitioned: bool = False) -> Optional[str]:
+            table: Any, props: Mapping[str, str], partitioned: bool = False,
+            shared: bool = False) -> Optional[str]:
     """Why rows of this table are written by Spark instead (None: they can be written here).
-    ``partitioned``: whether the caller partitions the rows (``write`` with a partitioner,
-    for a batch); else only an unpartitioned table of one source is written here."""
-    if lake.source is not None and not partitioned:
+    ``partitioned``: whether the caller partitions the rows (``write`` with a partitioner);
+    ``shared``: whether it writes a table several sources share (a batch does; a copy, which
+    replaces the table's rows, does not)."""
+    if lake.source is not None and not shared:
         return "the table is shared by several sources"
     if not table.spec().isUnpartitioned() and not partitioned:
         return "the table is partitioned"
@@ -84,11 +86,12 @@ def written_columns(lake: LakeSession) -> list[str]:
 
 
 def why_not_staged(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-                   table: Any, files: Sequence[Path], partitioned: bool = False
-                   ) -> Optional[str]:
+                   table: Any, files: Sequence[Path], partitioned: bool = False,
+                   shared: bool = False) -> Optional[str]:
     """``why_not``, and whether the staged ``files`` (a copy's or a batch's: ``c0..cN``, then
     any change metadata) hold the columns in their types."""
-    why = why_not(lake, tables, target, columns, table, java_properties(table), partitioned)
+    why = why_not(lake, tables, target, columns, table, java_properties(table), partitioned,
+                  shared)
     want = staged_types(lake, target, columns)
     if why is None and any(pq.read_schema(f).types[:len(want)] != want for f in files):
         why = "its staged files are not in the columns' types"
@@ -147,13 +150,20 @@ class Written:
     partition: list[Optional[str]] = field(default_factory=list)
 
 
+MAX_OPEN_PARTITIONS = 1000  # files a copy keeps open at once, one a partition
+FANOUT_BUDGET_BYTES = 256 * 1024 * 1024  # a copy's rows held back, over all its partitions
+
+
 def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
-          scratch: Path, prefix: str, partitioner: Optional[Partitioner] = None
-          ) -> list[Written]:
+          scratch: Path, prefix: str, partitioner: Optional[Partitioner] = None,
+          fanout: bool = False) -> list[Written]:
     """Write ``parts`` (tables in ``schema``) as data files of ``table`` named ``prefix-*``:
     in its data folder when that is on this disk, else under ``scratch`` for ``data_files``
-    to upload. With a ``partitioner``, the rows are first gathered (a batch's new rows) and
-    written a partition at a time, each in files of its own under a folder named for it."""
+    to upload. With a ``partitioner``, each partition's rows go to files of their own, under a
+    folder named for it: gathered first and written a partition at a time (a batch's new
+    rows), or with ``fanout`` (a copy, too large to gather) as they come, a file open per
+    partition; over ``MAX_OPEN_PARTITIONS`` of them, ``NotHere`` (and nothing stays
+    written)."""
     props = java_properties(table)
     codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
     level = props.get("write.parquet.compression-level")
@@ -163,14 +173,61 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     folder = data_folder(table)
     target = _Target(folder, local_folder(spark, folder) or scratch, options,
                      int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES)))
-    if partitioner is None:
-        return _write(target, schema, parts, prefix, "", [])
-    gathered = list(parts)
-    rows = pa.concat_tables(gathered) if gathered else schema.empty_table()
-    written: list[Written] = []
-    for values, members in partitioner.split(rows):
-        written += _write(target, schema, [members], prefix, partitioner.folder(values), values)
-    return written
+    outs: dict[tuple[Optional[str], ...], _Files] = {}
+
+    def out(values: list[Optional[str]]) -> _Files:
+        found = outs.get(tuple(values))
+        if found is None:
+            if fanout and len(outs) >= MAX_OPEN_PARTITIONS:
+                raise NotHere(f"it has over {MAX_OPEN_PARTITIONS} partitions")
+            found = outs[tuple(values)] = _Files(
+                target, schema, prefix, partitioner.folder(values) if partitioner else "",
+                values)
+        return found
+
+    try:
+        if partitioner is None:
+            for part in parts:
+                out([]).add(part)
+        elif fanout:
+            # Each partition's rows are held until the rows held for all reach the budget,
+            # then the largest partitions' are written: row groups of many rows, in bounded
+            # memory, whatever the order the rows come in.
+            held: dict[tuple[Optional[str], ...], list[pa.Table]] = {}
+            sizes: dict[tuple[Optional[str], ...], int] = {}
+
+            def flush(key: tuple[Optional[str], ...]) -> None:
+                outs[key].add(pa.concat_tables(held.pop(key)))
+                sizes.pop(key)
+
+            for part in parts:
+                for values, members in partitioner.split(part):
+                    key = tuple(values)
+                    out(values)
+                    held.setdefault(key, []).append(members)
+                    sizes[key] = sizes.get(key, 0) + members.nbytes
+                if sum(sizes.values()) > FANOUT_BUDGET_BYTES:
+                    for key in sorted(sizes, key=sizes.__getitem__, reverse=True):
+                        flush(key)
+                        if sum(sizes.values()) <= FANOUT_BUDGET_BYTES // 2:
+                            break
+            for key in list(held):
+                flush(key)
+        else:
+            gathered = list(parts)
+            rows = pa.concat_tables(gathered) if gathered else schema.empty_table()
+            for values, members in partitioner.split(rows):
+                out(values).add(members)
+                out(values).close()  # one partition at a time: one file open
+    except BaseException:
+        for each in outs.values():
+            each.close()
+            for written in each.written:
+                written.path.unlink(missing_ok=True)
+        raise
+    for each in outs.values():
+        each.close()
+    return [w for each in outs.values() for w in each.written]
 
 
 @dataclass(frozen=True)
@@ -185,38 +242,47 @@ class _Target:
     roll_bytes: int
 
 
-def _write(target: _Target, schema: pa.Schema, parts: Iterable[pa.Table], prefix: str,
-           subfolder: str, partition: list[Optional[str]]) -> list[Written]:
-    written: list[Written] = []
-    writer: Any = None
-    sink: Any = None
-    try:
-        for part in parts:
-            if part.num_rows == 0:
-                continue
-            if writer is None:
-                name = f"{subfolder}/{prefix}-{uuid.uuid4().hex}.parquet" if subfolder else \
-                    f"{prefix}-{uuid.uuid4().hex}.parquet"
-                path = target.here / name
-                path.parent.mkdir(parents=True, exist_ok=True)
-                sink = open(path, "wb")
-                try:  # decimals as INT32/INT64 where they fit, as Iceberg's own writer does
-                    writer = pq.ParquetWriter(sink, schema, store_decimal_as_integer=True,
-                                              **target.options)
-                except TypeError:  # an older pyarrow: fixed-length decimals, read by all
-                    writer = pq.ParquetWriter(sink, schema, **target.options)
-                written.append(Written(f"{target.folder}/{name}", path, partition))
-            writer.write_table(part)
-            if sink.tell() >= target.roll_bytes:
-                writer.close()
-                sink.close()
-                writer = sink = None
-    finally:
-        if writer is not None:
-            writer.close()
-        if sink is not None:
-            sink.close()
-    return written
+class _Files:
+    """The data files of one partition (or of an unpartitioned table) as they are written:
+    one open at a time, rolled at the table's target size."""
+
+    def __init__(self, target: _Target, schema: pa.Schema, prefix: str, subfolder: str,
+                 partition: list[Optional[str]]) -> None:
+        self.target, self.schema, self.prefix = target, schema, prefix
+        self.subfolder, self.partition = subfolder, partition
+        self.written: list[Written] = []
+        self._writer: Any = None
+        self._sink: Any = None
+
+    def add(self, part: pa.Table) -> None:
+        if part.num_rows == 0:
+            return
+        if self._writer is None:
+            name = f"{self.prefix}-{uuid.uuid4().hex}.parquet"
+            if self.subfolder:
+                name = f"{self.subfolder}/{name}"
+            path = self.target.here / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._sink = open(path, "wb")
+            self.written.append(Written(f"{self.target.folder}/{name}", path, self.partition))
+            try:  # decimals as INT32/INT64 where they fit, as Iceberg's own writer does
+                self._writer = pq.ParquetWriter(self._sink, self.schema,
+                                                store_decimal_as_integer=True,
+                                                **self.target.options)
+            except TypeError:  # an older pyarrow: fixed-length decimals, read by all
+                self._writer = pq.ParquetWriter(self._sink, self.schema, **self.target.options)
+        self._writer.write_table(part)
+        if self._sink.tell() >= self.target.roll_bytes:
+            self.close()
+
+    def close(self) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            if self._sink is not None:
+                self._sink.close()
+            self._writer = self._sink = None
 
 
 def data_files(spark: Any, table: Any, written: Sequence[Written]) -> list[Any]:
