@@ -56,6 +56,12 @@ def java_properties(table: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in table.properties().items()}
 
 
+def java_items(items: Any) -> list[Any]:
+    """The elements of a Java list. Not by Python's iteration of it: py4j ends that with a
+    Java exception, which PySpark converts at the cost of a dozen more round trips."""
+    return [items.get(i) for i in range(int(items.size()))]
+
+
 def jvm_map(call: Callable[[T], R], items: Sequence[T], threads: int = 4) -> list[R]:
     """``call`` over ``items``, in order; in ``threads`` Python threads when there are many.
     For many small JVM calls per item (describing hundreds of files): each call is a round

@@ -30,6 +30,7 @@ from walberg.apply.position.datafiles import FIELD_ID_KEY
 from walberg.apply.position.dv import decode
 from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.rowdelta import local_path, scan_of
+from walberg.apply.session import java_items
 from walberg.errors import ApplyError
 
 T = TypeVar("T")
@@ -223,11 +224,12 @@ def live_scan(spark: Any, table: Any, keys: Sequence[str], source: Optional[str]
         it = tasks.iterator()
         while it.hasNext():
             task = it.next()
-            location = str(task.file().location())
-            if str(task.file().format()) != "PARQUET" or not files.reachable(location):
+            data_file = task.file()
+            location = str(data_file.location())
+            if str(data_file.format()) != "PARQUET" or not files.reachable(location):
                 return None
             applies = []
-            for delete in task.deletes():
+            for delete in java_items(task.deletes()):
                 if str(delete.content()) != "POSITION_DELETES":
                     return None  # equality deletes: Spark applies them
                 where = str(delete.location())

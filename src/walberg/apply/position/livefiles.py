@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from walberg.apply.position.keycodec import ByMerge
+from walberg.apply.session import java_items
 from walberg.errors import ApplyError
 
 
@@ -68,7 +69,7 @@ class LiveFiles:
             while it.hasNext():
                 task = it.next()
                 vector = None
-                for delete in (task.deletes() if self.vectors else ()):
+                for delete in (java_items(task.deletes()) if self.vectors else ()):
                     if str(delete.format()) != "PUFFIN":
                         raise NotByPosition(
                             "it is format version 3 and holds position-delete files from "
