@@ -15,6 +15,7 @@ from walberg.errors import Terminal
 from walberg.lake.services import Lake
 from walberg.model import Insert, Lsn, Relation
 from walberg.ops.verify import verify
+from walberg.runtime.pg_reader import PgReader
 from walberg.source.pgoutput import Decoder
 
 
@@ -113,6 +114,39 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     # DuckDB reads the evolved table too (columns by field id: renamed, dropped, promoted).
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    with Lake(config, session=spark) as lake:
+        [verdict] = verify(lake)
+    assert verdict.equal, verdict
+
+
+def test_alter_table_before_the_slot_exists_is_in_the_copy(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """walberg describes its tables before it creates the slot; an ALTER TABLE (and changes)
+    committed in between are in the slot's snapshot, and the stream, which starts after it,
+    never mentions them: the copy takes the snapshot's columns, or the added column and its
+    values would be missing from the lake."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, a int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 20) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    before_slot = PgReader._failover_wanted
+
+    def alter_first(self: PgReader, conn: Any) -> bool:
+        with pg_conn.cursor() as cur:
+            cur.execute(f"ALTER TABLE {table} ADD COLUMN e int DEFAULT 7")
+            cur.execute(f"ALTER TABLE {table} ADD COLUMN f text")
+            cur.execute(f"UPDATE {table} SET f = 'f' || id WHERE id <= 5")
+        return before_slot(self, conn)
+
+    monkeypatch.setattr(PgReader, "_failover_wanted", alter_first)
+    run_once(config, spark)
+    monkeypatch.undo()
+    target = config.target_for(table)
+    schema = [f.name for f in hadoop_table(warehouse, target).schema().fields]
+    assert schema == ["id", "a", "e", "f", "_walberg_lsn"]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     with Lake(config, session=spark) as lake:
         [verdict] = verify(lake)
     assert verdict.equal, verdict

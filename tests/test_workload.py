@@ -91,6 +91,8 @@ def test_random_workload_ends_with_verify_equal(pg_conn: Any, postgres: Any, spa
 
     pipeline = Pipeline(config, session=spark)
     with running(pipeline) as failures:
+        # The workload runs while walberg streams, not before its slot exists.
+        pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
         done = 0
         with pg_conn.cursor() as cur:
             while done < STEPS and not failures:

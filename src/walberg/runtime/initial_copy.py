@@ -27,7 +27,7 @@ from walberg.runtime.tables import PgTables, count_dead
 from walberg.source import chunks
 from walberg.source import postgres as pg
 from walberg.source.chunks import Span
-from walberg.source.snapshot import copy_table
+from walberg.source.snapshot import copy_table, in_snapshot
 from walberg.source.stream import CreatedSlot, ReplicationStream
 
 log = logging.getLogger("walberg")
@@ -63,6 +63,7 @@ class InitialCopy:
             temp.open()
             created = temp.create_slot(name=f"{self.pg.slot}_copy_{id(self) % 100000}",
                                        temporary=True)
+        infos = self._as_of(infos, created)
         workdir = Path(tempfile.mkdtemp(prefix="walberg-copy-", dir=self.config.segment_dir))
         try:
             for info in infos:
@@ -89,6 +90,26 @@ class InitialCopy:
             self.sink.release_staged(workdir)
             if temp is not None:
                 temp.close()
+
+    def _as_of(self, infos: list[pg.TableInfo], created: CreatedSlot) -> list[pg.TableInfo]:
+        """The tables as the copy's snapshot has them. They were described before the slot
+        existed; an ALTER TABLE committed in between is in the snapshot's rows, and the stream
+        (which starts after it) may never mention it: copied with the columns read earlier, an
+        added column would be missing from the lake until the table's next change, and its
+        values lost."""
+        with in_snapshot(self.pg.dsn, created.snapshot_name) as conn:
+            now = [pg.describe_table(conn, i.qualified_name, self.pg.publications)
+                   for i in infos]
+            changed = {n.qualified_name: n for n, i in zip(now, infos, strict=True)
+                       if n.columns != i.columns}
+            for info in changed.values():
+                pg.require_key(info)
+            if changed:
+                self.tables.learn_types(conn, changed)
+        for source, info in changed.items():
+            log.info("%s changed its columns before the copy's snapshot: copied as %s", source,
+                     ", ".join(c.name for c in info.columns))
+        return now
 
     def adopt(self, rel: Relation) -> None:
         """A table added to the publication while walberg runs: copy it inside a temporary
@@ -185,15 +206,8 @@ class InitialCopy:
         key = chunks.range_key(info)
         kind = "key" if key else "ctid"
         point, catchup, done = self._resume_point(info, key, created, slot_flushed)
-        conn = pg.connect(self.pg.dsn, autocommit=False)
-        try:
-            conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
-            with conn.cursor() as cur:
-                cur.execute("SET TRANSACTION SNAPSHOT %s", (created.snapshot_name,))
-                extent = chunks.table_extent(cur, info, key)
-            conn.rollback()
-        finally:
-            conn.close()
+        with in_snapshot(self.pg.dsn, created.snapshot_name) as conn, conn.cursor() as cur:
+            extent = chunks.table_extent(cur, info, key)
         todo = chunks.remaining(done) if key else [Span(kind, None, None)]
         parallel = settings.parallelism or int(self._session().sparkContext.defaultParallelism)
         plan = chunks.plan_chunks(extent, info.estimated_rows, settings.chunk_rows, parallel,

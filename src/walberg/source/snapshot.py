@@ -7,6 +7,8 @@ stream's, so both paths hand identical text to the apply stage.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,16 +19,28 @@ from walberg.errors import SourceError
 from walberg.source.postgres import TableInfo, connect
 
 
+@contextmanager
+def in_snapshot(dsn: str, snapshot_name: Optional[str]) -> Iterator[Any]:
+    """A read-only connection whose transaction sees exactly the snapshot ``snapshot_name``
+    (a slot's exported snapshot; None: a snapshot of its own), rolled back and closed after."""
+    conn: Any = connect(dsn, autocommit=False)
+    try:
+        conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
+        if snapshot_name:
+            with conn.cursor() as cur:
+                cur.execute("SET TRANSACTION SNAPSHOT %s", (snapshot_name,))
+        yield conn
+        conn.rollback()
+    finally:
+        conn.close()
+
+
 def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Optional[str]) -> int:
     """Write every row of ``table`` to ``out_path`` as CSV (NULL unquoted-empty, empty string
     quoted). Returns the number of rows. With ``snapshot_name`` the read sees exactly that
     snapshot."""
-    conn: Any = connect(dsn, autocommit=False)
     try:
-        conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
-        with conn.cursor() as cur:
-            if snapshot_name:
-                cur.execute("SET TRANSACTION SNAPSHOT %s", (snapshot_name,))
+        with in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
             # Exactly what the publication publishes: its columns, its rows (row filter).
             query = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT WITH (FORMAT csv)").format(
                 sql.SQL(", ").join(sql.Identifier(c.name) for c in table.columns),
@@ -34,13 +48,9 @@ def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Option
             )
             with open(out_path, "wb", buffering=1 << 20) as out:
                 cur.copy_expert(query, out, size=1 << 20)
-            rows = int(cur.rowcount)
-        conn.rollback()
-        return rows
+            return int(cur.rowcount)
     except psycopg2.Error as exc:
         raise SourceError(
             f"the initial copy of {table.qualified_name} failed: {str(exc).strip()}. "
             "The role needs SELECT on the table; if the snapshot is gone, run walberg again."
         ) from None
-    finally:
-        conn.close()
