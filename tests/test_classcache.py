@@ -39,6 +39,11 @@ print("JIT_GC", " ".join(sorted(a for a in jvm.getInputArguments()
                                 if a.startswith("-XX:") and ("Tiered" in a or "GC" in a))))
 print("ANSWER", session.sql("SELECT 6 * 7").collect()[0][0])
 stop_session(session)
+# The JVM ends on its own once this process has (its output passes through pipes of this
+# one): wait for it here, before the test damages the archive it has mapped.
+from pyspark import SparkContext
+SparkContext._gateway.proc.stdin.close()
+SparkContext._gateway.proc.wait()
 """
 
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
@@ -321,10 +322,51 @@ def _start(master: str, app_name: str, conf: dict[str, str], java_options: str,
 
     if archive is not None:
         java_options = f"{classcache.java_options(archive)} {java_options}"
+    settings = {**conf, "spark.driver.extraJavaOptions": java_options}
+    _launch_jvm(master, app_name, settings)
     builder = SparkSession.builder.master(master).appName(app_name)
-    for key, value in {**conf, "spark.driver.extraJavaOptions": java_options}.items():
+    for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def _launch_jvm(master: str, app_name: str, settings: dict[str, str]) -> None:
+    """Start the driver's JVM (as PySpark would, with the same settings) with its output
+    passed on through pipes of this process rather than given this process's own. A JVM that
+    writes straight to them holds them open past this process's exit, for its own shutdown
+    (0.5 s or more): whoever runs ``walberg run --once`` and reads its output (a scheduler, a
+    script) would wait for that too."""
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    with SparkContext._lock:
+        if SparkContext._gateway is not None:
+            return  # this process's JVM runs already (a session stopped and built again)
+        conf = SparkConf(loadDefaults=False)
+        conf.setMaster(master).setAppName(app_name)
+        for key, value in settings.items():
+            conf.set(key, value)
+        pipes = [os.pipe(), os.pipe()]
+        try:
+            gateway = launch_gateway(  # type: ignore[no-untyped-call]
+                conf, {"stdout": pipes[0][1], "stderr": pipes[1][1]})
+        finally:
+            for (read, write), to in zip(pipes, (1, 2), strict=True):
+                os.close(write)
+                threading.Thread(target=_pass_on, args=(read, to), daemon=True,
+                                 name=f"walberg-jvm-output-{to}").start()
+        SparkContext._ensure_initialized(gateway=gateway)
+
+
+def _pass_on(read: int, to: int) -> None:
+    """Copy what the JVM writes on ``read`` to this process's file descriptor ``to``."""
+    try:
+        while chunk := os.read(read, 1 << 16):
+            os.write(to, chunk)
+    except OSError:
+        pass
+    finally:
+        os.close(read)
 
 
 def java_message(exc: BaseException) -> str:
