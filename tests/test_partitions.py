@@ -103,7 +103,19 @@ def test_partitions_are_icebergs(spark: Any, tmp_path: Path, unique: str) -> Non
     written = datafiles.write(spark, table, schema, [rows.slice(0, 120), rows.slice(120)],
                               tmp_path, "test", partitioner)
     append = table.newAppend()
-    for each in datafiles.data_files(spark, table, written):
+    iceberg = spark._jvm.org.apache.iceberg
+    config = iceberg.MetricsConfig.forTable(table)
+    for each, file in zip(datafiles.data_files(spark, table, written), written, strict=True):
+        # Its metrics (what readers prune files by) are those Iceberg's own footer reader
+        # finds in the file.
+        theirs_metrics = iceberg.parquet.ParquetUtil.fileMetrics(
+            iceberg.Files.localInput(str(file.path)), config)
+        for facet in ("recordCount", "columnSizes", "valueCounts", "nullValueCounts",
+                      "nanValueCounts", "lowerBounds", "upperBounds"):
+            mine = getattr(each, facet)()
+            theirs_facet = getattr(theirs_metrics, facet)()
+            assert (mine == theirs_facet if facet == "recordCount"
+                    else mine.equals(theirs_facet)), (facet, str(mine), str(theirs_facet))
         append.appendFile(each)
     append.commit()
     spark.sql(f"REFRESH TABLE {by_driver}")
