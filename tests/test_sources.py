@@ -279,7 +279,12 @@ def test_fan_in_sources_apply_by_position_each_to_its_own_rows(
         return sorted((r["_walberg_source"], r["id"], r["v"])
                       for r in table.scan().to_arrow().to_pylist())
 
-    _run(config, spark)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        _run(config, spark)
+    # Each source's copy written on the driver, into its own partition, the other's kept.
+    assert len(re.findall(rf"initial copy of {re.escape(target)}: written on the driver",
+                          caplog.text)) == 2, caplog.text[-4000:]
+    assert lake() == _source_rows(conns, unique)
     rounds = [
         {"east": [f"UPDATE {unique} SET v = 'east changed' WHERE id <= 10",
                   f"DELETE FROM {unique} WHERE id >= 15"],

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.position import datafiles
 from walberg.apply.position.partitions import NotHere, Partitioner
-from walberg.apply.session import LakeSession, java_table
+from walberg.apply.session import SOURCE_COLUMN, LakeSession, java_table
 from walberg.apply.tables import Tables
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn
@@ -36,8 +36,8 @@ def write_copy(lake: LakeSession, tables: Tables, target: str, columns: Sequence
     spark = lake.spark
     table = java_table(spark, target)
     why = spark_call(f"checking {target} for a copy written on the driver",
-                     lambda: datafiles.why_not_staged(lake, tables, target, columns, table, files,
-                                                      partitioned=True))
+                     lambda: datafiles.why_not_staged(lake, tables, target, columns, table,
+                                                      files))
     if why is not None:
         log.info("initial copy of %s: written by Spark, because %s", target, why)
         return None
@@ -47,35 +47,40 @@ def write_copy(lake: LakeSession, tables: Tables, target: str, columns: Sequence
     assert not isinstance(partitioner, str)  # as ``why`` found
     try:
         written = spark_call(f"writing the initial copy of {target}", lambda: datafiles.write(
-            spark, table, schema, _with_lsn(files, schema, int(lsn)), scratch, "walberg-copy",
-            partitioner, fanout=True))
+            spark, table, schema, _with_lsn(files, schema, int(lsn), lake.source), scratch,
+            "walberg-copy", partitioner, fanout=True))
     except NotHere as exc:
         log.info("initial copy of %s: written by Spark, because %s", target, exc)
         return None
     crash_point("copy-files")
     added = spark_call(f"committing the initial copy of {target}",
-                       lambda: _commit(spark, table, written, marks))
+                       lambda: _commit(spark, table, written, marks, lake.source))
     log.info("initial copy of %s: written on the driver as %d data file(s)", target, added)
     return added
 
 
-def _with_lsn(files: Sequence[Path], schema: pa.Schema, lsn: int) -> Iterator[pa.Table]:
-    """The staged copy's row groups in the data files' schema, each row marked ``lsn``."""
+def _with_lsn(files: Sequence[Path], schema: pa.Schema, lsn: int,
+              source: Optional[str]) -> Iterator[pa.Table]:
+    """The staged copy's row groups in the data files' schema, each row marked ``lsn`` (and
+    in a table several sources share, with the ``source`` it came from)."""
     for staged in files:
         parquet = pq.ParquetFile(staged)
         for group in range(parquet.num_row_groups):
             part = parquet.read_row_group(group)
-            yield pa.Table.from_arrays(
-                [*part.columns, pa.array(np.full(part.num_rows, lsn, np.int64), pa.int64())],
-                schema=schema)
+            added = [pa.array(np.full(part.num_rows, lsn, np.int64), pa.int64())]
+            if source is not None:
+                added.append(pa.repeat(pa.scalar(source, pa.string()), part.num_rows))
+            yield pa.Table.from_arrays([*part.columns, *added], schema=schema)
 
 
 def _commit(spark: Any, table: Any, written: list[datafiles.Written],
-            marks: Mapping[str, str]) -> int:
-    """Commit the written files in place of every row the table held."""
-    iceberg = spark._jvm.org.apache.iceberg
-    overwrite = table.newOverwrite().overwriteByRowFilter(iceberg.expressions.Expressions
-                                                          .alwaysTrue())
+            marks: Mapping[str, str], source: Optional[str]) -> int:
+    """Commit the written files in place of every row the table held (or in a shared table,
+    every row of ``source``: its partition, the first field of a shared table's spec)."""
+    expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
+    rows = (expressions.alwaysTrue() if source is None
+            else expressions.equal(SOURCE_COLUMN, source))
+    overwrite = table.newOverwrite().overwriteByRowFilter(rows)
     for each in datafiles.data_files(spark, table, written):
         overwrite.addFile(each)
     for key, value in marks.items():

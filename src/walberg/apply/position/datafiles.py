@@ -53,16 +53,10 @@ def final_when_staged(t: SparkType) -> bool:
 
 
 def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-            table: Any, props: Mapping[str, str], partitioned: bool = False,
-            shared: bool = False) -> Optional[str]:
-    """Why rows of this table are written by Spark instead (None: they can be written here).
-    ``partitioned``: whether the caller partitions the rows (``write`` with a partitioner);
-    ``shared``: whether it writes a table several sources share (a batch does; a copy, which
-    replaces the table's rows, does not)."""
-    if lake.source is not None and not shared:
-        return "the table is shared by several sources"
-    if not table.spec().isUnpartitioned() and not partitioned:
-        return "the table is partitioned"
+            table: Any, props: Mapping[str, str]) -> Optional[str]:
+    """Why rows of this table are written by Spark instead (None: they can be written here,
+    partitioned by ``write`` as the table's spec says, and in a table several sources share,
+    with the source's name)."""
     if not table.sortOrder().isUnsorted():
         return "the table has a sort order"
     slow = [c.name for c in columns if not final_when_staged(lake.types.spark_type(c, target))]
@@ -86,12 +80,10 @@ def written_columns(lake: LakeSession) -> list[str]:
 
 
 def why_not_staged(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-                   table: Any, files: Sequence[Path], partitioned: bool = False,
-                   shared: bool = False) -> Optional[str]:
+                   table: Any, files: Sequence[Path]) -> Optional[str]:
     """``why_not``, and whether the staged ``files`` (a copy's or a batch's: ``c0..cN``, then
     any change metadata) hold the columns in their types."""
-    why = why_not(lake, tables, target, columns, table, java_properties(table), partitioned,
-                  shared)
+    why = why_not(lake, tables, target, columns, table, java_properties(table))
     want = staged_types(lake, target, columns)
     if why is None and any(pq.read_schema(f).types[:len(want)] != want for f in files):
         why = "its staged files are not in the columns' types"
