@@ -76,6 +76,7 @@ SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
     "days": ("id bigint", "{g}", "id", ", ts timestamptz",
              ", timestamptz '2024-01-01 00:00:00+00' + (({g}) % 365) * interval '1 day' "
              "+ (({g}) % 86400) * interval '1 second'", {"partition_by": ["days(ts)"]}),
+    "bucket": ("id bigint", "{g}", "id", "", "", {"partition_by": ["bucket(16, id)"]}),
     "v3": ("id bigint", "{g}", "id", "", "", {"format_version": 3}),
     # No key: REPLICA IDENTITY FULL (updates and deletes find rows by their whole value).
     "full": ("id bigint", "{g}", "id", "", "", {}),
