@@ -464,7 +464,7 @@ def _external_sort(entries: Iterator[Entry], scratch: Path, run: int) -> Iterato
 def _by_key(parts: list[Columns]) -> Columns:
     """The columns of ``parts`` together, sorted by key."""
     keys = np.concatenate([p[0] for p in parts])
-    order = np.argsort(keys, kind="stable")
+    order = np.argsort(keys)
     return (keys[order], *(np.concatenate([p[i] for p in parts])[order]  # type: ignore[return-value]
                            for i in (1, 2, 3)))
 
