@@ -314,19 +314,13 @@ def data_files(spark: Any, table: Any, written: Sequence[Written]) -> list[Any]:
 
 def _footer_reader(jvm: Any, metrics_config: Any) -> Callable[[Path], Any]:
     """The Iceberg metrics of a Parquet file on this disk, from its footer. Read with the
-    Parquet reader inside Iceberg's runtime jar and read options made once: Iceberg's own
-    ``ParquetUtil.fileMetrics`` makes them anew for every file, which (a Hadoop configuration
-    each time) cost 7 ms a file here against 2 ms. A runtime jar without that reader (another
-    build of Iceberg) gets ``fileMetrics``."""
+    Parquet reader inside Iceberg's (pinned) runtime jar and read options made once: Iceberg's
+    own ``ParquetUtil.fileMetrics`` makes them anew for every file, which (a Hadoop
+    configuration each time) cost 7 ms a file here against 2 ms."""
     footer_metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.footerMetrics
     shaded = jvm.org.apache.iceberg.shaded.org.apache.parquet
-    try:
-        options = shaded.ParquetReadOptions.builder().build()  # (not callable: no such class)
-        local_input, open_file = shaded.io.LocalInputFile, shaded.hadoop.ParquetFileReader.open
-    except Exception:
-        file_metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics
-        local = jvm.org.apache.iceberg.Files.localInput
-        return lambda path: file_metrics(local(str(path)), metrics_config)
+    options = shaded.ParquetReadOptions.builder().build()
+    local_input, open_file = shaded.io.LocalInputFile, shaded.hadoop.ParquetFileReader.open
     java_file, no_field_metrics = jvm.java.io.File, jvm.java.util.stream.Stream.empty
 
     def read(path: Path) -> Any:
