@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Generator, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -386,16 +386,45 @@ class SchemaChanged(Exception):
 def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
                    prep: Optional[TextPrep] = None, dead: Optional[tuple[DeadLetters, int]] = None,
                    progress: Optional[Callable[[int], None]] = None) -> int:
-    """Convert a COPY ... (FORMAT csv) file into staged Parquet (``c0..cN``), streaming. With
+    """Convert a COPY ... (FORMAT csv) file into staged Parquet (``c0..cN``), streaming: the
+    tables of ``csv_tables``. Returns the rows staged for the table."""
+    schema = staged_schema(ncols, prep)
+    rows = 0
+    # Snappy (a copy's staging may hold a whole large table), without dictionaries: a
+    # table's values are mostly distinct, and trying dictionaries costs a third of the write.
+    tables = csv_tables(csv_path, ncols, prep, dead, progress)
+    try:
+        with pq.ParquetWriter(out_path, schema, compression="snappy",
+                              use_dictionary=False) as writer:
+            for table in tables:
+                writer.write_table(table)
+                rows += table.num_rows
+    finally:
+        tables.close()  # (the file closed now, not when a traceback lets go of it: a pipe's
+        # writer waits for that)
+    return rows
+
+
+def staged_schema(ncols: int, prep: Optional[TextPrep] = None) -> pa.Schema:
+    """The schema of a copy's staged tables: ``c0..cN`` in their staged types (text without
+    ``prep``)."""
+    types = prep.staged_types(ncols) if prep is not None else [pa.string()] * ncols
+    return pa.schema([pa.field(value_column(i), t) for i, t in enumerate(types)])
+
+
+def csv_tables(csv_path: Path, ncols: int, prep: Optional[TextPrep] = None,
+               dead: Optional[tuple[DeadLetters, int]] = None,
+               progress: Optional[Callable[[int], None]] = None
+               ) -> Generator[pa.Table, None, None]:
+    """A COPY ... (FORMAT csv) file as tables in ``staged_schema``, a block at a time. With
     ``prep`` the text is prepared (and typed) like the stream's; rows that cannot be written go
     to ``dead`` (dead letters, marked with the copy's LSN). Without, the columns stay text.
-    Returns the rows staged for the table.
+    ``progress`` is told the rows read so far.
 
     Postgres writes NULL as an unquoted empty field and an empty string as ``""``; the reader
     is told exactly that, so the two never mix."""
-    names = [value_column(i) for i in range(ncols)]
-    types = prep.staged_types(ncols) if prep is not None else [pa.string()] * ncols
-    schema = pa.schema([pa.field(n, t) for n, t in zip(names, types, strict=True)])
+    schema = staged_schema(ncols, prep)
+    names = schema.names
     # The path may be a named pipe that COPY is writing into. Buffered, so that each read of a
     # block returns the whole block: a pipe hands out 64 KiB at a time, and a row longer than
     # the piece read would otherwise straddle two of pyarrow's blocks.
@@ -412,32 +441,26 @@ def csv_to_parquet(csv_path: Path, ncols: int, out_path: Path,
         except pa.ArrowInvalid as exc:
             if "Empty CSV" not in str(exc):
                 raise
-            pq.write_table(schema.empty_table(), out_path)
-            return 0
+            return
         rows = 0
-        # Snappy (a copy's staging may hold a whole large table), without dictionaries: a
-        # table's values are mostly distinct, and trying dictionaries costs a third of the write.
-        with pq.ParquetWriter(out_path, schema, compression="snappy",
-                              use_dictionary=False) as writer:
-            for chunk in reader:
-                if prep is not None and prep.active:
-                    raw = chunk.columns
-                    arrays, reasons = prep.apply(raw)
-                    table = pa.Table.from_arrays(arrays, schema=schema)
-                    if dead is not None and reasons is not None:
-                        n = len(reasons)
-                        keep = dead[0].split(raw, reasons, pa.array(np.zeros(n, np.int64)),
-                                             pa.array([Op.SNAPSHOT.value] * n), pa.array(np.full(n, dead[1])))
-                        if keep is not None:
-                            table = table.filter(keep)
-                    writer.write_table(table)
-                    rows += table.num_rows
-                else:
-                    writer.write_batch(chunk)
-                    rows += chunk.num_rows
-                if progress is not None:
-                    progress(rows)
-    return rows
+        for chunk in reader:
+            if prep is not None and prep.active:
+                columns = chunk.columns
+                arrays, reasons = prep.apply(columns)
+                table = pa.Table.from_arrays(arrays, schema=schema)
+                if dead is not None and reasons is not None:
+                    n = len(reasons)
+                    keep = dead[0].split(columns, reasons, pa.array(np.zeros(n, np.int64)),
+                                         pa.array([Op.SNAPSHOT.value] * n),
+                                         pa.array(np.full(n, dead[1])))
+                    if keep is not None:
+                        table = table.filter(keep)
+            else:
+                table = pa.Table.from_batches([chunk], schema=schema)
+            rows += chunk.num_rows
+            if progress is not None:
+                progress(rows)
+            yield table
 
 
 def effective_truncate(max_seq: int, void: Sequence[tuple[int, int]],

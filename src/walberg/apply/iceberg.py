@@ -14,9 +14,12 @@ Its methods are the surface the pipeline calls; each hands over to one helper.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import pyarrow as pa
 
 from walberg.apply.batch import StagedTable
+from walberg.apply.copyfiles import CopyFiles
 from walberg.apply.evolution import Step
 from walberg.apply.maintenance import Maintenance
 from walberg.apply.position.keyed import KeyedApply
@@ -155,6 +158,18 @@ class IcebergSink:
     def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
                   lsn: Lsn) -> None:
         self.writes.load_copy(target, columns, files, lsn)
+
+    def copy_here(self, target: str, columns: Sequence[Column],
+                  staged: Sequence[pa.DataType]) -> bool:
+        return self.writes.copy_here(target, columns, staged)
+
+    def write_copy_parts(self, target: str, columns: Sequence[Column],
+                         parts: Iterable[pa.Table], lsn: Lsn,
+                         scratch: Path) -> Optional[CopyFiles]:
+        return self.writes.write_copy_parts(target, columns, parts, lsn, scratch)
+
+    def commit_copy(self, files: CopyFiles, columns: Sequence[Column], lsn: Lsn) -> None:
+        self.writes.commit_copy(files, columns, lsn)
 
     def load_chunk(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
                    marks: Mapping[str, str], *, first: bool, done: bool,

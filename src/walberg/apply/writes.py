@@ -5,9 +5,12 @@ cannot be written exactly."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import pyarrow as pa
 
 from walberg.apply import copyfiles
 from walberg.apply.batch import (
@@ -21,6 +24,7 @@ from walberg.apply.batch import (
 from walberg.apply.jvm.spark import spark_call, with_commit_properties
 from walberg.apply.position.keycodec import ByMerge
 from walberg.apply.position.keyed import KeyedApply
+from walberg.apply.position.partitions import NotHere
 from walberg.apply.session import (
     DLQ_SUFFIX,
     LSN_COLUMN,
@@ -33,6 +37,8 @@ from walberg.apply.snapshots import Snapshots
 from walberg.apply.tables import Tables
 from walberg.apply.types import quote, sql_string
 from walberg.model import Column, Lsn, Op
+
+log = logging.getLogger("walberg")
 
 
 def _fill_unchanged(df: Any, keys: list[str], unchanged: list[int]) -> Any:
@@ -183,6 +189,37 @@ class Writes:
                 lambda: self.lake.writer(typed, target, lsn).overwrite(self.lake.own_rows()),
             )
         spark_call(f"indexing the keys of {target}", lambda: self.keyed.prepare(target, columns))
+
+    def copy_here(self, target: str, columns: Sequence[Column],
+                  staged: Sequence[pa.DataType]) -> bool:
+        """Whether a copy staged in these column types is written on the driver as it is read
+        (``write_copy_parts``); if not, the log says why and the copy is staged for
+        ``load_copy``."""
+        why = copyfiles.why_not_here(self.lake, self.tables, target, columns, [staged])
+        if why is not None:
+            log.info("initial copy of %s: staged for Spark, because %s", target, why)
+        return why is None
+
+    def write_copy_parts(self, target: str, columns: Sequence[Column],
+                         parts: Iterable[pa.Table], lsn: Lsn,
+                         scratch: Path) -> Optional[copyfiles.CopyFiles]:
+        """The copy's rows as they are read (tables of ``c0..cN``) written as the table's data
+        files, for ``commit_copy``; None (nothing written, the log says why) if this table's
+        rows turn out to need Spark."""
+        try:
+            return copyfiles.write_files(self.lake, target, columns, parts, lsn, scratch)
+        except NotHere as exc:
+            log.info("initial copy of %s: staged for Spark after all, because %s", target, exc)
+            return None
+
+    def commit_copy(self, files: copyfiles.CopyFiles, columns: Sequence[Column],
+                    lsn: Lsn) -> None:
+        """Replace the table's rows with the copy's written files, in one commit marked
+        ``lsn``."""
+        copyfiles.commit(self.lake, files, self.lake.marks(lsn, None))
+        self.lake.refresh(files.target)
+        spark_call(f"indexing the keys of {files.target}",
+                   lambda: self.keyed.prepare(files.target, columns))
 
     def dead_letter_target(self, target: str) -> str:
         return target + DLQ_SUFFIX

@@ -5,18 +5,20 @@ table that joins the publication while walberg runs (``follow_publication``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from walberg import metrics
 from walberg.apply import jdbc
-from walberg.apply.batch import DeadLetters, csv_to_parquet
+from walberg.apply.batch import DeadLetters, csv_tables, csv_to_parquet
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
 from walberg.config import Config
 from walberg.faults import crash_point
@@ -130,28 +132,75 @@ class InitialCopy:
         self.copy([info], None)
 
     def _copy_whole(self, info: pg.TableInfo, created: CreatedSlot, workdir: Path) -> int:
-        """The default copy: one COPY stream staged as local Parquet, loaded in one commit
-        marked with the slot's consistent point (and appended to the changelog, if any).
-        Returns the rows copied."""
+        """The default copy: one COPY stream, loaded in one commit marked with the slot's
+        consistent point (and appended to the changelog, if any). Written as the table's data
+        files as it is read where the table allows (``_copy_direct``), else staged as local
+        Parquet first. Returns the rows copied."""
         source = info.qualified_name
+        target = self.tables.targets[source]
+        changelog = self.tables.changelogs.get(source)
+        prep = self.tables.prep(source, info.columns)
+        if changelog is None and self.sink.copy_here(target, info.columns,
+                                                     prep.staged_types(len(info.columns))):
+            rows = self._copy_direct(info, created, workdir)
+            if rows is not None:
+                return rows
         parquet = workdir / f"{source}.parquet"
         dead = DeadLetters(workdir / f"dlq-{source}.parquet", len(info.columns))
-        rows = self._copy_to_parquet(info, workdir, created.snapshot_name, parquet,
-                                     (dead, int(created.consistent_point)))
-        target = self.tables.targets[source]
+        with self._copy_stream(info, workdir, created.snapshot_name) as stream:
+            csv_to_parquet(stream.path, len(info.columns), parquet, prep,
+                           (dead, int(created.consistent_point)), stream.copied)
         dead.close()
-        # Dead letters first: if the copy itself then fails, the next copy replaces them.
-        dropped = self.sink.write_dead_letters(
-            target, info.columns, dead.path, created.consistent_point,
-            snapshot=True) if dead.rows else 0
-        count_dead(self.sink, source, target, dropped)
-        changelog = self.tables.changelogs.get(source)
+        self._dead_letters(info, dead, created.consistent_point)
         if changelog is not None:
             self.sink.append_copy(changelog, info.columns, [parquet], created.consistent_point)
             self.tables.changelog_held[source] = created.consistent_point
         if changelog != target:
             self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
-        return rows
+        return stream.rows
+
+    def _copy_direct(self, info: pg.TableInfo, created: CreatedSlot,
+                     workdir: Path) -> Optional[int]:
+        """The copy written as the table's data files while COPY's stream is parsed, nothing
+        staged on disk first; None if the rows turn out to need Spark (nothing is kept then,
+        and the caller copies again, staged). Returns the rows copied."""
+        source = info.qualified_name
+        target = self.tables.targets[source]
+        point = created.consistent_point
+        dead = DeadLetters(workdir / f"dlq-{source}.parquet", len(info.columns))
+        written = None
+        try:
+            with self._copy_stream(info, workdir, created.snapshot_name) as stream:
+                parts = csv_tables(stream.path, len(info.columns),
+                                   self.tables.prep(source, info.columns), (dead, int(point)),
+                                   stream.copied)
+                try:
+                    written = self.sink.write_copy_parts(target, info.columns, parts, point,
+                                                         workdir)
+                finally:
+                    parts.close()  # (stops reading COPY's stream, if it was cut short)
+                stream.abandoned = written is None
+            dead.close()
+            if written is None:
+                dead.path.unlink(missing_ok=True)
+                return None
+            # Dead letters first: if the copy itself then fails, the next copy replaces them.
+            self._dead_letters(info, dead, point)
+        except BaseException:
+            dead.close()
+            if written is not None:
+                written.discard()
+            raise
+        self.sink.commit_copy(written, info.columns, point)
+        return stream.rows
+
+    def _dead_letters(self, info: pg.TableInfo, dead: DeadLetters, point: Lsn) -> None:
+        """Write the copy's dead letters (if any) to the table's dead-letter table."""
+        source = info.qualified_name
+        target = self.tables.targets[source]
+        dropped = self.sink.write_dead_letters(target, info.columns, dead.path, point,
+                                               snapshot=True) if dead.rows else 0
+        count_dead(self.sink, source, target, dropped)
 
     def _chunked(self, info: pg.TableInfo) -> bool:
         """Whether this table's copy is read by Spark over JDBC in chunks."""
@@ -258,44 +307,66 @@ class InitialCopy:
         if value is not None and committed is not None and Lsn.parse(value) > committed:
             self.state.set_catchup(source, Lsn.parse(value))
 
-    def _copy_to_parquet(self, info: pg.TableInfo, workdir: Path, snapshot: str,
-                         parquet: Path, dead: tuple[DeadLetters, int]) -> int:
-        """COPY the table through a named pipe into the Parquet writer: Postgres renders rows
-        while pyarrow parses them, and no CSV file ever lands on disk."""
-        fifo = workdir / f"{info.qualified_name}.csv"
-        os.mkfifo(fifo, 0o600)
-        result: list[int] = []
+    @contextlib.contextmanager
+    def _copy_stream(self, info: pg.TableInfo, workdir: Path,
+                     snapshot: str) -> Iterator[_CopyStream]:
+        """COPY the table through a named pipe, read by the caller inside the block: Postgres
+        renders rows while they are parsed, and no CSV file ever lands on disk. A failed COPY
+        raises when the block ends (after the caller's own exception, if it had one), unless
+        the caller stopped reading on purpose (``abandoned``)."""
+        progress = CopyProgress(info.qualified_name, info.estimated_rows)
+        gauge = metrics.COPY_PROGRESS.labels(info.qualified_name)
+        gauge.set(0)
+
+        def copied(rows: int) -> None:
+            progress.update(rows)
+            if info.estimated_rows:
+                gauge.set(min(rows / info.estimated_rows, 0.99))
+
+        stream = _CopyStream(workdir / f"{info.qualified_name}.csv", copied)
+        os.mkfifo(stream.path, 0o600)
         failure: list[BaseException] = []
 
         def produce() -> None:
             try:
-                result.append(copy_table(self.pg.dsn, info, fifo, snapshot))
+                stream.rows = copy_table(self.pg.dsn, info, stream.path, snapshot)
             except BaseException as exc:
                 failure.append(exc)
-                # Unblock the reader side if the writer never opened the pipe.
-                with open(fifo, "wb"):
+                # A reader still waiting for the pipe to open sees it end; one that has gone
+                # needs nothing (and a blocking open would wait for it forever).
+                try:
+                    os.close(os.open(stream.path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
                     pass
 
         producer = threading.Thread(target=produce, name=f"copy-{info.qualified_name}")
         producer.start()
         try:
-            progress = CopyProgress(info.qualified_name, info.estimated_rows)
-            gauge = metrics.COPY_PROGRESS.labels(info.qualified_name)
-            gauge.set(0)
-
-            def copied(rows: int) -> None:
-                progress.update(rows)
-                if info.estimated_rows:
-                    gauge.set(min(rows / info.estimated_rows, 0.99))
-
-            rows = csv_to_parquet(fifo, len(info.columns), parquet,
-                                  self.tables.prep(info.qualified_name, info.columns), dead,
-                                  copied)
-            progress.done(rows)
-            gauge.set(1)
+            yield stream
         finally:
-            producer.join()
-            fifo.unlink(missing_ok=True)
+            while producer.is_alive():
+                # COPY waiting for a reader that will not come (the caller failed before it
+                # read, or stopped reading): a reader that comes and goes at once ends its wait
+                # (its next write fails).
+                try:
+                    os.close(os.open(stream.path, os.O_RDONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+                producer.join(0.1)
+            stream.path.unlink(missing_ok=True)
+        if stream.abandoned:
+            return
         if failure:
             raise failure[0]
-        return result[0]
+        progress.done(stream.rows)
+        gauge.set(1)
+
+
+@dataclass
+class _CopyStream:
+    """A table's COPY as the reader of ``_copy_stream`` meets it."""
+
+    path: Path  # the named pipe COPY writes CSV into
+    copied: Callable[[int], None]  # to be told the rows read so far
+    rows: int = 0  # the rows COPY sent, once the block has ended
+    abandoned: bool = False  # the reader stopped reading on purpose

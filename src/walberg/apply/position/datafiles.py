@@ -80,12 +80,13 @@ def written_columns(lake: LakeSession) -> list[str]:
 
 
 def why_not_staged(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-                   table: Any, files: Sequence[Path]) -> Optional[str]:
-    """``why_not``, and whether the staged ``files`` (a copy's or a batch's: ``c0..cN``, then
-    any change metadata) hold the columns in their types."""
+                   table: Any, staged: Sequence[Sequence[pa.DataType]]) -> Optional[str]:
+    """``why_not``, and whether the staged tables (a copy's or a batch's: ``c0..cN``, then any
+    change metadata; ``staged`` holds each one's column types) hold the columns in their
+    types."""
     why = why_not(lake, tables, target, columns, table, java_properties(table))
     want = staged_types(lake, target, columns)
-    if why is None and any(pq.read_schema(f).types[:len(want)] != want for f in files):
+    if why is None and any(list(types[:len(want)]) != want for types in staged):
         why = "its staged files are not in the columns' types"
     return why
 

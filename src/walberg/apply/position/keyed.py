@@ -399,7 +399,8 @@ class KeyedApply:
         log once per table and reason."""
         why = ("the batch was not netted per key when it was staged" if not staged.unique_keys
                else datafiles.why_not_staged(self.lake, self.tables, target, staged.columns,
-                                             table, staged.files))
+                                             table, [pq.read_schema(f).types
+                                                     for f in staged.files]))
         if why is not None and self._told.get(target) != why:
             self._told[target] = why
             log.info("%s by position: new rows written by Spark, because %s", target, why)

@@ -1,0 +1,124 @@
+"""The initial copy written as the table's data files while COPY's stream is parsed: nothing
+staged on disk first; a table whose rows turn out to need Spark is copied again, staged; a
+COPY or a writer that fails midway leaves no file behind and does not hang."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import make_config, run_once
+from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
+from walberg.apply.position import datafiles
+from walberg.config import parse_config
+from walberg.errors import SourceError
+from walberg.runtime import initial_copy
+
+
+def _table(pg_conn: Any, name: str, rows: int) -> None:
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {name} (id bigint PRIMARY KEY, part int, amount numeric(12,2),"
+                    " note text)")
+        cur.execute(f"INSERT INTO {name} SELECT g, g %% 5, g / 100.0, repeat('x', g %% 50) || g "
+                    "FROM generate_series(1, %s) g", (rows,))
+        cur.execute(f"INSERT INTO {name} VALUES (-1, 0, 'NaN', 'not a decimal')")
+
+
+def _copies(warehouse: Path, target: str) -> list[Path]:
+    """The data files under the table's folder that a copy on the driver names."""
+    folder = warehouse.joinpath(*target.split(".")[1:]) / "data"
+    return sorted(folder.rglob("walberg-copy-*.parquet"))
+
+
+def test_a_copy_is_written_as_it_is_read(pg_conn: Any, postgres: Any, spark: Any,
+                                         warehouse: Path, tmp_path: Path, unique: str,
+                                         caplog: pytest.LogCaptureFixture,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    table = f"public.{unique}"
+    _table(pg_conn, table, 50_000)
+
+    def staged(*args: Any, **kwargs: Any) -> int:
+        raise AssertionError("the copy was staged as Parquet first")
+    monkeypatch.setattr(initial_copy, "csv_to_parquet", staged)
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        report = run_once(config, spark)
+    assert report.copied[table] == 50_001  # (COPY's count: the dead letter too)
+    assert "written on the driver as 1 data file(s)" in caplog.text
+    expected = [r for r in postgres_rows(pg_conn, table) if r["id"] != -1]
+    assert iceberg_rows(warehouse, target) == expected
+    assert duckdb_rows(warehouse, target) == expected
+    dead = hadoop_table(warehouse, f"{target}__dlq").scan().to_arrow().to_pylist()
+    assert [(r["id"], r["_walberg_op"]) for r in dead] == [("-1", "snapshot")]
+    assert "does not fit" in dead[0]["_dlq_reason"]
+    assert len(_copies(warehouse, target)) == 1
+
+
+def test_a_copy_into_too_many_partitions_is_staged_again(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the files a copy may keep open the rows are Spark's: the files begun are removed,
+    the stream stops, and the table is copied again in the same snapshot, staged."""
+    table = f"public.{unique}"
+    _table(pg_conn, table, 50_000)
+    monkeypatch.setattr(datafiles, "MAX_OPEN_PARTITIONS", 3)
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      [table]).model_dump(mode="json", exclude={"base_dir"})
+    raw["sink"]["tables"] = {table: {"partition_by": ["part"]}}
+    config = parse_config(raw, tmp_path)
+    target = config.target_for(table)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        report = run_once(config, spark)
+    assert "staged for Spark after all, because it has over 3 partitions" in caplog.text
+    assert report.copied[table] == 50_001
+    expected = [r for r in postgres_rows(pg_conn, table) if r["id"] != -1]
+    assert iceberg_rows(warehouse, target) == expected
+    assert not _copies(warehouse, target)
+    dead = hadoop_table(warehouse, f"{target}__dlq").scan().to_arrow().to_pylist()
+    assert [r["id"] for r in dead] == ["-1"]
+
+
+@pytest.mark.parametrize("fails", ["COPY", "writer at once", "writer midway"])
+def test_a_copy_that_fails_midway_leaves_nothing(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """A COPY cut off after some rows (its reader saw a short stream), or a reader that fails
+    before it opens the pipe or while COPY still writes into it (COPY must not wait for it
+    forever): the error is raised, no data file stays, the table holds no copy, and the next
+    run copies it whole."""
+    table = f"public.{unique}"
+    # (midway: more than the reader's first 16 MB block, so that COPY is still writing)
+    _table(pg_conn, table, 500_000 if fails == "writer midway" else 1000)
+    real_copy, real_tables = initial_copy.copy_table, initial_copy.csv_tables
+
+    def cut_copy(dsn: str, info: Any, out: Path, snapshot: Any) -> int:
+        with open(out, "wb") as pipe:
+            pipe.write(b"1,1,0.01,x1\n2,2,0.02,x2\n")
+        raise SourceError("the initial copy was cut off (test)")
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        tables = real_tables(*args, **kwargs)
+        if fails == "writer midway":
+            yield next(tables)
+        raise RuntimeError("the writer failed (test)")
+
+    if fails == "COPY":
+        monkeypatch.setattr(initial_copy, "copy_table", cut_copy)
+    else:
+        monkeypatch.setattr(initial_copy, "csv_tables", failing)
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    with pytest.raises((SourceError, RuntimeError), match="(test)"):
+        run_once(config, spark)
+    assert not _copies(warehouse, target)
+    assert hadoop_table(warehouse, target).current_snapshot() is None
+
+    monkeypatch.setattr(initial_copy, "copy_table", real_copy)
+    monkeypatch.setattr(initial_copy, "csv_tables", real_tables)
+    run_once(config, spark)
+    expected = [r for r in postgres_rows(pg_conn, table) if r["id"] != -1]
+    assert iceberg_rows(warehouse, target) == expected
