@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.position import datafiles
 from walberg.apply.position.partitions import NotHere, Partitioner
+from walberg.apply.readahead import ahead
 from walberg.apply.session import SOURCE_COLUMN, LakeSession, java_table
 from walberg.apply.tables import Tables
 from walberg.faults import crash_point
@@ -66,9 +67,13 @@ def write_files(lake: LakeSession, target: str, columns: Sequence[Column],
     schema = datafiles.arrow_schema(table, columns, lake, target)
     partitioner = None if table.spec().isUnpartitioned() else Partitioner.of(table, schema)
     assert not isinstance(partitioner, str)  # as ``why_not_here`` found
-    written = spark_call(f"writing the initial copy of {target}", lambda: datafiles.write(
-        spark, table, schema, _with_lsn(parts, schema, int(lsn), lake.source), scratch,
-        "walberg-copy", partitioner, fanout=True))
+    # (the next rows parsed while the ones before are written)
+    rows = ahead(_with_lsn(parts, schema, int(lsn), lake.source), "copy")
+    try:
+        written = spark_call(f"writing the initial copy of {target}", lambda: datafiles.write(
+            spark, table, schema, rows, scratch, "walberg-copy", partitioner, fanout=True))
+    finally:
+        rows.close()  # (its thread stopped before the caller closes ``parts``)
     return CopyFiles(target, table, written)
 
 

@@ -49,7 +49,7 @@ from walberg.apply.batch import StagedTable, applied_rows, value_column
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
-from walberg.apply.position.lakekeys import ahead, live_scan
+from walberg.apply.position.lakekeys import live_scan
 from walberg.apply.position.livefiles import LiveFiles, read_blob
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.position.rowdelta import (
@@ -63,6 +63,7 @@ from walberg.apply.position.rowdelta import (
     scan_of,
     written_entries,
 )
+from walberg.apply.readahead import ahead
 from walberg.apply.session import LSN_PROPERTY, SOURCE_COLUMN, LakeSession, java_table
 from walberg.apply.tables import Tables
 from walberg.apply.types import UUID
@@ -208,7 +209,7 @@ class KeyedApply:
                     # The key columns and the deletes are read on the driver and sorted on
                     # disk, with no Spark job.
                     found.rebuild_from_files(scan.snapshot, scan.locations,
-                                             ahead(scan.rows(codec)), scratch)
+                                             ahead(scan.rows(codec), "keys"), scratch)
                     deletes = (f" and {scan.delete_files} delete file(s)"
                                if scan.delete_files else "")
                     how = f"{len(scan.locations)} data file(s){deletes} read on the driver"

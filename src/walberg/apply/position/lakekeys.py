@@ -16,10 +16,8 @@ by Spark instead (``rowdelta.lake_entries``).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
-from queue import Full, Queue
-from typing import Any, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -32,8 +30,6 @@ from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.rowdelta import local_path, scan_of
 from walberg.apply.session import java_items
 from walberg.errors import ApplyError
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -164,44 +160,6 @@ class Files:
                 connect_timeout=float(get("connection.establish.timeout") or 5000) / 1000,
                 request_timeout=float(get("connection.timeout") or 200000) / 1000)
         return self._s3
-
-
-def ahead(items: Iterator[T], depth: int = 2) -> Iterator[T]:
-    """``items``, made in a thread of their own up to ``depth`` ahead of the consumer: reading
-    and encoding a file's keys (Arrow and numpy, which leave the GIL) overlaps the sorting of
-    the ones before."""
-    done = object()
-    queue: Queue[Any] = Queue(depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        queue.put(item, timeout=0.1)
-                        break
-                    except Full:
-                        continue
-                if stop.is_set():
-                    return
-            queue.put(done)
-        except BaseException as exc:  # handed to the consumer
-            queue.put(exc)
-
-    thread = threading.Thread(target=produce, name="walberg-keys-ahead", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = queue.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()  # a consumer that stopped early: the producer stops too
-        thread.join()
 
 
 def live_scan(spark: Any, table: Any, keys: Sequence[str], source: Optional[str] = None
