@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
-from walberg.apply.jvm import classcache
+from walberg.apply.jvm import classcache, launch
 from walberg.errors import ApplyError, EnvironmentProblem
 
 if TYPE_CHECKING:
@@ -335,7 +335,8 @@ def _launch_jvm(master: str, app_name: str, settings: dict[str, str]) -> None:
     passed on through pipes of this process rather than given this process's own. A JVM that
     writes straight to them holds them open past this process's exit, for its own shutdown
     (0.5 s or more): whoever runs ``walberg run --once`` and reads its output (a scheduler, a
-    script) would wait for that too."""
+    script) would wait for that too. Started from the command Spark's launcher gave for the
+    same settings before (apply.jvm.launch), else as PySpark starts it."""
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 
@@ -346,10 +347,19 @@ def _launch_jvm(master: str, app_name: str, settings: dict[str, str]) -> None:
         conf.setMaster(master).setAppName(app_name)
         for key, value in settings.items():
             conf.set(key, value)
+        args = [w for k, v in conf.getAll() for w in ("--conf", f"{k}={v}")] + ["pyspark-shell"]
         pipes = [os.pipe(), os.pipe()]
         try:
-            gateway = launch_gateway(  # type: ignore[no-untyped-call]
-                conf, {"stdout": pipes[0][1], "stderr": pipes[1][1]})
+            known = launch.command(temp_folder() / "launch", args)
+            gateway = None
+            if known is not None:
+                try:
+                    gateway = launch.start(known[0], pipes[0][1], pipes[1][1])
+                except launch.NotReady:
+                    known[1].unlink(missing_ok=True)  # (asked again; PySpark's start says why)
+            if gateway is None:
+                gateway = launch_gateway(  # type: ignore[no-untyped-call]
+                    conf, {"stdout": pipes[0][1], "stderr": pipes[1][1]})
         finally:
             for (read, write), to in zip(pipes, (1, 2), strict=True):
                 os.close(write)

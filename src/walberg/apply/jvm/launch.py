@@ -1,0 +1,191 @@
+"""The driver's JVM started from the command Spark's launcher gave last time for the same
+settings, instead of through ``spark-submit``.
+
+PySpark starts its JVM by running ``bin/spark-submit``: two shell scripts, then a first JVM
+(``org.apache.spark.launcher.Main``) whose only work is to print the java command line of the
+second, then that second JVM, whose readiness PySpark polls every 0.1 s. The first JVM and the
+polling are a quarter of a second of every ``walberg run --once`` here. The launcher's answer
+depends only on what it is given: the settings, Spark's home and its configuration folder, and
+the environment it reads (``SPARK_*``, ``HADOOP_*``, ``YARN_*``, ``JAVA_*``, ``PYSPARK_*``). So
+it is asked once per distinct set of those, its answer is remembered in walberg's temp folder,
+and the driver's JVM is started from it directly, its readiness polled every 10 ms. The JVM
+then tells its gateway's port and secret the way it tells PySpark: a file named by
+``_PYSPARK_DRIVER_CONN_INFO_PATH`` (a big-endian int, then a length-prefixed UTF-8 string).
+
+Where the launcher's answer could depend on more (a ``spark-env.sh``, which may run anything;
+PySpark's own overrides such as ``PYSPARK_SUBMIT_ARGS``), or where the launcher fails, walberg
+leaves the start to PySpark.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+# Environment variables that change what the launcher prints, by prefix.
+_READ_BY_LAUNCHER = ("SPARK_", "HADOOP_", "YARN_", "JAVA_", "PYSPARK_")
+# Set, they mean PySpark's own way to start (or reach) the JVM: walberg leaves it to PySpark.
+_PYSPARK_OWN = ("PYSPARK_GATEWAY_PORT", "PYSPARK_SUBMIT_ARGS", "SPARK_TESTING",
+                "SPARK_PREPEND_CLASSES")
+_LAUNCHER_MAIN = "org.apache.spark.launcher.Main"
+_SUBMIT = "org.apache.spark.deploy.SparkSubmit"
+# What PySpark's own start makes visible in the gateway's JVM view, for PySpark's code to find.
+_PYSPARK_IMPORTS = ("org.apache.spark.SparkConf", "org.apache.spark.api.java.*",
+                    "org.apache.spark.api.python.*", "org.apache.spark.ml.python.*",
+                    "org.apache.spark.mllib.api.python.*", "org.apache.spark.resource.*",
+                    "org.apache.spark.sql.*", "org.apache.spark.sql.api.python.*",
+                    "org.apache.spark.sql.hive.*", "scala.Tuple2")
+_KEEP = 16  # remembered answers kept (the newest)
+
+
+class NotReady(Exception):
+    """The driver's JVM exited before its gateway was ready."""
+
+
+def spark_home() -> Path:
+    """Where PySpark's Spark is (its ``jars``, ``bin``...)."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    return Path(_find_spark_home())  # type: ignore[no-untyped-call]
+
+
+def spark_env(home: Path) -> dict[str, str]:
+    """The variables Spark's scripts set for the JVM they start (``load-spark-env.sh``,
+    ``spark-submit``), over this process's own."""
+    env = dict(os.environ)
+    env["SPARK_HOME"] = str(home)
+    env.setdefault("SPARK_CONF_DIR", str(home / "conf"))
+    env["SPARK_ENV_LOADED"] = "1"
+    if "SPARK_SCALA_VERSION" not in env:
+        both = home / "assembly" / "target"
+        env["SPARK_SCALA_VERSION"] = "2.13" if (both / "scala-2.13").is_dir() else "2.12"
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def command(memo_folder: Path, args: Sequence[str]) -> Optional[tuple[list[str], Path]]:
+    """The java command line that ``spark-submit args`` would run, and where it is remembered
+    (in ``memo_folder``; asked of Spark's launcher the first time); None: leave the start to
+    PySpark."""
+    if os.name != "posix" or any(os.environ.get(name) for name in _PYSPARK_OWN) or \
+            os.environ.get("PYSPARK_PIN_THREAD", "true").lower() != "true":
+        return None
+    import pyspark
+
+    home = spark_home()
+    env = spark_env(home)
+    java = Path(env.get("JAVA_HOME", "")) / "bin" / "java"
+    conf_dir = Path(env["SPARK_CONF_DIR"])
+    jars = home / "jars"
+    if not java.is_file() or not jars.is_dir() or (conf_dir / "spark-env.sh").exists():
+        return None
+    memo = memo_folder / f"launch-{_key(home, java, conf_dir, args, env, pyspark.__version__)}"
+    try:
+        found = json.loads(memo.read_text())
+        if isinstance(found, list) and found:
+            os.utime(memo)  # (the newest are kept)
+            return [str(x) for x in found], memo
+    except (OSError, ValueError):
+        pass
+    asked = _ask_launcher(java, jars, args, env)
+    if asked is None:
+        return None
+    try:
+        memo_folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        partial = memo.with_suffix(f".{os.getpid()}")
+        partial.write_text(json.dumps(asked))
+        os.replace(partial, memo)
+        _prune(memo_folder)
+    except OSError:
+        pass  # (asked again next time)
+    return asked, memo
+
+
+def _key(home: Path, java: Path, conf_dir: Path, args: Sequence[str], env: dict[str, str],
+         version: str) -> str:
+    st = java.resolve().stat()
+    try:
+        conf = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                      for p in conf_dir.iterdir() if p.is_file())
+    except OSError:
+        conf = []
+    read = sorted((k, v) for k, v in env.items() if k.startswith(_READ_BY_LAUNCHER))
+    text = json.dumps([version, str(home), str(java.resolve()), st.st_ino, st.st_mtime_ns,
+                       str(conf_dir), conf, read, list(args)])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _ask_launcher(java: Path, jars: Path, args: Sequence[str],
+                  env: dict[str, str]) -> Optional[list[str]]:
+    """What Spark's launcher prints for ``spark-submit args`` (as ``bin/spark-class`` runs
+    it): the command's words, each ended by a NUL."""
+    launcher = [str(java), "-Xmx128m", *shlex.split(env.get("SPARK_LAUNCHER_OPTS", "")),
+                "-cp", f"{jars}/*", _LAUNCHER_MAIN, _SUBMIT, *args]
+    try:
+        done = subprocess.run(launcher, env=env, capture_output=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = done.stdout.decode("utf-8", "replace")
+    # (a NUL line ends any messages before the command; the command's words end in NULs)
+    marker = out.find("\0\n")
+    words = out[marker + 2:].split("\0") if marker >= 0 else out.split("\0")
+    if done.returncode != 0 or len(words) < 2 or words[-1] != "" or _SUBMIT not in words:
+        return None
+    return words[:-1]
+
+
+def _prune(memo_folder: Path) -> None:
+    found = sorted(memo_folder.glob("launch-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in found[_KEEP:]:
+        old.unlink(missing_ok=True)
+
+
+def start(cmd: Sequence[str], stdout: int, stderr: int) -> Any:
+    """Start the driver's JVM from ``cmd`` and connect PySpark's gateway to it, as PySpark's
+    own start does (Ctrl-C is this process's to handle, not the JVM's; the JVM ends when this
+    process's end closes its stdin)."""
+    from py4j.clientserver import ClientServer, JavaParameters, PythonParameters
+    from py4j.java_gateway import java_import
+
+    folder = Path(tempfile.mkdtemp(prefix="walberg-gateway-"))
+    info = folder / "info"
+    try:
+        env = spark_env(spark_home())
+        env["_PYSPARK_DRIVER_CONN_INFO_PATH"] = str(info)
+        try:
+            proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=stdout,
+                                    stderr=stderr, env=env, preexec_fn=_ignore_sigint)
+        except OSError as exc:
+            raise NotReady(f"the driver's JVM did not start: {exc}") from None
+        while proc.poll() is None and not info.exists():
+            time.sleep(0.01)
+        if not info.exists():
+            raise NotReady(f"the driver's JVM exited with status {proc.returncode} before it "
+                           "was ready")
+        data = info.read_bytes()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    port, length = struct.unpack(">ii", data[:8])
+    secret = data[8:8 + length].decode("utf-8")
+    gateway = ClientServer(
+        java_parameters=JavaParameters(port=port, auth_token=secret, auto_convert=True),
+        python_parameters=PythonParameters(port=0, eager_load=False))
+    gateway.proc = proc  # (its stdin open for as long as this process lives)
+    for name in _PYSPARK_IMPORTS:
+        java_import(gateway.jvm, name)
+    return gateway
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,81 @@
+"""The driver's JVM started from the command Spark's launcher gave before for the same
+settings (walberg.apply.jvm.launch): the same JVM, with the same arguments and environment,
+as PySpark's own start through ``spark-submit``; a remembered command that no longer starts
+is forgotten and PySpark starts the JVM. Each session runs in a process of its own, since
+this test session's Spark is running already."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SESSION = """
+import json, sys
+from walberg.apply.jvm.spark import build_session, stop_session
+session = build_session("local[1]", "lake", sys.argv[1], {}, {}, short_lived=True)
+jvm = session._jvm
+names = ["SPARK_HOME", "SPARK_CONF_DIR", "SPARK_ENV_LOADED", "SPARK_SCALA_VERSION",
+         "PYTHONHASHSEED", "JAVA_HOME"]
+print(json.dumps({
+    "args": list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+                 .getInputArguments()),
+    "command": jvm.System.getProperty("sun.java.command"),
+    "env": {n: jvm.System.getenv(n) for n in names},
+    "answer": session.sql("SELECT 6 * 7").collect()[0][0],
+}))
+stop_session(session)
+from pyspark import SparkContext
+SparkContext._gateway.proc.stdin.close()
+SparkContext._gateway.proc.wait()
+"""
+
+
+def _session(tmp_path: Path, **env: str) -> dict[str, object]:
+    run_env = {**os.environ, "TMPDIR": str(tmp_path), **env}
+    proc = subprocess.run([sys.executable, "-c", SESSION, str(tmp_path / "warehouse")],
+                          capture_output=True, text=True, env=run_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return found
+
+
+def _memos(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / f"walberg-{os.getuid()}" / "launch").glob("launch-*"))
+
+
+def test_the_remembered_command_starts_the_jvm_spark_submit_would(tmp_path: Path) -> None:
+    by_pyspark = _session(tmp_path, PYSPARK_SUBMIT_ARGS="pyspark-shell")
+    assert not _memos(tmp_path), "PYSPARK_SUBMIT_ARGS set: PySpark's own start"
+    first = _session(tmp_path)  # asks the launcher, remembers, starts from its answer
+    [memo] = _memos(tmp_path)
+    words = json.loads(memo.read_text())
+    assert words[0].endswith("/bin/java") and "org.apache.spark.deploy.SparkSubmit" in words
+    again = _session(tmp_path)  # starts from what it remembered
+    assert _memos(tmp_path) == [memo]
+    for started in (first, again):
+        assert started["answer"] == 42
+        # The same JVM options, main class and arguments, and the environment Spark's
+        # scripts give it.
+        assert started["args"] == by_pyspark["args"]
+        assert started["command"] == by_pyspark["command"]
+        assert started["env"] == by_pyspark["env"]
+    assert by_pyspark["env"]["PYTHONHASHSEED"] == "0"  # type: ignore[index]
+
+
+def test_a_remembered_command_that_does_not_start_is_forgotten(tmp_path: Path) -> None:
+    _session(tmp_path)
+    [memo] = _memos(tmp_path)
+    words = json.loads(memo.read_text())
+    memo.write_text(json.dumps([str(tmp_path / "no-java"), *words[1:]]))
+    assert _session(tmp_path)["answer"] == 42  # PySpark's start
+    assert not _memos(tmp_path)
+    _session(tmp_path)
+    [again] = _memos(tmp_path)
+    assert json.loads(again.read_text()) == words
