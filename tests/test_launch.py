@@ -79,3 +79,48 @@ def test_a_remembered_command_that_does_not_start_is_forgotten(tmp_path: Path) -
     _session(tmp_path)
     [again] = _memos(tmp_path)
     assert json.loads(again.read_text()) == words
+
+
+EARLY = """
+import json, sys
+from walberg.apply.jvm import launch
+from walberg.apply.jvm.spark import build_session, start_jvm_early, stop_session
+from pyspark import SparkContext
+warehouse, early_short, build_short = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
+start_jvm_early("local[1]", "lake", warehouse, {}, {}, short_lived=early_short)
+early = launch._early
+session = build_session("local[1]", "lake", warehouse, {}, {}, short_lived=build_short)
+proc = SparkContext._gateway.proc
+print(json.dumps({
+    "early": early is not None,
+    "used": early is not None and proc is early.proc,
+    "early_ended": early is not None and early.proc.poll() is not None,
+    "answer": session.sql("SELECT 6 * 7").collect()[0][0],
+}))
+stop_session(session)
+proc.stdin.close()
+proc.wait()
+"""
+
+
+def _early(tmp_path: Path, early_short: bool, build_short: bool) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", EARLY, str(tmp_path / "warehouse"),
+                           str(int(early_short)), str(int(build_short))],
+                          capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_a_jvm_started_early_is_the_sessions_when_its_settings_are(tmp_path: Path) -> None:
+    """The CLI starts the driver's JVM as soon as it has read the pipeline file; the session
+    built later connects to it if it was started with the session's settings, and stops it and
+    starts its own if not. Nothing is started early before the command is remembered."""
+    first = _early(tmp_path, True, True)
+    assert not first["early"] and first["answer"] == 42
+    same = _early(tmp_path, True, True)
+    assert same["early"] and same["used"] and same["answer"] == 42
+    other = _early(tmp_path, True, False)  # (started for `--once`, built for `walberg run`)
+    assert other["early"] and not other["used"] and other["early_ended"]
+    assert other["answer"] == 42

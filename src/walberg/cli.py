@@ -224,9 +224,13 @@ def _fail(message: str, code: int) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from walberg.config import load_config
-    from walberg.pipeline import Pipeline
+    from walberg.sparkargs import start_early
 
     config = load_config(args.config)
+    # The driver's JVM starts (a second or more) while the rest of walberg is imported.
+    start_early(config, args.once)
+    from walberg.pipeline import Pipeline
+
     if config.source.kafka is not None:
         return _run_kafka(config, args.once)
     if config.sources:

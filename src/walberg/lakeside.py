@@ -9,8 +9,8 @@ import threading
 from typing import Any, Callable, Optional
 
 from walberg import metrics
-from walberg.apply import jdbc, staging
-from walberg.apply.catalog import catalogs, storage
+from walberg.apply import staging
+from walberg.apply.catalog import storage
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.jvm.spark import build_session, stop_session, storage_watch, watch_storage
 from walberg.apply.jvm.watch import StorageWatch
@@ -18,28 +18,18 @@ from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.config_sink import Sink
 from walberg.errors import ApplyError, StorageUnavailable, WalbergError
+from walberg.sparkargs import session_args
 
 log = logging.getLogger("walberg")
 
 
 def open_session(config: Config) -> Any:
     """A SparkSession with the pipeline's catalog, storage and Spark settings."""
-    cat = config.sink.catalog
-    props, jars = catalogs.spark_properties(
-        cat.type, config.warehouse, cat.uri, cat.options(), cat.properties,
-        config.spark.conf.get("spark.jars", ""))
-    st = config.storage
-    s3, gcs, azure = (None if x is None else x.model_dump() for x in (st.s3, st.gcs, st.azure))
-    storage_conf, storage_jars = storage.spark_settings(s3, gcs, azure,
-                                                        timeout=st.timeout_seconds)
-    if any(src.postgres is not None and src.postgres.initial_copy.method == "jdbc"
-           for src in [config.source, *config.sources.values()]):
-        jars.append(jdbc.driver_jar())  # the parallel initial copy's readers need it
-    session = build_session(config.spark.master, cat.name, config.warehouse, props,
-                            {**storage_conf, **config.spark.conf}, jars=jars + storage_jars,
-                            short_lived=not _patient)
+    args = session_args(config)
+    session = build_session(*args[:5], jars=args.jars, short_lived=not _patient)
     probe = _probe(config)
-    watch = None if probe is None else StorageWatch(session._jvm, probe, st.timeout_seconds)
+    watch = None if probe is None else StorageWatch(session._jvm, probe,
+                                                    config.storage.timeout_seconds)
     if watch is not None:
         watch.patient = _patient
     watch_storage(watch)

@@ -15,6 +15,11 @@ then tells its gateway's port and secret the way it tells PySpark: a file named 
 Where the launcher's answer could depend on more (a ``spark-env.sh``, which may run anything;
 PySpark's own overrides such as ``PYSPARK_SUBMIT_ARGS``), or where the launcher fails, walberg
 leaves the start to PySpark.
+
+With the command known, ``walberg run`` starts the JVM as soon as it has read its pipeline file
+(``spawn_early``), and the JVM's start (a second or more) overlaps the import of the rest of
+walberg (pyarrow, numpy, the apply code). The session connects to that JVM if its command is
+the one the session's own settings give (``take_early``); otherwise it is stopped.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import signal
 import struct
 import subprocess
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 # Environment variables that change what the launcher prints, by prefix.
 _READ_BY_LAUNCHER = ("SPARK_", "HADOOP_", "YARN_", "JAVA_", "PYSPARK_")
@@ -73,10 +80,11 @@ def spark_env(home: Path) -> dict[str, str]:
     return env
 
 
-def command(memo_folder: Path, args: Sequence[str]) -> Optional[tuple[list[str], Path]]:
+def command(memo_folder: Path, args: Sequence[str],
+            ask: bool = True) -> Optional[tuple[list[str], Path]]:
     """The java command line that ``spark-submit args`` would run, and where it is remembered
-    (in ``memo_folder``; asked of Spark's launcher the first time); None: leave the start to
-    PySpark."""
+    (in ``memo_folder``; asked of Spark's launcher the first time, unless not to ``ask``);
+    None: leave the start to PySpark."""
     if os.name != "posix" or any(os.environ.get(name) for name in _PYSPARK_OWN) or \
             os.environ.get("PYSPARK_PIN_THREAD", "true").lower() != "true":
         return None
@@ -97,7 +105,7 @@ def command(memo_folder: Path, args: Sequence[str]) -> Optional[tuple[list[str],
             return [str(x) for x in found], memo
     except (OSError, ValueError):
         pass
-    asked = _ask_launcher(java, jars, args, env)
+    asked = _ask_launcher(java, jars, args, env) if ask else None
     if asked is None:
         return None
     try:
@@ -151,37 +159,87 @@ def _prune(memo_folder: Path) -> None:
         old.unlink(missing_ok=True)
 
 
-def start(cmd: Sequence[str], stdout: int, stderr: int) -> Any:
-    """Start the driver's JVM from ``cmd`` and connect PySpark's gateway to it, as PySpark's
-    own start does (Ctrl-C is this process's to handle, not the JVM's; the JVM ends when this
-    process's end closes its stdin)."""
+@dataclass
+class Spawned:
+    """A driver's JVM started, its gateway perhaps not yet ready."""
+
+    command: list[str]
+    proc: subprocess.Popen[bytes]
+    folder: Path  # where the JVM tells its gateway's port and secret
+
+
+# The JVM ``spawn_early`` started, until ``take_early``.
+_early: Optional[Spawned] = None
+_early_lock = threading.Lock()
+
+
+def spawn(cmd: Sequence[str], output: Callable[[], ContextManager[tuple[int, int]]]) -> Spawned:
+    """Start the driver's JVM from ``cmd``, its stdout and stderr the write ends ``output``
+    gives, as PySpark's own start does (Ctrl-C is this process's to handle, not the JVM's; the
+    JVM ends when this process's end closes its stdin)."""
+    folder = Path(tempfile.mkdtemp(prefix="walberg-gateway-"))
+    env = spark_env(spark_home())
+    env["_PYSPARK_DRIVER_CONN_INFO_PATH"] = str(folder / "info")
+    try:
+        with output() as (out, err):
+            proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    env=env, preexec_fn=_ignore_sigint)
+    except OSError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise NotReady(f"the driver's JVM did not start: {exc}") from None
+    return Spawned(list(cmd), proc, folder)
+
+
+def spawn_early(cmd: Sequence[str],
+                output: Callable[[], ContextManager[tuple[int, int]]]) -> None:
+    """``spawn``, for ``take_early`` to find when the session is built (a JVM that cannot even
+    be started is left to that moment to report)."""
+    global _early
+    with _early_lock:
+        if _early is None:
+            try:
+                _early = spawn(cmd, output)
+            except NotReady:
+                pass
+
+
+def take_early(cmd: Optional[Sequence[str]]) -> Optional[Spawned]:
+    """The JVM ``spawn_early`` started, if it was started from ``cmd``; one started from
+    another command is stopped."""
+    global _early
+    with _early_lock:
+        found, _early = _early, None
+    if found is None or (cmd is not None and found.command == list(cmd)):
+        return found
+    if found.proc.stdin is not None:
+        found.proc.stdin.close()  # (the JVM ends when its stdin does)
+    found.proc.kill()
+    found.proc.wait()
+    shutil.rmtree(found.folder, ignore_errors=True)
+    return None
+
+
+def connect(spawned: Spawned) -> Any:
+    """PySpark's gateway to a spawned JVM, once it is ready."""
     from py4j.clientserver import ClientServer, JavaParameters, PythonParameters
     from py4j.java_gateway import java_import
 
-    folder = Path(tempfile.mkdtemp(prefix="walberg-gateway-"))
-    info = folder / "info"
+    info = spawned.folder / "info"
     try:
-        env = spark_env(spark_home())
-        env["_PYSPARK_DRIVER_CONN_INFO_PATH"] = str(info)
-        try:
-            proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=stdout,
-                                    stderr=stderr, env=env, preexec_fn=_ignore_sigint)
-        except OSError as exc:
-            raise NotReady(f"the driver's JVM did not start: {exc}") from None
-        while proc.poll() is None and not info.exists():
+        while spawned.proc.poll() is None and not info.exists():
             time.sleep(0.01)
         if not info.exists():
-            raise NotReady(f"the driver's JVM exited with status {proc.returncode} before it "
-                           "was ready")
+            raise NotReady(f"the driver's JVM exited with status {spawned.proc.returncode} "
+                           "before it was ready")
         data = info.read_bytes()
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(spawned.folder, ignore_errors=True)
     port, length = struct.unpack(">ii", data[:8])
     secret = data[8:8 + length].decode("utf-8")
     gateway = ClientServer(
         java_parameters=JavaParameters(port=port, auth_token=secret, auto_convert=True),
         python_parameters=PythonParameters(port=0, eager_load=False))
-    gateway.proc = proc  # (its stdin open for as long as this process lives)
+    gateway.proc = spawned.proc  # (its stdin open for as long as this process lives)
     for name in _PYSPARK_IMPORTS:
         java_import(gateway.jvm, name)
     return gateway

@@ -3,6 +3,7 @@ settings, and turning Java exceptions into messages for people. pyspark lives on
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -12,7 +13,7 @@ import tempfile
 import threading
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 from walberg.apply.jvm import classcache, launch
 from walberg.errors import ApplyError, EnvironmentProblem
@@ -200,17 +201,66 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
     ``short_lived`` (a run that ends when it has caught up), from the options of
     ``short_lived_options``."""
     global _archive_wanted
+    java, conf, java_options, archive = _settings(master, catalog, warehouse, catalog_properties,
+                                                  extra_conf, jars, class_cache, short_lived)
+    try:
+        import pyspark.sql  # noqa: F401  (said here, before anything starts)
+    except ImportError:
+        raise EnvironmentProblem("pyspark is not installed: `pip install pyspark==3.5.9`.") from None
+    if archive is not None and not (classcache.usable(archive) and _archive_starts(java, archive)):
+        classcache.discard(archive)
+        _archive_wanted, archive = archive, None  # made after this session (stop_session)
+    try:
+        return _start(master, app_name, conf, java_options, archive)
+    except Exception as exc:  # the JVM failed to start: say why in one paragraph
+        failure: BaseException = exc
+    if archive is not None:
+        # Try without the archive: if that starts, the archive was to blame; it is made anew.
+        try:
+            session = _start(master, app_name, conf, java_options, None)
+        except Exception:
+            pass
+        else:
+            classcache.discard(archive)
+            _archive_wanted = archive
+            return session
+    raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(failure)}. "
+                             f"Check spark.master and spark.conf, and that {java} is Java 11 "
+                             "or 17.") from None
+
+
+def start_jvm_early(master: str, catalog: str, warehouse: str,
+                    catalog_properties: dict[str, str], extra_conf: dict[str, str],
+                    app_name: str = "walberg", jars: Sequence[str] = (),
+                    short_lived: bool = False) -> None:
+    """Start the driver's JVM that ``build_session`` with the same arguments will want, if its
+    command is remembered (apply.jvm.launch), and return at once: its start (a second or more)
+    overlaps whatever this process does until it builds the session, which then connects to
+    it. Anything unusual (no remembered command, an archive not yet known to start) leaves the
+    start to ``build_session``."""
+    java, conf, java_options, archive = _settings(master, catalog, warehouse, catalog_properties,
+                                                  extra_conf, jars, True, short_lived)
+    if archive is not None and not (classcache.usable(archive) and _archive_known(java, archive)):
+        return
+    known = launch.command(temp_folder() / "launch",
+                           _submit_args(master, app_name, _with_archive(conf, java_options,
+                                                                        archive)),
+                           ask=False)
+    if known is not None:
+        launch.spawn_early(known[0], _output_pipes)
+
+
+def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
+              extra_conf: dict[str, str], jars: Sequence[str], class_cache: bool,
+              short_lived: bool) -> tuple[Path, dict[str, str], str, Optional[Path]]:
+    """The Java, the Spark settings, the driver's JVM options and the class-data archive (if
+    any) of a session."""
     java = find_java()
     version = check_java(java)
     if "JAVA_HOME" not in os.environ:
         os.environ["JAVA_HOME"] = str(java.resolve().parent.parent)
     jar = iceberg_jar()
     log_conf = _log_config()
-    try:
-        import pyspark.sql  # noqa: F401  (said here, before anything starts)
-    except ImportError:
-        raise EnvironmentProblem("pyspark is not installed: `pip install pyspark==3.5.9`.") from None
-
     prefix = f"spark.sql.catalog.{catalog}"
     conf: dict[str, str] = {
         "spark.jars": str(jar),
@@ -243,26 +293,7 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
                                           else "", own_options]))
     conf.update(extra)
     archive = classcache.archive_for(java, version, conf) if class_cache else None
-    if archive is not None and not (classcache.usable(archive) and _archive_starts(java, archive)):
-        classcache.discard(archive)
-        _archive_wanted, archive = archive, None  # made after this session (stop_session)
-    try:
-        return _start(master, app_name, conf, java_options, archive)
-    except Exception as exc:  # the JVM failed to start: say why in one paragraph
-        failure: BaseException = exc
-    if archive is not None:
-        # Try without the archive: if that starts, the archive was to blame; it is made anew.
-        try:
-            session = _start(master, app_name, conf, java_options, None)
-        except Exception:
-            pass
-        else:
-            classcache.discard(archive)
-            _archive_wanted = archive
-            return session
-    raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(failure)}. "
-                             f"Check spark.master and spark.conf, and that {java} is Java 11 "
-                             "or 17.") from None
+    return java, conf, java_options, archive
 
 
 # A driver that lives for seconds spends most of them starting, and on two cores the JIT's
@@ -308,6 +339,19 @@ def _archive_starts(java: Path, archive: Path) -> bool:
     return True
 
 
+def _archive_known(java: Path, archive: Path) -> bool:
+    """Whether a JVM is known to start with the archive (``_archive_starts`` found so before),
+    without asking."""
+    def unknown() -> str:
+        raise _Refused
+
+    try:
+        remembered("archive", archive, unknown, keep_mtime=False)
+    except _Refused:
+        return False
+    return True
+
+
 class _Refused(Exception):
     pass
 
@@ -316,13 +360,25 @@ class _Refused(Exception):
 _archive_wanted: Optional[Path] = None
 
 
+def _with_archive(conf: dict[str, str], java_options: str,
+                  archive: Optional[Path]) -> dict[str, str]:
+    """The session's settings with the driver's JVM options (and the archive's) among them."""
+    if archive is not None:
+        java_options = f"{classcache.java_options(archive)} {java_options}"
+    return {**conf, "spark.driver.extraJavaOptions": java_options}
+
+
+def _submit_args(master: str, app_name: str, settings: dict[str, str]) -> list[str]:
+    """What PySpark gives ``spark-submit`` for these settings."""
+    every = {"spark.master": master, "spark.app.name": app_name, **settings}
+    return [w for k, v in every.items() for w in ("--conf", f"{k}={v}")] + ["pyspark-shell"]
+
+
 def _start(master: str, app_name: str, conf: dict[str, str], java_options: str,
            archive: Optional[Path]) -> Any:
     from pyspark.sql import SparkSession
 
-    if archive is not None:
-        java_options = f"{classcache.java_options(archive)} {java_options}"
-    settings = {**conf, "spark.driver.extraJavaOptions": java_options}
+    settings = _with_archive(conf, java_options, archive)
     _launch_jvm(master, app_name, settings)
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
@@ -336,36 +392,48 @@ def _launch_jvm(master: str, app_name: str, settings: dict[str, str]) -> None:
     writes straight to them holds them open past this process's exit, for its own shutdown
     (0.5 s or more): whoever runs ``walberg run --once`` and reads its output (a scheduler, a
     script) would wait for that too. Started from the command Spark's launcher gave for the
-    same settings before (apply.jvm.launch), else as PySpark starts it."""
+    same settings before (apply.jvm.launch; perhaps started early already), else as PySpark
+    starts it."""
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 
     with SparkContext._lock:
         if SparkContext._gateway is not None:
             return  # this process's JVM runs already (a session stopped and built again)
-        conf = SparkConf(loadDefaults=False)
-        conf.setMaster(master).setAppName(app_name)
-        for key, value in settings.items():
-            conf.set(key, value)
-        args = [w for k, v in conf.getAll() for w in ("--conf", f"{k}={v}")] + ["pyspark-shell"]
-        pipes = [os.pipe(), os.pipe()]
-        try:
-            known = launch.command(temp_folder() / "launch", args)
-            gateway = None
-            if known is not None:
-                try:
-                    gateway = launch.start(known[0], pipes[0][1], pipes[1][1])
-                except launch.NotReady:
-                    known[1].unlink(missing_ok=True)  # (asked again; PySpark's start says why)
-            if gateway is None:
+        args = _submit_args(master, app_name, settings)
+        known = launch.command(temp_folder() / "launch", args)
+        gateway = None
+        if known is not None:
+            try:
+                gateway = launch.connect(launch.take_early(known[0])
+                                         or launch.spawn(known[0], _output_pipes))
+            except launch.NotReady:
+                known[1].unlink(missing_ok=True)  # (asked again; PySpark's start says why)
+        else:
+            launch.take_early(None)  # (one started early for other settings: stopped)
+        if gateway is None:
+            conf = SparkConf(loadDefaults=False)
+            conf.setMaster(master).setAppName(app_name)
+            for key, value in settings.items():
+                conf.set(key, value)
+            with _output_pipes() as (out, err):
                 gateway = launch_gateway(  # type: ignore[no-untyped-call]
-                    conf, {"stdout": pipes[0][1], "stderr": pipes[1][1]})
-        finally:
-            for (read, write), to in zip(pipes, (1, 2), strict=True):
-                os.close(write)
-                threading.Thread(target=_pass_on, args=(read, to), daemon=True,
-                                 name=f"walberg-jvm-output-{to}").start()
+                    conf, {"stdout": out, "stderr": err})
         SparkContext._ensure_initialized(gateway=gateway)
+
+
+@contextlib.contextmanager
+def _output_pipes() -> Iterator[tuple[int, int]]:
+    """Pipes for a JVM's stdout and stderr (their write ends, for the JVM to be started with
+    inside the block), passed on to this process's own by threads once the block ends."""
+    pipes = [os.pipe(), os.pipe()]
+    try:
+        yield pipes[0][1], pipes[1][1]
+    finally:
+        for (read, write), to in zip(pipes, (1, 2), strict=True):
+            os.close(write)
+            threading.Thread(target=_pass_on, args=(read, to), daemon=True,
+                             name=f"walberg-jvm-output-{to}").start()
 
 
 def _pass_on(read: int, to: int) -> None:
