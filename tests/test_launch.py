@@ -124,3 +124,16 @@ def test_a_jvm_started_early_is_the_sessions_when_its_settings_are(tmp_path: Pat
     other = _early(tmp_path, True, False)  # (started for `--once`, built for `walberg run`)
     assert other["early"] and not other["used"] and other["early_ended"]
     assert other["answer"] == 42
+
+
+def test_a_command_others_may_write_is_never_run(tmp_path: Path) -> None:
+    """The temp dir is every user's: a remembered command that another user could have
+    written is not run; the launcher is asked again and its answer replaces it."""
+    _session(tmp_path)
+    [memo] = _memos(tmp_path)
+    words = json.loads(memo.read_text())
+    memo.write_text(json.dumps([str(tmp_path / "planted"), *words[1:]]))
+    memo.chmod(0o666)
+    assert _session(tmp_path)["answer"] == 42
+    assert json.loads(memo.read_text()) == words
+    assert not memo.stat().st_mode & 0o022

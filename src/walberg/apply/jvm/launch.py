@@ -97,8 +97,12 @@ def command(memo_folder: Path, args: Sequence[str],
     jars = home / "jars"
     if not java.is_file() or not jars.is_dir() or (conf_dir / "spark-env.sh").exists():
         return None
+    if not (_private(memo_folder.parent) and _private(memo_folder)):
+        return None
     memo = memo_folder / f"launch-{_key(home, java, conf_dir, args, env, pyspark.__version__)}"
     try:
+        if not _private(memo):
+            raise OSError("not this user's own")
         found = json.loads(memo.read_text())
         if isinstance(found, list) and found:
             os.utime(memo)  # (the newest are kept)
@@ -117,6 +121,19 @@ def command(memo_folder: Path, args: Sequence[str],
     except OSError:
         pass  # (asked again next time)
     return asked, memo
+
+
+def _private(path: Path) -> bool:
+    """Whether ``path`` (a command walberg will run, or the folder it is in) is this user's and
+    nobody else may write it (the temp dir is shared by every user of the machine); one that
+    does not exist yet is made so."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _key(home: Path, java: Path, conf_dir: Path, args: Sequence[str], env: dict[str, str],
