@@ -69,16 +69,22 @@ def test_the_remembered_command_starts_the_jvm_spark_submit_would(tmp_path: Path
     assert by_pyspark["env"]["PYTHONHASHSEED"] == "0"  # type: ignore[index]
 
 
-def test_a_remembered_command_that_does_not_start_is_forgotten(tmp_path: Path) -> None:
+def test_a_command_others_may_write_is_never_run_and_one_that_fails_is_forgotten(
+        tmp_path: Path) -> None:
+    """The temp dir is every user's: a remembered command that another user could have
+    written is not run (the launcher is asked again, its answer replaces it); one that no
+    longer starts is forgotten, and PySpark starts the JVM."""
     _session(tmp_path)
     [memo] = _memos(tmp_path)
     words = json.loads(memo.read_text())
+    memo.write_text(json.dumps([str(tmp_path / "planted"), *words[1:]]))
+    memo.chmod(0o666)
+    assert _session(tmp_path)["answer"] == 42
+    assert json.loads(memo.read_text()) == words
+    assert not memo.stat().st_mode & 0o022
     memo.write_text(json.dumps([str(tmp_path / "no-java"), *words[1:]]))
     assert _session(tmp_path)["answer"] == 42  # PySpark's start
     assert not _memos(tmp_path)
-    _session(tmp_path)
-    [again] = _memos(tmp_path)
-    assert json.loads(again.read_text()) == words
 
 
 EARLY = """
@@ -116,7 +122,8 @@ def _early(tmp_path: Path, early_short: bool, build_short: bool) -> dict[str, ob
 def test_a_jvm_started_early_is_the_sessions_when_its_settings_are(tmp_path: Path) -> None:
     """The CLI starts the driver's JVM as soon as it has read the pipeline file; the session
     built later connects to it if it was started with the session's settings, and stops it and
-    starts its own if not. Nothing is started early before the command is remembered."""
+    starts its own if not. Nothing is started early before the command is remembered (nor
+    before the class-data archive is known to start)."""
     first = _early(tmp_path, True, True)
     assert not first["early"] and first["answer"] == 42
     same = _early(tmp_path, True, True)
@@ -125,15 +132,3 @@ def test_a_jvm_started_early_is_the_sessions_when_its_settings_are(tmp_path: Pat
     assert other["early"] and not other["used"] and other["early_ended"]
     assert other["answer"] == 42
 
-
-def test_a_command_others_may_write_is_never_run(tmp_path: Path) -> None:
-    """The temp dir is every user's: a remembered command that another user could have
-    written is not run; the launcher is asked again and its answer replaces it."""
-    _session(tmp_path)
-    [memo] = _memos(tmp_path)
-    words = json.loads(memo.read_text())
-    memo.write_text(json.dumps([str(tmp_path / "planted"), *words[1:]]))
-    memo.chmod(0o666)
-    assert _session(tmp_path)["answer"] == 42
-    assert json.loads(memo.read_text()) == words
-    assert not memo.stat().st_mode & 0o022
