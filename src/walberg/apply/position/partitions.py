@@ -111,17 +111,36 @@ class Partitioner:
             return
         results = [_transform(f, rows.column(f.column).combine_chunks()) for f in self.fields]
         names = [f"p{i}" for i in range(len(results))]
-        grouped = pa.table([*results, pa.array(np.arange(rows.num_rows, dtype=np.int64))],
-                           names=[*names, "row"]).group_by(names, use_threads=False) \
-            .aggregate([("row", "list")])
-        values = [grouped.column(n).to_pylist() for n in names]
+        keys = pa.table(results, names=names)
+        # One stable sort by the partition values and one take, then each partition's rows
+        # are a slice: a take per partition cost 1-3 ms each (0.5 s for a 365-partition batch).
+        order = pc.sort_indices(keys, sort_keys=[(n, "ascending") for n in names])
+        keys, ordered = keys.take(order), rows.take(order)
+        starts = _run_starts(keys)
+        values = [keys.column(n).take(pa.array(starts, pa.int64())).to_pylist() for n in names]
         texts = [[_as_text(v[g], f) for v, f in zip(values, self.fields, strict=True)]
-                 for g in range(grouped.num_rows)]
+                 for g in range(len(starts))]
         if any(t == HIVE_NULL for each in texts for t in each):
             # Iceberg reads this text as a null partition value: Spark writes this batch.
             raise NotHere(f"a partition value is the text {HIVE_NULL}")
-        for each, members in zip(texts, grouped.column("row_list").to_pylist(), strict=True):
-            yield each, rows.take(pa.array(members, pa.int64()))
+        ends = [*starts[1:], rows.num_rows]
+        for each, start, end in zip(texts, starts, ends, strict=True):
+            yield each, ordered.slice(start, end - start)
+
+
+def _run_starts(keys: pa.Table) -> list[int]:
+    """Where each run of equal rows (nulls equal to nulls) of sorted ``keys`` starts."""
+    n = keys.num_rows
+    if n == 0:
+        return []
+    changed = np.zeros(n - 1, dtype=np.bool_)
+    for column in keys.columns:
+        cur, prev = column.slice(1), column.slice(0, n - 1)
+        differs = pc.not_equal(cur, prev)
+        one_null = pc.xor(pc.is_null(cur), pc.is_null(prev))
+        changed |= pc.fill_null(differs, False).to_numpy(zero_copy_only=False)
+        changed |= one_null.to_numpy(zero_copy_only=False)
+    return [0, *(np.flatnonzero(changed) + 1).tolist()]
 
 
 def _plain(text: str) -> str:
