@@ -312,8 +312,8 @@ class InitialCopy:
                      snapshot: str) -> Iterator[_CopyStream]:
         """COPY the table through a named pipe, read by the caller inside the block: Postgres
         renders rows while they are parsed, and no CSV file ever lands on disk. A failed COPY
-        raises when the block ends (after the caller's own exception, if it had one), unless
-        the caller stopped reading on purpose (``abandoned``)."""
+        raises when the block ends, unless the block raised first (its error is the one
+        said) or the caller stopped reading on purpose (``abandoned``)."""
         progress = CopyProgress(info.qualified_name, info.estimated_rows)
         gauge = metrics.COPY_PROGRESS.labels(info.qualified_name)
         gauge.set(0)
