@@ -132,3 +132,52 @@ def test_a_jvm_started_early_is_the_sessions_when_its_settings_are(tmp_path: Pat
     assert other["early"] and not other["used"] and other["early_ended"]
     assert other["answer"] == 42
 
+
+
+BY_FILE = """
+import json, sys
+from pathlib import Path
+from walberg.apply.jvm import launch
+from walberg.apply.jvm.spark import build_session, start_jvm_early, start_jvm_for_file, stop_session
+from pyspark import SparkContext
+warehouse, pipeline_file = sys.argv[1], Path(sys.argv[2])
+memo = start_jvm_for_file(pipeline_file, True)
+before_reading = launch._early
+start_jvm_early("local[1]", "lake", warehouse, {}, {}, short_lived=True, file_memo=memo)
+session = build_session("local[1]", "lake", warehouse, {}, {}, short_lived=True)
+proc = SparkContext._gateway.proc
+print(json.dumps({
+    "before_reading": before_reading is not None,
+    "used": before_reading is not None and proc is before_reading.proc,
+    "answer": session.sql("SELECT 6 * 7").collect()[0][0],
+}))
+stop_session(session)
+proc.stdin.close()
+proc.wait()
+"""
+
+
+def test_the_jvm_last_started_for_a_pipeline_file_starts_before_it_is_read(
+        tmp_path: Path) -> None:
+    """``walberg run`` starts the JVM it last started for the same pipeline file before it
+    even reads the file (parsing it and its imports take half a second); a changed file starts
+    nothing until its settings are known."""
+    pipeline_file = tmp_path / "pipeline.yaml"
+    pipeline_file.write_text("# the settings are the script's own\\n")
+
+    def run() -> dict[str, object]:
+        proc = subprocess.run([sys.executable, "-c", BY_FILE, str(tmp_path / "warehouse"),
+                               str(pipeline_file)], capture_output=True, text=True,
+                              env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return found
+
+    run()  # (the launcher asked; nothing remembered for the file: nothing started early)
+    second = run()  # started once the settings were known; remembered for the file
+    assert not second["before_reading"] and second["answer"] == 42
+    third = run()
+    assert third["before_reading"] and third["used"] and third["answer"] == 42
+    pipeline_file.write_text("# changed\\n")
+    fourth = run()
+    assert not fourth["before_reading"] and fourth["answer"] == 42

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import textwrap
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from walberg.errors import WalbergError
@@ -223,12 +224,16 @@ def _fail(message: str, code: int) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from walberg.apply.jvm.spark import start_jvm_for_file
+
+    # The driver's JVM starts (a second or more) while the rest of walberg is imported: the one
+    # last started for this pipeline file at once, else the one its settings give once read.
+    memo = start_jvm_for_file(Path(args.config), args.once)
     from walberg.config import load_config
     from walberg.sparkargs import start_early
 
     config = load_config(args.config)
-    # The driver's JVM starts (a second or more) while the rest of walberg is imported.
-    start_early(config, args.once)
+    start_early(config, args.once, memo)
     from walberg.pipeline import Pipeline
 
     if config.source.kafka is not None:

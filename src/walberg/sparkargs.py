@@ -5,7 +5,8 @@ as soon as it has read the file (``start_early``), while the rest of walberg is 
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from pathlib import Path
+from typing import NamedTuple, Optional
 
 from walberg.apply import jdbc
 from walberg.apply.catalog import catalogs, storage
@@ -40,7 +41,7 @@ def session_args(config: Config) -> SessionArgs:
                        {**storage_conf, **config.spark.conf}, jars + storage_jars)
 
 
-def start_early(config: Config, once: bool) -> None:
+def start_early(config: Config, once: bool, file_memo: Optional[Path] = None) -> None:
     """Start the driver's JVM the pipeline's session will want, if that can be done at once
     (``apply.jvm.spark.start_jvm_early``); anything that goes wrong here is met again, and
     said, when the session is built."""
@@ -48,6 +49,6 @@ def start_early(config: Config, once: bool) -> None:
 
     try:
         args = session_args(config)
-        start_jvm_early(*args[:5], jars=args.jars, short_lived=once)
+        start_jvm_early(*args[:5], jars=args.jars, short_lived=once, file_memo=file_memo)
     except Exception as exc:  # noqa: BLE001  (said when the session is built)
         log.debug("the driver's JVM was not started early: %s", exc)

@@ -25,6 +25,7 @@ the one the session's own settings give (``take_early``); otherwise it is stoppe
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shlex
@@ -60,7 +61,15 @@ class NotReady(Exception):
 
 
 def spark_home() -> Path:
-    """Where PySpark's Spark is (its ``jars``, ``bin``...)."""
+    """Where PySpark's Spark is (its ``jars``, ``bin``...): ``SPARK_HOME``, else the pip
+    package's own folder, found without importing PySpark (a third of a second), else as
+    PySpark finds it."""
+    if os.environ.get("SPARK_HOME"):
+        return Path(os.environ["SPARK_HOME"])
+    spec = importlib.util.find_spec("pyspark")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(folder) / "jars").is_dir() and (Path(folder) / "bin").is_dir():
+            return Path(folder)
     from pyspark.find_spark_home import _find_spark_home
 
     return Path(_find_spark_home())  # type: ignore[no-untyped-call]
@@ -171,9 +180,10 @@ def _ask_launcher(java: Path, jars: Path, args: Sequence[str],
 
 
 def _prune(memo_folder: Path) -> None:
-    found = sorted(memo_folder.glob("launch-*"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in found[_KEEP:]:
-        old.unlink(missing_ok=True)
+    for kind in ("launch-*", "file-*"):
+        found = sorted(memo_folder.glob(kind), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in found[_KEEP:]:
+            old.unlink(missing_ok=True)
 
 
 @dataclass
@@ -190,12 +200,16 @@ _early: Optional[Spawned] = None
 _early_lock = threading.Lock()
 
 
-def spawn(cmd: Sequence[str], output: Callable[[], ContextManager[tuple[int, int]]]) -> Spawned:
+def spawn(cmd: Sequence[str], output: Callable[[], ContextManager[tuple[int, int]]],
+          java_home: Optional[str] = None) -> Spawned:
     """Start the driver's JVM from ``cmd``, its stdout and stderr the write ends ``output``
     gives, as PySpark's own start does (Ctrl-C is this process's to handle, not the JVM's; the
-    JVM ends when this process's end closes its stdin)."""
+    JVM ends when this process's end closes its stdin). ``java_home``: the JAVA_HOME it is
+    given if this process has none yet."""
     folder = Path(tempfile.mkdtemp(prefix="walberg-gateway-"))
     env = spark_env(spark_home())
+    if java_home is not None:
+        env.setdefault("JAVA_HOME", java_home)
     env["_PYSPARK_DRIVER_CONN_INFO_PATH"] = str(folder / "info")
     try:
         with output() as (out, err):
@@ -207,17 +221,68 @@ def spawn(cmd: Sequence[str], output: Callable[[], ContextManager[tuple[int, int
     return Spawned(list(cmd), proc, folder)
 
 
-def spawn_early(cmd: Sequence[str],
-                output: Callable[[], ContextManager[tuple[int, int]]]) -> None:
+def spawn_early(cmd: Sequence[str], output: Callable[[], ContextManager[tuple[int, int]]],
+                java_home: Optional[str] = None) -> None:
     """``spawn``, for ``take_early`` to find when the session is built (a JVM that cannot even
-    be started is left to that moment to report)."""
+    be started is left to that moment to report). One started early already from another
+    command is stopped first."""
     global _early
+    stale = None
     with _early_lock:
-        if _early is None:
+        if _early is not None and _early.command == list(cmd):
+            return
+        stale, _early = _early, None
+        if stale is None:
             try:
-                _early = spawn(cmd, output)
+                _early = spawn(cmd, output, java_home)
             except NotReady:
                 pass
+    if stale is not None:
+        _stop(stale)
+        spawn_early(cmd, output, java_home)
+
+
+def file_memo(memo_folder: Path, path: Path, once: bool) -> Optional[Path]:
+    """Where the java command last started for the pipeline file ``path`` (as it is now: its
+    inode, size and modification time) is remembered, with this process's SPARK_/HADOOP_/
+    YARN_/JAVA_/PYSPARK_ environment; None if it cannot be."""
+    try:
+        st = path.resolve().stat()
+    except OSError:
+        return None
+    read = sorted((k, v) for k, v in os.environ.items() if k.startswith(_READ_BY_LAUNCHER))
+    text = json.dumps([str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, once, read])
+    return memo_folder / f"file-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+
+
+def spawn_for_file(memo: Optional[Path],
+                   output: Callable[[], ContextManager[tuple[int, int]]]) -> None:
+    """Start early the JVM last started for this pipeline file (``file_memo``), before the
+    file is even read: whether it is the one the session wants is settled when the session is
+    built (``take_early``)."""
+    if memo is None or any(os.environ.get(name) for name in _PYSPARK_OWN) or not (
+            _private(memo.parent.parent) and _private(memo.parent) and _private(memo)):
+        return
+    try:
+        found = json.loads(memo.read_text())
+        words, java_home = [str(w) for w in found["command"]], str(found["java_home"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    spawn_early(words, output, java_home)
+
+
+def remember_for_file(memo: Optional[Path], cmd: Sequence[str], java_home: str) -> None:
+    """Remember ``cmd`` (and the JAVA_HOME it ran with) for the pipeline file of ``memo``."""
+    if memo is None:
+        return
+    try:
+        memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        partial = memo.with_suffix(f".{os.getpid()}")
+        partial.write_text(json.dumps({"command": list(cmd), "java_home": java_home}))
+        os.replace(partial, memo)
+        _prune(memo.parent)
+    except OSError:
+        pass
 
 
 def take_early(cmd: Optional[Sequence[str]]) -> Optional[Spawned]:
@@ -228,12 +293,16 @@ def take_early(cmd: Optional[Sequence[str]]) -> Optional[Spawned]:
         found, _early = _early, None
     if found is None or (cmd is not None and found.command == list(cmd)):
         return found
-    if found.proc.stdin is not None:
-        found.proc.stdin.close()  # (the JVM ends when its stdin does)
-    found.proc.kill()
-    found.proc.wait()
-    shutil.rmtree(found.folder, ignore_errors=True)
+    _stop(found)
     return None
+
+
+def _stop(spawned: Spawned) -> None:
+    if spawned.proc.stdin is not None:
+        spawned.proc.stdin.close()  # (the JVM ends when its stdin does)
+    spawned.proc.kill()
+    spawned.proc.wait()
+    shutil.rmtree(spawned.folder, ignore_errors=True)
 
 
 def connect(spawned: Spawned) -> Any:

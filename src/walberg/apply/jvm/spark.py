@@ -232,12 +232,14 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
 def start_jvm_early(master: str, catalog: str, warehouse: str,
                     catalog_properties: dict[str, str], extra_conf: dict[str, str],
                     app_name: str = "walberg", jars: Sequence[str] = (),
-                    short_lived: bool = False) -> None:
+                    short_lived: bool = False, file_memo: Optional[Path] = None) -> None:
     """Start the driver's JVM that ``build_session`` with the same arguments will want, if its
     command is remembered (apply.jvm.launch), and return at once: its start (a second or more)
     overlaps whatever this process does until it builds the session, which then connects to
     it. Anything unusual (no remembered command, an archive not yet known to start) leaves the
-    start to ``build_session``."""
+    start to ``build_session``. ``file_memo``: where to remember the command for the pipeline
+    file these arguments came from (``launch.spawn_for_file`` starts it next time before the
+    file is read)."""
     java, conf, java_options, archive = _settings(master, catalog, warehouse, catalog_properties,
                                                   extra_conf, jars, True, short_lived)
     if archive is not None and not (classcache.usable(archive) and _archive_known(java, archive)):
@@ -248,6 +250,18 @@ def start_jvm_early(master: str, catalog: str, warehouse: str,
                            ask=False)
     if known is not None:
         launch.spawn_early(known[0], _output_pipes)
+        launch.remember_for_file(file_memo, known[0], os.environ["JAVA_HOME"])
+
+
+def start_jvm_for_file(path: Path, once: bool) -> Optional[Path]:
+    """Start the JVM last started for this pipeline file (``launch.spawn_for_file``), before
+    the file is read; returns where its command is remembered, for ``start_jvm_early``."""
+    try:
+        memo = launch.file_memo(temp_folder() / "launch", path, once)
+        launch.spawn_for_file(memo, _output_pipes)
+    except Exception:  # noqa: BLE001  (an early start is never worth failing a run for)
+        return None
+    return memo
 
 
 def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
