@@ -16,10 +16,12 @@ Where the launcher's answer could depend on more (a ``spark-env.sh``, which may 
 PySpark's own overrides such as ``PYSPARK_SUBMIT_ARGS``), or where the launcher fails, walberg
 leaves the start to PySpark.
 
-With the command known, ``walberg run`` starts the JVM as soon as it has read its pipeline file
-(``spawn_early``), and the JVM's start (a second or more) overlaps the import of the rest of
-walberg (pyarrow, numpy, the apply code). The session connects to that JVM if its command is
-the one the session's own settings give (``take_early``); otherwise it is stopped.
+With the command known, ``walberg run`` starts the JVM early (``spawn_early``), so that its
+start (a second or more) overlaps the import of the rest of walberg (pyarrow, numpy, the apply
+code): the command last started for the same pipeline file before the file is even read
+(``spawn_for_file``), else the one its settings give as soon as it is read. The session
+connects to that JVM if its command is the one the session's own settings give
+(``take_early``); otherwise it is stopped.
 """
 
 from __future__ import annotations
