@@ -160,6 +160,7 @@ def test_a_copy_into_too_many_partitions_leaves_nothing_written(
                                                                ("i", pa.int32()))])
     partitioner = Partitioner.of(table, schema)
     assert isinstance(partitioner, Partitioner)
+    assert list(partitioner.split(schema.empty_table())) == []  # (no rows: no partition)
     parts = [pa.table({"id": pa.array(range(k * 10, k * 10 + 10), pa.int64()),
                        "i": pa.array([k % 3] * 5 + [k % 5] * 5, pa.int32())}, schema=schema)
              for k in range(6)]

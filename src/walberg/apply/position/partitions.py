@@ -109,6 +109,8 @@ class Partitioner:
         if not self.fields:
             yield [], rows
             return
+        if rows.num_rows == 0:
+            return
         results = [_transform(f, rows.column(f.column).combine_chunks()) for f in self.fields]
         names = [f"p{i}" for i in range(len(results))]
         keys = pa.table(results, names=names)
