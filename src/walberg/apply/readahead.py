@@ -19,20 +19,25 @@ def ahead(items: Iterator[T], name: str, depth: int = 2) -> Generator[T, None, N
     queue: Queue[Any] = Queue(depth)
     stop = threading.Event()
 
+    def put(item: Any) -> bool:
+        """Hand ``item`` over, unless the consumer has stopped (then a full queue would never
+        drain: False)."""
+        while not stop.is_set():
+            try:
+                queue.put(item, timeout=0.1)
+                return True
+            except Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        queue.put(item, timeout=0.1)
-                        break
-                    except Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            queue.put(done)
+            put(done)
         except BaseException as exc:  # handed to the consumer
-            queue.put(exc)
+            put(exc)
 
     thread = threading.Thread(target=produce, name=f"walberg-ahead-{name}", daemon=True)
     thread.start()
