@@ -96,8 +96,7 @@ def command(memo_folder: Path, args: Sequence[str],
     """The java command line that ``spark-submit args`` would run, and where it is remembered
     (in ``memo_folder``; asked of Spark's launcher the first time, unless not to ``ask``);
     None: leave the start to PySpark."""
-    if os.name != "posix" or any(os.environ.get(name) for name in _PYSPARK_OWN) or \
-            os.environ.get("PYSPARK_PIN_THREAD", "true").lower() != "true":
+    if not _ours():
         return None
     import pyspark
 
@@ -111,27 +110,49 @@ def command(memo_folder: Path, args: Sequence[str],
     if not (_private(memo_folder.parent) and _private(memo_folder)):
         return None
     memo = memo_folder / f"launch-{_key(home, java, conf_dir, args, env, pyspark.__version__)}"
-    try:
-        if not _private(memo):
-            raise OSError("not this user's own")
-        found = json.loads(memo.read_text())
-        if isinstance(found, list) and found:
+    found = _read_memo(memo)
+    if isinstance(found, list) and found:
+        try:
             os.utime(memo)  # (the newest are kept)
-            return [str(x) for x in found], memo
-    except (OSError, ValueError):
-        pass
+        except OSError:
+            pass
+        return [str(x) for x in found], memo
     asked = _ask_launcher(java, jars, args, env) if ask else None
     if asked is None:
         return None
-    try:
-        memo_folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        partial = memo.with_suffix(f".{os.getpid()}")
-        partial.write_text(json.dumps(asked))
-        os.replace(partial, memo)
-        _prune(memo_folder)
-    except OSError:
-        pass  # (asked again next time)
+    _write_memo(memo, asked)
     return asked, memo
+
+
+def _ours() -> bool:
+    """Whether walberg may start the JVM itself: not where PySpark is told to start (or to
+    reach) it its own way."""
+    return os.name == "posix" and not any(os.environ.get(name) for name in _PYSPARK_OWN) \
+        and os.environ.get("PYSPARK_PIN_THREAD", "true").lower() == "true"
+
+
+def _read_memo(memo: Path) -> Any:
+    """What ``memo`` holds (None: nothing, or nothing this user may trust: the memo, its
+    folder and the folder above must be this user's own, written by nobody else)."""
+    if not all(_private(p) for p in (memo.parent.parent, memo.parent, memo)):
+        return None
+    try:
+        return json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_memo(memo: Path, value: Any) -> None:
+    """Put ``value`` in ``memo`` whole (written aside, then renamed), keeping the newest few;
+    a memo that cannot be written is asked for again next time."""
+    try:
+        memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        partial = memo.with_suffix(f".{os.getpid()}")
+        partial.write_text(json.dumps(value))
+        os.replace(partial, memo)
+        _prune(memo.parent)
+    except OSError:
+        pass
 
 
 def _private(path: Path) -> bool:
@@ -229,19 +250,15 @@ def spawn_early(cmd: Sequence[str], output: Callable[[], ContextManager[tuple[in
     be started is left to that moment to report). One started early already from another
     command is stopped first."""
     global _early
-    stale = None
+    kept = take_early(cmd)  # (one started from this command already; another is stopped)
     with _early_lock:
-        if _early is not None and _early.command == list(cmd):
-            return
-        stale, _early = _early, None
-        if stale is None:
+        if kept is not None:
+            _early = kept
+        elif _early is None:
             try:
                 _early = spawn(cmd, output, java_home)
             except NotReady:
                 pass
-    if stale is not None:
-        _stop(stale)
-        spawn_early(cmd, output, java_home)
 
 
 def file_memo(memo_folder: Path, path: Path, once: bool) -> Optional[Path]:
@@ -262,29 +279,18 @@ def spawn_for_file(memo: Optional[Path],
     """Start early the JVM last started for this pipeline file (``file_memo``), before the
     file is even read: whether it is the one the session wants is settled when the session is
     built (``take_early``)."""
-    if memo is None or any(os.environ.get(name) for name in _PYSPARK_OWN) or not (
-            _private(memo.parent.parent) and _private(memo.parent) and _private(memo)):
-        return
+    found: Any = _read_memo(memo) if memo is not None and _ours() else None
     try:
-        found = json.loads(memo.read_text())
         words, java_home = [str(w) for w in found["command"]], str(found["java_home"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return
     spawn_early(words, output, java_home)
 
 
 def remember_for_file(memo: Optional[Path], cmd: Sequence[str], java_home: str) -> None:
     """Remember ``cmd`` (and the JAVA_HOME it ran with) for the pipeline file of ``memo``."""
-    if memo is None:
-        return
-    try:
-        memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        partial = memo.with_suffix(f".{os.getpid()}")
-        partial.write_text(json.dumps({"command": list(cmd), "java_home": java_home}))
-        os.replace(partial, memo)
-        _prune(memo.parent)
-    except OSError:
-        pass
+    if memo is not None:
+        _write_memo(memo, {"command": list(cmd), "java_home": java_home})
 
 
 def take_early(cmd: Optional[Sequence[str]]) -> Optional[Spawned]:
