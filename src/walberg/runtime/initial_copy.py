@@ -20,6 +20,7 @@ from walberg import metrics
 from walberg.apply import jdbc
 from walberg.apply.batch import DeadLetters, csv_tables, csv_to_parquet
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
+from walberg.apply.types import TextPrep
 from walberg.config import Config
 from walberg.faults import crash_point
 from walberg.model import Lsn, Relation
@@ -142,7 +143,7 @@ class InitialCopy:
         prep = self.tables.prep(source, info.columns)
         if changelog is None and self.sink.copy_here(target, info.columns,
                                                      prep.staged_types(len(info.columns))):
-            rows = self._copy_direct(info, created, workdir)
+            rows = self._copy_direct(info, created, workdir, prep)
             if rows is not None:
                 return rows
         parquet = workdir / f"{source}.parquet"
@@ -159,8 +160,8 @@ class InitialCopy:
             self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
         return stream.rows
 
-    def _copy_direct(self, info: pg.TableInfo, created: CreatedSlot,
-                     workdir: Path) -> Optional[int]:
+    def _copy_direct(self, info: pg.TableInfo, created: CreatedSlot, workdir: Path,
+                     prep: TextPrep) -> Optional[int]:
         """The copy written as the table's data files while COPY's stream is parsed, nothing
         staged on disk first; None if the rows turn out to need Spark (nothing is kept then,
         and the caller copies again, staged). Returns the rows copied."""
@@ -171,8 +172,7 @@ class InitialCopy:
         written = None
         try:
             with self._copy_stream(info, workdir, created.snapshot_name) as stream:
-                parts = csv_tables(stream.path, len(info.columns),
-                                   self.tables.prep(source, info.columns), (dead, int(point)),
+                parts = csv_tables(stream.path, len(info.columns), prep, (dead, int(point)),
                                    stream.copied)
                 try:
                     written = self.sink.write_copy_parts(target, info.columns, parts, point,
