@@ -13,9 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from walberg.apply.jvm.helper import batch_helper
 from walberg.apply.position import datafiles
 from walberg.apply.position.partitions import HIVE_NULL, NotHere, Partitioner
-from walberg.apply.session import java_table
+from walberg.apply.session import java_items, java_table
 
 UTC = datetime.timezone.utc
 INTS = [0, 1, -1, 9, -9, 10, -10, 11, 2**31 - 1, -2**31, 123456, None]
@@ -63,7 +64,8 @@ def _as_text(value: Any) -> Any:
     return None if value is None else str(value)
 
 
-def test_partitions_are_icebergs(spark: Any, tmp_path: Path, unique: str) -> None:
+def test_partitions_are_icebergs(spark: Any, tmp_path: Path, unique: str,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Every transform the driver computes (identity, bucket, truncate, years, months, days,
     hours over ints, longs, text, dates, timestamps, booleans; before 1970, negatives, nulls,
     text beyond ASCII) puts each row in the partition Iceberg's writer puts it in."""
@@ -105,7 +107,18 @@ def test_partitions_are_icebergs(spark: Any, tmp_path: Path, unique: str) -> Non
     append = table.newAppend()
     iceberg = spark._jvm.org.apache.iceberg
     config = iceberg.MetricsConfig.forTable(table)
-    for each, file in zip(datafiles.data_files(spark, table, written), written, strict=True):
+    # Described in a few calls into the JVM, not several per file (each is a round trip).
+    batch_helper(spark)  # (compiled once per JVM, before the count)
+    client = spark.sparkContext._gateway._gateway_client
+    calls: list[str] = []
+    real_send = client.send_command
+    monkeypatch.setattr(client, "send_command",
+                        lambda *a, **k: calls.append(a[0][:40]) or real_send(*a, **k))
+    described = datafiles.data_files(spark, table, written)
+    monkeypatch.undo()
+    assert len(written) > 100 and len(calls) < 20, calls
+    assert described.locations == [w.location for w in written]
+    for each, file in zip(java_items(described.java), written, strict=True):
         # Its metrics (what readers prune files by) are those Iceberg's own footer reader
         # finds in the file.
         theirs_metrics = iceberg.parquet.ParquetUtil.fileMetrics(

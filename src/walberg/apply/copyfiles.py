@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.jvm.helper import batch_helper
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.position import datafiles
 from walberg.apply.position.partitions import NotHere, Partitioner
@@ -132,9 +133,8 @@ def _commit(spark: Any, table: Any, written: list[datafiles.Written],
     expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
     rows = (expressions.alwaysTrue() if source is None
             else expressions.equal(SOURCE_COLUMN, source))
-    overwrite = table.newOverwrite().overwriteByRowFilter(rows)
-    for each in datafiles.data_files(spark, table, written):
-        overwrite.addFile(each)
+    overwrite = batch_helper(spark).addFiles(table.newOverwrite().overwriteByRowFilter(rows),
+                                             datafiles.data_files(spark, table, written).java)
     for key, value in marks.items():
         overwrite.set(key, value)
     overwrite.commit()

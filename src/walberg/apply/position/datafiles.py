@@ -21,21 +21,22 @@ and through Hadoop's file system (the session's storage settings) elsewhere.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.jvm.helper import JavaFiles, batch_helper
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.session import (
     LSN_COLUMN,
     SOURCE_COLUMN,
     LakeSession,
     java_properties,
-    jvm_map,
 )
 from walberg.apply.tables import Tables
 from walberg.apply.types import SparkType
@@ -278,57 +279,18 @@ class _Files:
             self._writer = self._sink = None
 
 
-def data_files(spark: Any, table: Any, written: Sequence[Written]) -> list[Any]:
+def data_files(spark: Any, table: Any, written: Sequence[Written]) -> JavaFiles:
     """Put the files ``write`` made in the table's storage (uploaded through Hadoop's file
     system unless they are there already) and describe each as an Iceberg data file of the
-    table's current spec, with its partition and the metrics Iceberg reads from its footer."""
-    # Each call into the JVM costs a round trip (about 0.1-0.4 ms here): classes and objects
-    # used for every file are looked up once, and a file's size is known on this side.
-    jvm = spark._jvm
-    iceberg = jvm.org.apache.iceberg
-    hadoop_path = jvm.org.apache.hadoop.fs.Path
-    builder_of = iceberg.DataFiles.builder
-    parquet = iceberg.FileFormat.PARQUET
-    metrics_of = _footer_reader(jvm, iceberg.MetricsConfig.forTable(table))
-    spec = table.spec()
-    partitioned = not spec.isUnpartitioned()
+    table's current spec, with its partition and the metrics Iceberg reads from its footer.
+    The footers are read here, from this disk, before the files go to the table's storage
+    (which would cost a request to read each back); all in one call into the JVM
+    (``Batch.dataFiles``), in four threads there."""
+    if not written:
+        return JavaFiles.empty(spark)
     upload = local_folder(spark, data_folder(table)) is None  # as ``write`` decided
-    conf = spark._jsc.hadoopConfiguration()
-
-    def described(each: Written) -> Any:
-        size = each.path.stat().st_size
-        # The footer is read here, from this disk, before the file goes to the table's
-        # storage (which would cost a request to read it back).
-        metrics = metrics_of(each.path)
-        if upload:
-            dest = hadoop_path(each.location)
-            dest.getFileSystem(conf).copyFromLocalFile(
-                True, True, hadoop_path(each.path.resolve().as_uri()), dest)
-        builder = builder_of(spec).withPath(each.location).withFormat(parquet) \
-            .withFileSizeInBytes(size).withMetrics(metrics)
-        if partitioned:
-            builder = builder.withPartitionValues(each.partition)
-        return builder.build()
-
-    return jvm_map(described, written)
-
-
-def _footer_reader(jvm: Any, metrics_config: Any) -> Callable[[Path], Any]:
-    """The Iceberg metrics of a Parquet file on this disk, from its footer. Read with the
-    Parquet reader inside Iceberg's (pinned) runtime jar and read options made once: Iceberg's
-    own ``ParquetUtil.fileMetrics`` makes them anew for every file, which (a Hadoop
-    configuration each time) cost 7 ms a file here against 2 ms."""
-    footer_metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.footerMetrics
-    shaded = jvm.org.apache.iceberg.shaded.org.apache.parquet
-    options = shaded.ParquetReadOptions.builder().build()
-    local_input, open_file = shaded.io.LocalInputFile, shaded.hadoop.ParquetFileReader.open
-    java_file, no_field_metrics = jvm.java.io.File, jvm.java.util.stream.Stream.empty
-
-    def read(path: Path) -> Any:
-        reader = open_file(local_input(java_file(str(path)).toPath()), options)
-        try:
-            return footer_metrics(reader.getFooter(), no_field_metrics(), metrics_config)
-        finally:
-            reader.close()
-
-    return read
+    described = [[each.location, str(each.path.resolve()), each.path.stat().st_size,
+                  list(each.partition)] for each in written]
+    files = batch_helper(spark).dataFiles(
+        table, json.dumps(described), spark._jsc.hadoopConfiguration() if upload else None, 4)
+    return JavaFiles.of(spark, files)

@@ -46,6 +46,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from walberg.apply.batch import StagedTable, applied_rows, value_column
+from walberg.apply.jvm.helper import JavaFiles, batch_helper
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
@@ -120,6 +121,7 @@ class KeyedApply:
             try:
                 with scratch as folder:
                     rowdelta.warm(self.lake.spark, folder)
+                batch_helper(self.lake.spark)  # compiled now, not in the first batch
                 log.debug("row delta's JVM code loaded in %.2f s", time.monotonic() - started)
             except Exception as exc:
                 log.debug("loading the row delta's JVM code failed: %s", exc)
@@ -199,7 +201,8 @@ class KeyedApply:
                 assert now is not None
                 live = self._live.get(target)
                 if live is not None and live.snapshot == found.snapshot:
-                    live.added(appended, now)  # (else _know_files reads them all below)
+                    # (else _know_files reads them all below)
+                    live.added(JavaFiles.of(self.lake.spark, appended), now)
                 found.commit(now, np.empty(0, np.int64), _concat(entries))
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
@@ -232,7 +235,7 @@ class KeyedApply:
         """Of a partitioned or format-3 table, the partition and deletion vector of every live
         data file at ``snapshot`` (the index's), read from the manifests unless known."""
         if target not in self._live:
-            self._live[target] = LiveFiles.needed(table)
+            self._live[target] = LiveFiles.needed(self.lake.spark, table)
         live = self._live[target]
         if live is not None and (live.snapshot != snapshot or not live.files):
             live.read(None if snapshot is None else
@@ -337,8 +340,7 @@ class KeyedApply:
                 else:
                     deletes = position_delete_files(
                         hits.files, hits.positions, scratch,
-                        None if live is None else lambda p: (live.of(p).group,
-                                                             live.of(p).data_file))
+                        None if live is None else lambda p: live.of(p).group)
                 # The commit conflicts with another writer's changes to keys in this range
                 # (of the first key column).
                 keys = None if span is None else (key_names[0], *span)
@@ -346,7 +348,7 @@ class KeyedApply:
 
             looked_up = pool.submit(look_up)
             rows: Any = None
-            new_files: list[Any] = []
+            new_files: Optional[JavaFiles] = None
             why = self._why_not_here(target, staged, table)
             started = time.monotonic()
             if why is None:
@@ -371,14 +373,15 @@ class KeyedApply:
             try:
                 hits, deletes, keys, lookup_s = looked_up.result()
             except ByMerge:
-                _remove_written(spark, new_files)
+                if new_files is not None:
+                    rowdelta.remove_files(spark, new_files.locations)
                 raise
             crash_point("row-delta")
             # Validated from the index's snapshot: a commit by another writer since then that
             # touched these rows fails it, and the caller tries again (lakeside's retries,
             # which forget the table, so the index is brought to the new state first).
             result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
-                                      new_files, table, keys, self.lake.source)
+                                      new_files, table, keys, self.lake.source, live)
             clock.append(time.monotonic())
             crash_point("indexed", delay=0.5)
             added = _concat(list(written_entries(spark, result.added_files, key_names, codec,
@@ -492,11 +495,6 @@ def _concat(entries: Sequence[tuple[np.ndarray, np.ndarray, list[str], np.ndarra
         return np.empty(0, np.int64), np.empty(0, np.int64), [], np.empty(0, np.int64)
     return (np.concatenate([e[0] for e in entries]), np.concatenate([e[1] for e in entries]),
             [p for e in entries for p in e[2]], np.concatenate([e[3] for e in entries]))
-
-
-def _remove_written(spark: Any, files: Sequence[Any]) -> None:
-    """Best effort: the data files written for a batch that is applied another way."""
-    rowdelta.remove_files(spark, [str(f.location()) for f in files])
 
 
 def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,

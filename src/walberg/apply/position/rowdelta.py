@@ -28,6 +28,7 @@ belongs to one partition of one spec).
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import tempfile
 import time
@@ -40,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.jvm.helper import JavaFiles, batch_helper
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.position import dv
 from walberg.apply.position.datafiles import (
@@ -49,7 +51,8 @@ from walberg.apply.position.datafiles import (
 )
 from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.keyindex import Entry
-from walberg.apply.session import SOURCE_COLUMN, java_table, jvm_map, quote_target
+from walberg.apply.position.livefiles import LiveFiles
+from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
 from walberg.errors import ApplyError
 
 # Field ids the Iceberg spec reserves for the columns of a position-delete file.
@@ -62,10 +65,14 @@ class RowDeltaResult:
     snapshot_id: int
     added_rows: int
     deleted_rows: int
-    added_files: tuple[str, ...] = ()  # the data files the commit wrote
-    data_files: tuple[Any, ...] = ()  # the same, as Iceberg's Java DataFiles
-    delete_files: tuple[Any, ...] = ()  # the delete files it added (Java DeleteFiles)
+    data_files: JavaFiles  # the data files the commit wrote
+    delete_files: JavaFiles  # the delete files it added
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # deletes, new rows, commit
+
+    @property
+    def added_files(self) -> tuple[str, ...]:
+        """The locations of the data files the commit wrote."""
+        return tuple(self.data_files.locations)
 
 
 @dataclass(frozen=True)
@@ -76,14 +83,13 @@ class Positions:
     local: Path
     rows: int
     data_files: list[str]  # the data files they point into, sorted
-    # In a partitioned table: one of those data files (Iceberg's Java DataFile), whose spec and
-    # partition the delete file takes. None: the table's spec, unpartitioned.
-    partition: Any = None
+    # In a partitioned table: one of those data files, whose spec and partition the delete
+    # file takes (see ``livefiles``). None: the table's spec, unpartitioned.
+    partition_of: Optional[str] = None
 
 
-# A data file's partition, for grouping: (spec id, partition values as text) and the Java
-# DataFile itself.
-PartitionOf = Callable[[str], tuple[Hashable, Any]]
+# A data file's partition, for grouping: (spec id, partition values as text).
+PartitionOf = Callable[[str], Hashable]
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,7 @@ class Vectors:
     1.5.5 applies a Puffin file's first vector to every data file that points into it."""
 
     puffins: list[tuple[Path, dv.Blob]]
-    data_files: list[Any]  # the Java DataFile of each blob: its spec and partition
-    replaced: list[Any]  # the deletion vectors they replace (Java DeleteFiles)
+    replaced: list[str]  # the data files whose earlier deletion vectors these replace
     rows: int  # positions newly deleted
 
 
@@ -110,18 +115,17 @@ def deletion_vectors(files: Sequence[str], positions: np.ndarray, scratch: Path,
     bounds = np.searchsorted(ranks[order], np.arange(len(distinct) + 1))
     positions = np.asarray(positions, dtype=np.int64)[order]
     puffins: list[tuple[Path, dv.Blob]] = []
-    data_files, replaced = [], []
+    replaced = []
     for i, path in enumerate(distinct):
         found = live(path)
         bitmap = dv.bitmap_of(positions[bounds[i]:bounds[i + 1]])
         if found.vector is not None:
             bitmap |= dv.decode(earlier(found.vector))
-            replaced.append(found.vector.delete_file)
+            replaced.append(path)
         local = scratch / f"walberg-dv-{uuid.uuid4().hex}.puffin"
         (blob,) = dv.write_puffin(local, [(path, dv.encode(bitmap), len(bitmap))], "walberg")
         puffins.append((local, blob))
-        data_files.append(found.data_file)
-    return Vectors(puffins, data_files, replaced, len(files))
+    return Vectors(puffins, replaced, len(files))
 
 
 def _ranked(files: Sequence[str]) -> tuple[list[str], np.ndarray]:
@@ -151,18 +155,15 @@ def position_delete_files(files: Sequence[str], positions: np.ndarray, scratch: 
     order = np.lexsort((positions, ranks))
     ranks, positions = ranks[order], np.asarray(positions)[order]
     groups: dict[Hashable, list[int]] = {}
-    partitions: dict[Hashable, Any] = {}
     for i, path in enumerate(distinct):
-        key, partition = partition_of(path) if partition_of is not None else (None, None)
-        groups.setdefault(key, []).append(i)
-        partitions.setdefault(key, partition)
+        groups.setdefault(None if partition_of is None else partition_of(path), []).append(i)
     schema = pa.schema([
         pa.field("file_path", pa.string(), nullable=False,
                  metadata=field_id_metadata(FILE_PATH_ID)),
         pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
     paths = pa.array(distinct, pa.string())
     out = []
-    for key, members in groups.items():
+    for members in groups.values():
         if len(groups) == 1:
             rows = np.arange(len(ranks))
         else:
@@ -172,16 +173,17 @@ def position_delete_files(files: Sequence[str], positions: np.ndarray, scratch: 
                                  pa.array(positions[rows], pa.int64())], schema=schema),
                        local, compression="snappy")
         out.append(Positions(local, len(rows), [distinct[i] for i in members],
-                             partitions[key]))
+                             None if partition_of is None else distinct[members[0]]))
     return out
 
 
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                      deletes: "Optional[Any | Positions | list[Positions] | Vectors]",
                      properties: Mapping[str, str], base_snapshot: Optional[int],
-                     data_files: Sequence[Any] = (), table: Any = None,
+                     data_files: Optional[JavaFiles] = None, table: Any = None,
                      keys: Optional[tuple[str, Any, Any]] = None,
-                     source: Optional[str] = None) -> RowDeltaResult:
+                     source: Optional[str] = None,
+                     live: Optional[LiveFiles] = None) -> RowDeltaResult:
     """Add ``rows`` (a DataFrame in the table's schema) and ``data_files`` (Iceberg data files
     written already, see ``apply.position.datafiles``) and delete the rows at ``deletes``
     (``Positions``, or a DataFrame of ``file_path`` string, ``pos`` long) in one commit carrying
@@ -196,35 +198,41 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     files were added that may hold rows of the same keys. ``keys``: (a key column, the lowest
     and highest of its values the batch changes) narrows the last two to commits whose files may hold keys
     in that range (None: any such commit conflicts); ``source``, to that source's partition of
-    a fan-in table (another source's commits never conflict)."""
+    a fan-in table (another source's commits never conflict). ``live``: the table's live
+    files, which position deletes of a partitioned table and deletion vectors are described
+    from."""
     if table is None:
         table = java_table(spark, target)
     if isinstance(deletes, Positions):
         deletes = [deletes]
-    added = deleted = 0
-    written: list[str] = [str(f.location()) for f in data_files]
-    new_files: list[Any] = list(data_files)
+    helper = batch_helper(spark)
+    deleted = 0
+    new_files = data_files if data_files is not None else JavaFiles.empty(spark)
+    written: list[str] = new_files.locations
     staged: Any = None
     clock = [time.monotonic()]
     try:
-        replaced: list[Any] = []
+        replaced = spark._jvm.java.util.ArrayList()
         if isinstance(deletes, Vectors):
-            files, deleted, referenced = _upload_vectors(spark, table, deletes)
-            replaced = deletes.replaced
+            assert live is not None
+            files, deleted, referenced = _upload_vectors(spark, table, deletes, live)
+            replaced = helper.pick(live.java_vectors, json.dumps(deletes.replaced))
         elif isinstance(deletes, list):
-            if len(deletes) == 1:
+            if len(deletes) == 1 and deletes[0].partition_of is None:
                 files, deleted, referenced = _upload_position_deletes(spark, table, deletes[0])
             else:
-                files, deleted, referenced = _upload_partition_deletes(spark, table, deletes)
+                assert live is not None or all(d.partition_of is None for d in deletes)
+                files, deleted, referenced = _upload_partition_deletes(spark, table, deletes,
+                                                                       live)
         elif deletes is not None:
             files, deleted, referenced = _write_position_deletes(spark, table, deletes)
         else:
-            files, deleted, referenced = [], 0, []
-        written += [f.location() for f in files]
+            files, deleted, referenced = JavaFiles.empty(spark), 0, []
+        written += files.locations
         clock.append(time.monotonic())
         if rows is not None:
             staged, rows_files = _stage_rows(spark, table, target, rows)  # refreshes ``table``
-            new_files += rows_files
+            new_files = new_files.plus(spark, rows_files)
         clock.append(time.monotonic())
         # One transaction: the row delta, and the staged snapshot's removal from the metadata
         # (readers and `history` see one snapshot a batch).
@@ -232,10 +240,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         delta = txn.newRowDelta()
         if base_snapshot is not None:
             delta = delta.validateFromSnapshot(base_snapshot)
-        for each in files:
-            delta = delta.addDeletes(each)
-        for each in replaced:
-            delta = delta.removeDeletes(each)
+        delta = helper.fill(delta, new_files.java, files.java, replaced)
         if referenced:
             refs = spark._jvm.java.util.ArrayList()
             for path in referenced:
@@ -246,9 +251,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         conflicts = _conflicts(spark, keys, source)
         if conflicts is not None:
             delta = delta.conflictDetectionFilter(conflicts)
-        for each in new_files:
-            added += int(each.recordCount())
-            delta = delta.addRows(each)
+        added = new_files.records
         for key, value in properties.items():
             delta = delta.set(key, value)
         expire = staged is not None and _may_expire(table)
@@ -270,8 +273,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         _remove_staged_metadata(spark, table, staged)
     table.refresh()
     return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
-                          tuple(str(f.location()) for f in new_files), tuple(new_files),
-                          tuple(files),
+                          new_files, files,
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
 
 
@@ -452,7 +454,8 @@ def _quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[Any], int, list[str]]:
+def _write_position_deletes(spark: Any, table: Any, deletes: Any
+                            ) -> tuple[JavaFiles, int, list[str]]:
     """Spark writes ``deletes`` as position-delete Parquet files in the table's data folder;
     returns them as Iceberg delete files, the positions they hold and the data files they
     point into."""
@@ -467,7 +470,7 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[
         F.col("pos").cast("long").alias("pos", metadata={"parquet.field.id": POS_ID}))
     referenced = [r[0] for r in frame.select("file_path").distinct().collect()]
     if not referenced:
-        return [], 0, []
+        return JavaFiles.empty(spark), 0, []
     folder = f"{data_folder(table)}/walberg-deletes-{uuid.uuid4().hex}"
     # One file per group of data files, each sorted by (file_path, pos) as the spec asks.
     parts = max(1, min(len(referenced), int(spark.sparkContext.defaultParallelism)))
@@ -493,16 +496,17 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any) -> tuple[list[
         files.append(jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec())
                      .ofPositionDeletes().withPath(name).withFormat(parquet)
                      .withFileSizeInBytes(status.getLen()).withMetrics(metrics).build())
-    return files, count, referenced
+    return JavaFiles.of(spark, files), count, referenced
 
 
 def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
-                             ) -> tuple[list[Any], int, list[str]]:
-    """Put the position-delete file written on the driver in the table's data folder through
-    Hadoop's file system, whatever the warehouse's storage. No Spark job: the positions were
-    on the driver already."""
+                             ) -> tuple[JavaFiles, int, list[str]]:
+    """Put the position-delete file written on the driver for an unpartitioned table in its
+    data folder through Hadoop's file system, whatever the warehouse's storage, and describe
+    it with the metrics of its footer (the bounds of its ``file_path`` tell readers which data
+    files it applies to). No Spark job: the positions were on the driver already."""
     if not deletes.rows:
-        return [], 0, []
+        return JavaFiles.empty(spark), 0, []
     local = deletes.local
     jvm = spark._jvm
     name = f"{data_folder(table)}/{local.name}"
@@ -512,14 +516,11 @@ def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
         True, True, jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri()), dest))
     metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics(
         table.io().newInputFile(name), jvm.org.apache.iceberg.MetricsConfig.forPositionDelete(table))
-    spec = table.spec() if deletes.partition is None else \
-        table.specs().get(deletes.partition.specId())
-    builder = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(spec).ofPositionDeletes()
-    if deletes.partition is not None:
-        builder = builder.withPartition(deletes.partition.partition())
+    builder = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec()) \
+        .ofPositionDeletes()
     delete = (builder.withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
               .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
-    return [delete], deletes.rows, deletes.data_files
+    return JavaFiles.of(spark, [delete]), deletes.rows, deletes.data_files
 
 
 def _move_in(spark: Any, table: Any, locals_: Sequence[Path], what: str
@@ -546,51 +547,36 @@ def _move_in(spark: Any, table: Any, locals_: Sequence[Path], what: str
     return folder, sizes
 
 
-def _upload_partition_deletes(spark: Any, table: Any, deletes: Sequence[Positions]
-                              ) -> tuple[list[Any], int, list[str]]:
+def _upload_partition_deletes(spark: Any, table: Any, deletes: Sequence[Positions],
+                              live: Optional[LiveFiles]) -> tuple[JavaFiles, int, list[str]]:
     """Position-delete files of several partitions, put in the table's data folder in one
     Hadoop call and described without reading their footers back: a partition's delete file
     is matched to its data files by partition, so column bounds would add little, and reading
-    hundreds of footers (a table partitioned by day) cost more than the rest of the commit."""
+    hundreds of footers (a table partitioned by day) cost more than the rest of the commit.
+    Each takes the spec and partition of a data file it points into, as ``live`` knows it."""
     deletes = [d for d in deletes if d.rows]
     if not deletes:
-        return [], 0, []
-    jvm = spark._jvm
+        return JavaFiles.empty(spark), 0, []
     folder, sizes = _move_in(spark, table, [d.local for d in deletes], "position deletes")
-    parquet = jvm.org.apache.iceberg.FileFormat.PARQUET
-    builder_of = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder
-    specs = {int(k): v for k, v in table.specs().items()}
-
-    def described(each_size: tuple[Positions, int]) -> Any:
-        each, size = each_size
-        if each.partition is None:
-            builder = builder_of(table.spec()).ofPositionDeletes()
-        else:
-            builder = builder_of(specs[int(each.partition.specId())]).ofPositionDeletes() \
-                .withPartition(each.partition.partition())
-        return builder.withPath(f"{folder}/{each.local.name}").withFormat(parquet) \
-            .withFileSizeInBytes(size).withRecordCount(each.rows).build()
-
-    files = jvm_map(described, list(zip(deletes, sizes, strict=True)))
+    described = [[f"{folder}/{d.local.name}", size, d.rows, d.partition_of]
+                 for d, size in zip(deletes, sizes, strict=True)]
+    java_live = spark._jvm.java.util.HashMap() if live is None else live.java_files
+    files = JavaFiles.of(spark, batch_helper(spark).positionDeletes(
+        table, java_live, json.dumps(described)))
     return files, sum(d.rows for d in deletes), [p for d in deletes for p in d.data_files]
 
 
-def _upload_vectors(spark: Any, table: Any, vectors: Vectors) -> tuple[list[Any], int, list[str]]:
+def _upload_vectors(spark: Any, table: Any, vectors: Vectors, live: LiveFiles
+                    ) -> tuple[JavaFiles, int, list[str]]:
     """Put the Puffin files of deletion vectors in the table's data folder and describe each
-    blob as a delete file of its data file's spec and partition."""
-    jvm = spark._jvm
-    puffin = jvm.org.apache.iceberg.FileFormat.PUFFIN
+    blob as a delete file of its data file's spec and partition (as ``live`` knows them)."""
     folder, sizes = _move_in(spark, table, [local for local, _ in vectors.puffins],
                              "deletion vectors")
-    files = []
-    for (local, blob), data_file, size in zip(vectors.puffins, vectors.data_files, sizes,
-                                              strict=True):
-        files.append(jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(
-            table.specs().get(data_file.specId())).ofPositionDeletes()
-            .withPath(f"{folder}/{local.name}")
-            .withFormat(puffin).withFileSizeInBytes(size).withPartition(data_file.partition())
-            .withRecordCount(blob.cardinality).withReferencedDataFile(blob.data_file)
-            .withContentOffset(blob.offset).withContentSizeInBytes(blob.length).build())
+    described = [[f"{folder}/{local.name}", size, blob.cardinality, blob.data_file,
+                  blob.offset, blob.length]
+                 for (local, blob), size in zip(vectors.puffins, sizes, strict=True)]
+    files = JavaFiles.of(spark, batch_helper(spark).vectors(table, live.java_files,
+                                                            json.dumps(described)))
     return files, vectors.rows, [b.data_file for _, b in vectors.puffins]
 
 
@@ -610,7 +596,7 @@ def _remove_staged_metadata(spark: Any, table: Any, staged: Any) -> None:
     remove_files(spark, paths)
 
 
-def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> tuple[Any, list[Any]]:
+def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> tuple[Any, JavaFiles]:
     """Write ``rows`` with Iceberg's Spark writer into a staged snapshot (never part of the
     table's history; the row delta expires it) and return it and its data files. The write
     runs in a session of its own, so a staging id never leaks into another thread's writes."""
@@ -634,7 +620,7 @@ def _stage_rows(spark: Any, table: Any, target: str, rows: Any) -> tuple[Any, li
     newest = [snapshots.get(i) for i in range(snapshots.size() - 1, max(snapshots.size() - 4, -1), -1)]
     for snapshot in itertools.chain(newest, table.snapshots()):
         if snapshot.summary().get("wap.id") == wap:
-            return snapshot, list(snapshot.addedDataFiles(table.io()))
+            return snapshot, JavaFiles.of(spark, snapshot.addedDataFiles(table.io()))
     raise ApplyError(f"staging rows for {target}: the staged snapshot {wap} was not found")
 
 

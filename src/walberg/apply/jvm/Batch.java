@@ -1,0 +1,296 @@
+// The per-file work of a batch applied by position, done in the driver's JVM in one call per
+// step instead of several py4j round trips per file: describing the data files written on the
+// driver (their footers read here, in threads), describing its delete files, filling the row
+// delta, and reading the live data files of a table. Compiled at run time by Janino, which
+// Spark ships (see walberg.apply.jvm.helper); so Java 7 style: raw types, no lambdas.
+// Arguments and answers that are many values travel as one JSON string.
+package walberg;
+
+import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.HashMap;
+import java.util.Iterator;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.Callable;
+import java.util.concurrent.ExecutorService;
+import java.util.concurrent.Executors;
+import java.util.concurrent.Future;
+
+import com.fasterxml.jackson.databind.ObjectMapper;
+import org.apache.hadoop.conf.Configuration;
+import org.apache.hadoop.fs.FileSystem;
+import org.apache.hadoop.fs.Path;
+import org.apache.iceberg.ContentFile;
+import org.apache.iceberg.DataFile;
+import org.apache.iceberg.DataFiles;
+import org.apache.iceberg.DeleteFile;
+import org.apache.iceberg.FileContent;
+import org.apache.iceberg.FileFormat;
+import org.apache.iceberg.FileMetadata;
+import org.apache.iceberg.FileScanTask;
+import org.apache.iceberg.Metrics;
+import org.apache.iceberg.MetricsConfig;
+import org.apache.iceberg.OverwriteFiles;
+import org.apache.iceberg.PartitionSpec;
+import org.apache.iceberg.RowDelta;
+import org.apache.iceberg.Table;
+import org.apache.iceberg.TableScan;
+import org.apache.iceberg.io.CloseableIterable;
+import org.apache.iceberg.parquet.ParquetUtil;
+import org.apache.iceberg.shaded.org.apache.parquet.ParquetReadOptions;
+import org.apache.iceberg.shaded.org.apache.parquet.hadoop.ParquetFileReader;
+import org.apache.iceberg.shaded.org.apache.parquet.io.LocalInputFile;
+
+public class Batch {
+    private final ObjectMapper json = new ObjectMapper();
+    private final ParquetReadOptions options = ParquetReadOptions.builder().build();
+
+    private List parse(String text) throws Exception {
+        return (List) json.readValue(text, List.class);
+    }
+
+    private static long asLong(Object value) {
+        return ((Number) value).longValue();
+    }
+
+    /** Data files written on this machine as Iceberg data files of the table's current spec:
+     * each of {@code files} is [location, local path, size, partition values (a list; empty if
+     * unpartitioned)]. The footers are read from the local files, in {@code threads} threads;
+     * with {@code conf} the files are first moved to their locations through Hadoop. */
+    public List dataFiles(final Table table, String files, final Configuration conf, int threads)
+            throws Exception {
+        final List items = parse(files);
+        final PartitionSpec spec = table.spec();
+        final MetricsConfig metrics = MetricsConfig.forTable(table);
+        final boolean partitioned = !spec.isUnpartitioned();
+        final DataFile[] out = new DataFile[items.size()];
+        ExecutorService pool = Executors.newFixedThreadPool(Math.max(1, threads));
+        try {
+            List waits = new ArrayList();
+            for (int i = 0; i < items.size(); i++) {
+                final int at = i;
+                waits.add(pool.submit(new Callable() {
+                    public Object call() throws Exception {
+                        List item = (List) items.get(at);
+                        String location = (String) item.get(0);
+                        String local = (String) item.get(1);
+                        Metrics found = footer(local, metrics);
+                        if (conf != null) {
+                            Path dest = new Path(location);
+                            dest.getFileSystem(conf).copyFromLocalFile(
+                                true, true, new Path(new java.io.File(local).toURI()), dest);
+                        }
+                        DataFiles.Builder builder = DataFiles.builder(spec).withPath(location)
+                            .withFormat(FileFormat.PARQUET).withFileSizeInBytes(asLong(item.get(2)))
+                            .withMetrics(found);
+                        if (partitioned) {
+                            builder = builder.withPartitionValues((List) item.get(3));
+                        }
+                        out[at] = builder.build();
+                        return null;
+                    }
+                }));
+            }
+            for (int i = 0; i < waits.size(); i++) {
+                ((Future) waits.get(i)).get();
+            }
+        } finally {
+            pool.shutdown();
+        }
+        return new ArrayList(Arrays.asList(out));
+    }
+
+    private Metrics footer(String local, MetricsConfig config) throws Exception {
+        ParquetFileReader reader = ParquetFileReader.open(
+            new LocalInputFile(new java.io.File(local).toPath()), options);
+        try {
+            return ParquetUtil.footerMetrics(reader.getFooter(), java.util.stream.Stream.empty(),
+                                             config);
+        } finally {
+            reader.close();
+        }
+    }
+
+    /** Position-delete files already in the table's storage: each of {@code files} is
+     * [location, size, rows, a data file they point into (its spec and partition are the
+     * delete file's; null: the table's spec, unpartitioned)], the data files as {@code live}
+     * maps them. */
+    public List positionDeletes(Table table, Map live, String files) throws Exception {
+        List items = parse(files);
+        List out = new ArrayList();
+        Map specs = table.specs();
+        for (int i = 0; i < items.size(); i++) {
+            List item = (List) items.get(i);
+            DataFile of = item.get(3) == null ? null : known(live, (String) item.get(3));
+            FileMetadata.Builder builder = of == null
+                ? FileMetadata.deleteFileBuilder(table.spec()).ofPositionDeletes()
+                : FileMetadata.deleteFileBuilder((PartitionSpec) specs.get(of.specId()))
+                    .ofPositionDeletes().withPartition(of.partition());
+            out.add(builder.withPath((String) item.get(0)).withFormat(FileFormat.PARQUET)
+                .withFileSizeInBytes(asLong(item.get(1))).withRecordCount(asLong(item.get(2)))
+                .build());
+        }
+        return out;
+    }
+
+    /** Deletion vectors already in the table's storage: each of {@code vectors} is [Puffin
+     * file's location, its size, the vector's cardinality, its data file, blob offset, blob
+     * length]; spec and partition those of the data file as {@code live} maps it. */
+    public List vectors(Table table, Map live, String vectors) throws Exception {
+        List items = parse(vectors);
+        List out = new ArrayList();
+        Map specs = table.specs();
+        for (int i = 0; i < items.size(); i++) {
+            List item = (List) items.get(i);
+            String path = (String) item.get(3);
+            DataFile of = known(live, path);
+            out.add(FileMetadata.deleteFileBuilder((PartitionSpec) specs.get(of.specId()))
+                .ofPositionDeletes().withPath((String) item.get(0)).withFormat(FileFormat.PUFFIN)
+                .withFileSizeInBytes(asLong(item.get(1))).withPartition(of.partition())
+                .withRecordCount(asLong(item.get(2))).withReferencedDataFile(path)
+                .withContentOffset(asLong(item.get(4))).withContentSizeInBytes(asLong(item.get(5)))
+                .build());
+        }
+        return out;
+    }
+
+    private static DataFile known(Map live, String path) {
+        DataFile found = (DataFile) live.get(path);
+        if (found == null) {
+            throw new IllegalStateException("data file " + path + " is not among the table's "
+                                            + "live files as walberg read them");
+        }
+        return found;
+    }
+
+    /** The values of {@code map} at {@code keys} (a JSON list of strings), in order. */
+    public List pick(Map map, String keys) throws Exception {
+        List items = parse(keys);
+        List out = new ArrayList();
+        for (int i = 0; i < items.size(); i++) {
+            out.add(map.get(items.get(i)));
+        }
+        return out;
+    }
+
+    /** The row delta with {@code adds} added, {@code deletes} added and {@code removes}
+     * (delete files it replaces) removed. */
+    public RowDelta fill(RowDelta delta, List adds, List deletes, List removes) {
+        for (int i = 0; i < adds.size(); i++) {
+            delta = delta.addRows((DataFile) adds.get(i));
+        }
+        for (int i = 0; i < deletes.size(); i++) {
+            delta = delta.addDeletes((DeleteFile) deletes.get(i));
+        }
+        for (int i = 0; i < removes.size(); i++) {
+            delta = delta.removeDeletes((DeleteFile) removes.get(i));
+        }
+        return delta;
+    }
+
+    /** The overwrite with {@code files} added. */
+    public OverwriteFiles addFiles(OverwriteFiles overwrite, List files) {
+        for (int i = 0; i < files.size(); i++) {
+            overwrite = overwrite.addFile((DataFile) files.get(i));
+        }
+        return overwrite;
+    }
+
+    /** A Java list of the items of an Iterable or array (as Iceberg hands files out). */
+    public List list(Object items) {
+        if (items instanceof Object[]) {
+            return new ArrayList(Arrays.asList((Object[]) items));
+        }
+        List out = new ArrayList();
+        Iterator it = ((Iterable) items).iterator();
+        while (it.hasNext()) {
+            out.add(it.next());
+        }
+        return out;
+    }
+
+    /** Put each data file of {@code files} in {@code live}, under its location. */
+    public void put(Map live, List files) {
+        for (int i = 0; i < files.size(); i++) {
+            ContentFile file = (ContentFile) files.get(i);
+            live.put(file.location(), file);
+        }
+    }
+
+    /** Put each deletion vector of {@code files} in {@code vectors}, under its data file. */
+    public void putVectors(Map vectors, List files) {
+        for (int i = 0; i < files.size(); i++) {
+            DeleteFile file = (DeleteFile) files.get(i);
+            if (file.referencedDataFile() != null) {
+                vectors.put(file.referencedDataFile(), file);
+            }
+        }
+    }
+
+    /** What the driver needs of content files, as JSON: per file [location, spec id,
+     * partition (as text), records, referenced data file, content offset, content size,
+     * format]. */
+    public String describe(List files) throws Exception {
+        List out = new ArrayList();
+        for (int i = 0; i < files.size(); i++) {
+            out.add(row((ContentFile) files.get(i)));
+        }
+        return json.writeValueAsString(out);
+    }
+
+    private static List row(ContentFile file) {
+        List row = new ArrayList();
+        row.add(file.location());
+        row.add(Integer.valueOf(file.specId()));
+        row.add(String.valueOf(file.partition()));
+        row.add(Long.valueOf(file.recordCount()));
+        if (file instanceof DeleteFile) {
+            DeleteFile delete = (DeleteFile) file;
+            row.add(delete.referencedDataFile());
+            row.add(delete.contentOffset());
+            row.add(delete.contentSizeInBytes());
+        } else {
+            row.add(null);
+            row.add(null);
+            row.add(null);
+        }
+        row.add(file.format().toString());
+        return row;
+    }
+
+    /** Every live data file {@code scan} plans, put in {@code live} under its location, and
+     * with {@code vectors} its delete files in {@code deletes} (a data file's deletion vector;
+     * [] of each file if there are none). As JSON: per data file, the row of {@code describe}
+     * and the rows of its delete files. */
+    public String plan(TableScan scan, Map live, boolean vectors, Map deletes) throws Exception {
+        List out = new ArrayList();
+        CloseableIterable tasks = scan.planFiles();
+        try {
+            Iterator it = tasks.iterator();
+            while (it.hasNext()) {
+                FileScanTask task = (FileScanTask) it.next();
+                DataFile file = (DataFile) task.file();
+                live.put(file.location(), file);
+                List row = new ArrayList();
+                row.add(row(file));
+                List found = new ArrayList();
+                if (vectors) {
+                    List attached = task.deletes();
+                    for (int i = 0; i < attached.size(); i++) {
+                        DeleteFile delete = (DeleteFile) attached.get(i);
+                        found.add(row(delete));
+                        if (delete.format() == FileFormat.PUFFIN) {
+                            deletes.put(file.location(), delete);
+                        }
+                    }
+                }
+                row.add(found);
+                out.add(row);
+            }
+        } finally {
+            tasks.close();
+        }
+        return json.writeValueAsString(out);
+    }
+}
