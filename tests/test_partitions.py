@@ -6,6 +6,8 @@ filtered reads (which prune by partition) find every row."""
 from __future__ import annotations
 
 import datetime
+import gc
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -108,12 +110,21 @@ def test_partitions_are_icebergs(spark: Any, tmp_path: Path, unique: str,
     iceberg = spark._jvm.org.apache.iceberg
     config = iceberg.MetricsConfig.forTable(table)
     # Described in a few calls into the JVM, not several per file (each is a round trip).
+    # Counted: this thread's calls, not the frees py4j sends when Python's collector
+    # happens to run (one round trip per Java object dropped anywhere, earlier).
     batch_helper(spark)  # (compiled once per JVM, before the count)
     client = spark.sparkContext._gateway._gateway_client
     calls: list[str] = []
     real_send = client.send_command
-    monkeypatch.setattr(client, "send_command",
-                        lambda *a, **k: calls.append(a[0][:40]) or real_send(*a, **k))
+    counting = threading.get_ident()
+
+    def send(command: str, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == counting and not command.startswith("m\nd\n"):
+            calls.append(command[:40])
+        return real_send(command, *args, **kwargs)
+
+    gc.collect()
+    monkeypatch.setattr(client, "send_command", send)
     described = datafiles.data_files(spark, table, written)
     monkeypatch.undo()
     assert len(written) > 100 and len(calls) < 20, calls
