@@ -6,10 +6,17 @@ here). A batch of a table partitioned by day writes hundreds of files, and descr
 Iceberg, adding it to the row delta and reading the table's live files took 5-15 calls per
 file; ``Batch`` does each of those steps for all files in one call, the values travelling as
 one JSON string. No jar to build or ship, no JDK needed: only the JVM Spark runs in.
+
+Compiling takes 0.3-0.5 s of a cold JVM's time (and a core, beside the first batch's or copy's
+work), so the class files are remembered beside the launch memos (``apply.jvm.launch``, the
+same checks that nobody else could have written them), per text of ``Batch.java`` and versions
+of Spark and Iceberg, and later sessions define the classes from them.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
 import threading
@@ -46,17 +53,21 @@ def batch_helper(spark: Any) -> Any:
 def _compile(spark: Any) -> Any:
     started = time.monotonic()
     jvm = spark._jvm
-    gateway = spark.sparkContext._gateway
+    source = _SOURCE.read_text(encoding="utf-8")
     try:
-        compiler = jvm.org.codehaus.janino.SimpleCompiler()
         # The loader that loaded Iceberg sees Iceberg, Hadoop and Jackson.
-        compiler.setParentClassLoader(
-            jvm.org.apache.iceberg.Table._java_lang_class.getClassLoader())
+        parent = jvm.org.apache.iceberg.Table._java_lang_class.getClassLoader()
+        memo = _memo(spark, source)
+        made = _remembered(spark, memo, parent)
+        if made is not None:
+            log.debug("walberg's Java helper defined from %s in %.2f s", memo,
+                      time.monotonic() - started)
+            return made
+        compiler = jvm.org.codehaus.janino.SimpleCompiler()
+        compiler.setParentClassLoader(parent)
         compiler.setTargetVersion(8)
-        compiler.cook(_SOURCE.read_text(encoding="utf-8"))
-        cls = compiler.getClassLoader().loadClass(_CLASS)
-        made = cls.getDeclaredConstructor(gateway.new_array(jvm.java.lang.Class, 0)) \
-            .newInstance(gateway.new_array(jvm.java.lang.Object, 0))
+        compiler.cook(source)
+        made = _instance(spark, compiler.getClassLoader())
     except Exception as exc:
         from walberg.apply.jvm.spark import java_message
 
@@ -64,7 +75,57 @@ def _compile(spark: Any) -> Any:
                          f"JVM with Spark's Janino failed: {java_message(exc)}. Is Spark's "
                          "jars folder complete (janino-*.jar, commons-compiler-*.jar)?") from exc
     log.debug("walberg's Java helper compiled in %.2f s", time.monotonic() - started)
+    if memo is not None:
+        from walberg.apply.jvm import launch
+
+        codes = compiler.getBytecodes()
+        launch.write_memo(memo, {str(name): base64.b64encode(bytes(codes.get(name))).decode()
+                                 for name in list(codes.keySet())})
     return made
+
+
+def _instance(spark: Any, loader: Any) -> Any:
+    gateway = spark.sparkContext._gateway
+    cls = loader.loadClass(_CLASS)
+    return cls.getDeclaredConstructor(gateway.new_array(spark._jvm.java.lang.Class, 0)) \
+        .newInstance(gateway.new_array(spark._jvm.java.lang.Object, 0))
+
+
+def _memo(spark: Any, source: str) -> Optional[Path]:
+    """Where the class files of this ``source``, compiled against this JVM's Spark and
+    Iceberg, are remembered (None: not here, the folder could be another user's)."""
+    from walberg.apply.jvm import launch
+    from walberg.apply.jvm.spark import temp_folder
+
+    folder = temp_folder() / "launch"
+    if not launch.private(folder.parent) or not launch.private(folder):
+        return None
+    try:
+        versions = [spark.version,
+                    str(spark._jvm.org.apache.iceberg.IcebergBuild.fullVersion())]
+    except Exception:  # (an Iceberg without it): compiled every time
+        return None
+    key = hashlib.sha256(json.dumps([source, *versions]).encode()).hexdigest()[:24]
+    return folder / f"helper-{key}"
+
+
+def _remembered(spark: Any, memo: Optional[Path], parent: Any) -> Any:
+    """The helper defined from the remembered class files, if there are any and they load."""
+    from walberg.apply.jvm import launch
+
+    found = launch.read_memo(memo) if memo is not None else None
+    if not isinstance(found, dict) or _CLASS not in found:
+        return None
+    try:
+        codes = spark._jvm.java.util.HashMap()
+        for name, text in found.items():
+            codes.put(str(name), base64.b64decode(text))
+        loader = spark._jvm.org.codehaus.commons.compiler.util.reflect.ByteArrayClassLoader(
+            codes, parent)
+        return _instance(spark, loader)
+    except Exception as exc:  # (damaged, or made for another JVM): compiled anew
+        log.debug("walberg's remembered Java helper %s does not load: %s", memo, exc)
+        return None
 
 
 @dataclass(frozen=True)

@@ -107,10 +107,10 @@ def command(memo_folder: Path, args: Sequence[str],
     jars = home / "jars"
     if not java.is_file() or not jars.is_dir() or (conf_dir / "spark-env.sh").exists():
         return None
-    if not (_private(memo_folder.parent) and _private(memo_folder)):
+    if not (private(memo_folder.parent) and private(memo_folder)):
         return None
     memo = memo_folder / f"launch-{_key(home, java, conf_dir, args, env, pyspark.__version__)}"
-    found = _read_memo(memo)
+    found = read_memo(memo)
     if isinstance(found, list) and found:
         try:
             os.utime(memo)  # (the newest are kept)
@@ -120,7 +120,7 @@ def command(memo_folder: Path, args: Sequence[str],
     asked = _ask_launcher(java, jars, args, env) if ask else None
     if asked is None:
         return None
-    _write_memo(memo, asked)
+    write_memo(memo, asked)
     return asked, memo
 
 
@@ -131,10 +131,10 @@ def _ours() -> bool:
         and os.environ.get("PYSPARK_PIN_THREAD", "true").lower() == "true"
 
 
-def _read_memo(memo: Path) -> Any:
+def read_memo(memo: Path) -> Any:
     """What ``memo`` holds (None: nothing, or nothing this user may trust: the memo, its
     folder and the folder above must be this user's own, written by nobody else)."""
-    if not all(_private(p) for p in (memo.parent.parent, memo.parent, memo)):
+    if not all(private(p) for p in (memo.parent.parent, memo.parent, memo)):
         return None
     try:
         return json.loads(memo.read_text())
@@ -142,7 +142,7 @@ def _read_memo(memo: Path) -> Any:
         return None
 
 
-def _write_memo(memo: Path, value: Any) -> None:
+def write_memo(memo: Path, value: Any) -> None:
     """Put ``value`` in ``memo`` whole (written aside, then renamed), keeping the newest few;
     a memo that cannot be written is asked for again next time."""
     try:
@@ -155,7 +155,7 @@ def _write_memo(memo: Path, value: Any) -> None:
         pass
 
 
-def _private(path: Path) -> bool:
+def private(path: Path) -> bool:
     """Whether ``path`` (a command walberg will run, or the folder it is in) is this user's and
     nobody else may write it (the temp dir is shared by every user of the machine); one that
     does not exist yet is made so."""
@@ -203,7 +203,7 @@ def _ask_launcher(java: Path, jars: Path, args: Sequence[str],
 
 
 def _prune(memo_folder: Path) -> None:
-    for kind in ("launch-*", "file-*"):
+    for kind in ("launch-*", "file-*", "helper-*"):
         found = sorted(memo_folder.glob(kind), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in found[_KEEP:]:
             old.unlink(missing_ok=True)
@@ -279,7 +279,7 @@ def spawn_for_file(memo: Optional[Path],
     """Start early the JVM last started for this pipeline file (``file_memo``), before the
     file is even read: whether it is the one the session wants is settled when the session is
     built (``take_early``)."""
-    found: Any = _read_memo(memo) if memo is not None and _ours() else None
+    found: Any = read_memo(memo) if memo is not None and _ours() else None
     try:
         words, java_home = [str(w) for w in found["command"]], str(found["java_home"])
     except (KeyError, TypeError):
@@ -290,7 +290,7 @@ def spawn_for_file(memo: Optional[Path],
 def remember_for_file(memo: Optional[Path], cmd: Sequence[str], java_home: str) -> None:
     """Remember ``cmd`` (and the JAVA_HOME it ran with) for the pipeline file of ``memo``."""
     if memo is not None:
-        _write_memo(memo, {"command": list(cmd), "java_home": java_home})
+        write_memo(memo, {"command": list(cmd), "java_home": java_home})
 
 
 def take_early(cmd: Optional[Sequence[str]]) -> Optional[Spawned]:
