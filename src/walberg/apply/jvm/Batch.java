@@ -101,6 +101,31 @@ public class Batch {
         return new ArrayList(Arrays.asList(out));
     }
 
+    /** Runs once the code a batch's own files go through, so that a process's first batch
+     * does not load it: {@code files} is [a data file, a position-delete file], both local and
+     * in no table. Both described as files of an unpartitioned table, footers read here, and
+     * sent through {@code describe} and {@code parse}; returned as a Java list [data file,
+     * delete file]. */
+    public List warm(String files) throws Exception {
+        List items = parse(files);
+        PartitionSpec spec = PartitionSpec.unpartitioned();
+        MetricsConfig config = MetricsConfig.getDefault();
+        java.io.File data = new java.io.File((String) items.get(0));
+        java.io.File deletes = new java.io.File((String) items.get(1));
+        List out = new ArrayList();
+        out.add(DataFiles.builder(spec).withPath(data.toURI().toString())
+            .withFormat(FileFormat.PARQUET).withFileSizeInBytes(data.length())
+            .withMetrics(footer(data.getPath(), config)).build());
+        out.add(FileMetadata.deleteFileBuilder(spec).ofPositionDeletes()
+            .withPath(deletes.toURI().toString()).withFormat(FileFormat.PARQUET)
+            .withFileSizeInBytes(deletes.length()).withMetrics(footer(deletes.getPath(), config))
+            .build());
+        if (parse(describe(out)).size() != 2) {
+            throw new IllegalStateException("warm: two files described, not two rows back");
+        }
+        return out;
+    }
+
     private Metrics footer(String local, MetricsConfig config) throws Exception {
         ParquetFileReader reader = ParquetFileReader.open(
             new LocalInputFile(new java.io.File(local).toPath()), options);

@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from walberg.apply.batch import StagedTable, applied_rows, value_column
-from walberg.apply.jvm.helper import JavaFiles, batch_helper
+from walberg.apply.jvm.helper import JavaFiles
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
@@ -121,7 +121,6 @@ class KeyedApply:
             try:
                 with scratch as folder:
                     rowdelta.warm(self.lake.spark, folder)
-                batch_helper(self.lake.spark)  # compiled now, not in the first batch
                 log.debug("row delta's JVM code loaded in %.2f s", time.monotonic() - started)
             except Exception as exc:
                 log.debug("loading the row delta's JVM code failed: %s", exc)

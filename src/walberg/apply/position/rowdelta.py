@@ -638,9 +638,10 @@ def remove_files(spark: Any, paths: list[str]) -> None:
 
 def warm(spark: Any, scratch: Path) -> int:
     """Load and run, once, the JVM code a row delta's commit uses, on files of its own under
-    ``scratch`` (none in any table): the footer metrics of a data file and of a
-    position-delete file, the building of both, a data and a delete manifest written and read
-    back. A process's first row delta otherwise pays for loading it (0.6-0.8 s more than a
+    ``scratch`` (none in any table): walberg's Java helper (compiled, or defined from its
+    remembered class files), the footer metrics of a data file and of a position-delete file,
+    the building and describing of both (``Batch.warm``), a data and a delete manifest written
+    and read back. A process's first row delta otherwise pays for loading it (0.6-0.8 s more than a
     later one on two cores). Nothing is committed. Returns the entries read back (2)."""
     jvm = spark._jvm
     iceberg = jvm.org.apache.iceberg
@@ -656,15 +657,10 @@ def warm(spark: Any, scratch: Path) -> int:
         data, compression="zstd", store_decimal_as_integer=True)
     deletes = position_delete_file([data.resolve().as_uri()], np.zeros(1, np.int64),
                                    scratch).local
-    parquet = iceberg.FileFormat.PARQUET
-    config = iceberg.MetricsConfig.getDefault()
-    made = []
-    for path, builder in ((data, iceberg.DataFiles.builder(spec)),
-                          (deletes, iceberg.FileMetadata.deleteFileBuilder(spec).ofPositionDeletes())):
-        name = path.resolve().as_uri()
-        metrics = iceberg.parquet.ParquetUtil.fileMetrics(io.newInputFile(name), config)
-        made.append(builder.withPath(name).withFormat(parquet)
-                    .withFileSizeInBytes(path.stat().st_size).withMetrics(metrics).build())
+    # The files described as a batch's are (walberg's Java helper, compiled or defined now).
+    described = batch_helper(spark).warm(json.dumps([str(data.resolve()),
+                                                     str(deletes.resolve())]))
+    made = [described.get(0), described.get(1)]
     snapshot = spark._jvm.java.lang.Long.valueOf(1)
     entries = 0
     for number, (kind, file) in enumerate((("write", made[0]), ("writeDeleteManifest", made[1]))):
