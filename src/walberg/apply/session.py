@@ -9,6 +9,7 @@ commit as the data. What a table holds is therefore always known from the table 
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
@@ -51,9 +52,11 @@ def java_table(spark: Any, target: str) -> Any:
     return table
 
 
-def java_properties(table: Any) -> dict[str, str]:
-    """An Iceberg Java table's properties, as Python strings."""
-    return {str(k): str(v) for k, v in table.properties().items()}
+def java_properties(spark: Any, table: Any) -> dict[str, str]:
+    """An Iceberg Java table's properties, as Python strings (in one round trip)."""
+    from walberg.apply.jvm.helper import batch_helper
+
+    return {str(k): str(v) for k, v in json.loads(batch_helper(spark).properties(table)).items()}
 
 
 def java_items(items: Any) -> list[Any]:

@@ -119,7 +119,7 @@ def _facts(spark: Any, table: Any) -> TableFacts:
     jvm = spark._jvm
     struct = StructType.fromJson(json.loads(
         jvm.org.apache.iceberg.spark.SparkSchemaUtil.convert(table.schema()).json()))
-    return TableFacts(_spec_fields(table), java_properties(table),
+    return TableFacts(_spec_fields(table), java_properties(spark, table),
                       int(table.operations().current().formatVersion()),
                       [(f.name, f.dataType.simpleString()) for f in struct.fields])
 

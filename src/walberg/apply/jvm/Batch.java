@@ -189,6 +189,12 @@ public class Batch {
         return found;
     }
 
+    /** The table's properties, as a JSON object (py4j would iterate the map in three round
+     * trips a property). */
+    public String properties(Table table) throws Exception {
+        return json.writeValueAsString(table.properties());
+    }
+
     /** The values of {@code map} at {@code keys} (a JSON list of strings), in order. */
     public List pick(Map map, String keys) throws Exception {
         List items = parse(keys);

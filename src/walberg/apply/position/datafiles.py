@@ -85,7 +85,8 @@ def why_not_staged(lake: LakeSession, tables: Tables, target: str, columns: Sequ
     """``why_not``, and whether the staged tables (a copy's or a batch's: ``c0..cN``, then any
     change metadata; ``staged`` holds each one's column types) hold the columns in their
     types."""
-    why = why_not(lake, tables, target, columns, table, java_properties(table))
+    why = why_not(lake, tables, target, columns, table,
+                  java_properties(lake.spark, table))
     want = staged_types(lake, target, columns)
     if why is None and any(list(types[:len(want)]) != want for types in staged):
         why = "its staged files are not in the columns' types"
@@ -158,7 +159,7 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     rows), or with ``fanout`` (a copy, too large to gather) as they come, a file open per
     partition; over ``MAX_OPEN_PARTITIONS`` of them, ``NotHere`` (and nothing stays
     written)."""
-    props = java_properties(table)
+    props = java_properties(spark, table)
     codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
     level = props.get("write.parquet.compression-level")
     options: dict[str, Any] = {"compression": codec, "use_dictionary": False}

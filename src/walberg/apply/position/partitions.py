@@ -81,7 +81,8 @@ class Partitioner:
         or why its rows cannot be partitioned here."""
         iceberg_schema = table.schema()
         fields = []
-        for field in table.spec().fields():
+        spec_fields = table.spec().fields()  # (by index: py4j's iteration ends in an error)
+        for field in (spec_fields.get(i) for i in range(int(spec_fields.size()))):
             source = iceberg_schema.findField(field.sourceId())
             text = str(field.transform())
             name, _, rest = text.partition("[")
