@@ -17,6 +17,7 @@ from walberg.apply.session import (
     SOURCE_COLUMN,
     LakeSession,
     find_java_table,
+    java_items,
     java_properties,
     quote_target,
 )
@@ -101,7 +102,7 @@ def _spec_fields(table: Any) -> list[str]:
     dropped (a void transform) is left out."""
     out: list[str] = []
     schema = table.schema()
-    for field in table.spec().fields():
+    for field in java_items(table.spec().fields()):  # (py4j's iteration ends in an error)
         m = re.fullmatch(r"(\w+)(?:\[(\d+)\])?", str(field.transform().toString()))
         if m is None or m.group(1) == "void":
             continue
