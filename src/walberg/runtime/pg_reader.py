@@ -478,6 +478,9 @@ class PgReader:
             return None  # the server is unreachable: reconnecting is the right thing
         try:
             if pg.slot_state(conn, self.pg.slot) is None:
+                moved = self._moved_without_slot()
+                if moved is not None:
+                    return moved
                 return Terminal(
                     f"replication slot {self.pg.slot} was dropped while walberg streamed from it: "
                     "the changes since the lake's last commit cannot be read any more. Run "
@@ -489,6 +492,30 @@ class PgReader:
             return None
         finally:
             conn.close()
+
+    def _moved_without_slot(self) -> Optional[Terminal]:
+        """A missing slot on a server other than the one this run met (a standby promoted
+        without it, another system): ``_judge``'s word for it, which says so and what to do.
+        Asked before the slot is said to be dropped: the DSN may already reach the new primary
+        when the lost connection is looked into."""
+        if self._server is None:
+            return None
+        probe = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication)
+        try:
+            probe.open()
+            now = probe.identify()
+        except WalbergError:
+            return None
+        finally:
+            probe.close()
+        if now == self._server:
+            return None
+        held = max([self.state.received, self.state.applied, *self.state.committed().values()])
+        try:
+            self._judge(self._server, now, False, held, "what walberg read before")
+        except Terminal as exc:
+            return exc
+        return None
 
     def _await_slot_confirmation(self, timeout: float = 10.0) -> None:
         """The server takes our last status update asynchronously; wait (briefly) until the slot
