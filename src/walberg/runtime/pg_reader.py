@@ -248,11 +248,13 @@ class PgReader:
         met first (see ``_judge``), with what the run holds (segments and lake) at stake."""
         system, timeline = stream.identify()
         if self._server is not None:
-            held = max([self.state.received, self.state.applied,
-                        *self.state.committed().values()])
-            self._judge(self._server, (system, timeline), slot_exists, held,
+            self._judge(self._server, (system, timeline), slot_exists, self._held(),
                         "what walberg read before")
         self._met(system, timeline)
+
+    def _held(self) -> Lsn:
+        """The furthest position this run holds changes up to: read, applied or committed."""
+        return max([self.state.received, self.state.applied, *self.state.committed().values()])
 
     def _same_server_as_lake(self, server: tuple[str, int], slot_exists: bool) -> None:
         """At start: the server (system identifier, timeline) judged against the one each
@@ -510,9 +512,8 @@ class PgReader:
             probe.close()
         if now == self._server:
             return None
-        held = max([self.state.received, self.state.applied, *self.state.committed().values()])
         try:
-            self._judge(self._server, now, False, held, "what walberg read before")
+            self._judge(self._server, now, False, self._held(), "what walberg read before")
         except Terminal as exc:
             return exc
         return None

@@ -34,6 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from walberg.apply.session import java_items
+
 # The source types each transform takes here, by Iceberg type id.
 _TIME = {"DATE", "TIMESTAMP"}
 _INTEGRAL = {"INTEGER", "LONG"}
@@ -81,8 +83,7 @@ class Partitioner:
         or why its rows cannot be partitioned here."""
         iceberg_schema = table.schema()
         fields = []
-        spec_fields = table.spec().fields()  # (by index: py4j's iteration ends in an error)
-        for field in (spec_fields.get(i) for i in range(int(spec_fields.size()))):
+        for field in java_items(table.spec().fields()):
             source = iceberg_schema.findField(field.sourceId())
             text = str(field.transform())
             name, _, rest = text.partition("[")
