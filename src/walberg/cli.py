@@ -246,7 +246,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         try:
             reports = several.run(once=args.once)
         finally:
-            several.close()
+            several.close(exiting=True)
             _restore_signals(previous)
         for name, report in reports.items():
             logging.getLogger("walberg").info(

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from walberg import metrics
 from walberg.apply import staging
@@ -57,11 +57,18 @@ class Pipeline:
     # How long a run waits for a replication slot that another process still streams from.
     slot_wait_seconds = 15.0
 
-    def __init__(self, config: Config, session: Any = None) -> None:
+    def __init__(self, config: Config, session: Any = None,
+                 shared_with: Optional["Pipeline"] = None) -> None:
         """``session``: an existing SparkSession with the sink catalog configured (walberg then
-        leaves it running on close); by default walberg builds and owns one."""
+        leaves it running on close); ``shared_with``: another source's pipeline whose session
+        this one uses, once that one has it (see ``Pipelines``); by default walberg builds and
+        owns one."""
         self.config = config
-        self._owns_session = session is None
+        self._owns_session = session is None and shared_with is None
+        self._shared_with = shared_with
+        # Called with the sink once the session this pipeline builds is open, before anyone
+        # uses it (``Pipelines`` creates the namespaces of every source's tables there).
+        self.on_open: Optional[Callable[[IcebergSink], None]] = None
         self.pg = config.postgres
         self.types = TypeMap(config.sink.numeric_default, frozenset(config.sink.text_types))
         self._tables = PgTables(config, lambda: self.sink, self.types,
@@ -98,6 +105,9 @@ class Pipeline:
     def _open_early(self) -> None:
         """Start opening the Spark session in a thread, if this pipeline builds its own and
         has not yet."""
+        if self._shared_with is not None:
+            self._shared_with._open_early()
+            return
         with self._session_lock:
             if self._session is not None or self._opening is not None:
                 return
@@ -113,7 +123,16 @@ class Pipeline:
             threading.Thread(target=run, name="walberg-session", daemon=True).start()
 
     def session(self) -> Any:
+        if self._shared_with is not None:
+            # (asked of the owner each time: it makes its session active in each thread)
+            shared = self._shared_with.session()
+            with self._session_lock:
+                if self._session is None:
+                    self._session = shared
+                    self._open_sink()
+            return shared
         with self._session_lock:
+            opened = self._session is None
             session = self._session_now()
             if self._opened_early and threading.get_ident() not in self._active_in:
                 # A session built in another thread is not the active one of this thread's
@@ -122,6 +141,9 @@ class Pipeline:
                 session._jvm.org.apache.spark.sql.SparkSession.setActiveSession(
                     session._jsparkSession)
                 self._active_in.add(threading.get_ident())
+            if opened and self.on_open is not None:
+                assert self._sink is not None
+                self.on_open(self._sink)
             return session
 
     def _session_now(self) -> Any:
@@ -130,12 +152,14 @@ class Pipeline:
             self._opened_early = opening is not None
             self._session = opening.result() if opening is not None else \
                 open_session(self.config)
-            self._sink = IcebergSink(self._session, self.types, self._tag,
-                                     stage_root(self.config, self._session),
-                                     self.config.index_dir)
-            if self._state.staging_early.is_set():
-                self._sink.warm()  # a batch is coming: its commit's code loads meanwhile
+            self._open_sink()
         return self._session
+
+    def _open_sink(self) -> None:
+        self._sink = IcebergSink(self._session, self.types, self._tag,
+                                 stage_root(self.config, self._session), self.config.index_dir)
+        if self._state.staging_early.is_set():
+            self._sink.warm()  # a batch is coming: its commit's code loads meanwhile
 
     @property
     def sink(self) -> IcebergSink:
@@ -279,11 +303,12 @@ class Pipelines:
             raise ConfigError("this pipeline file has one source; use Pipeline")
         self.config = config
         names = names or list(config.sources)
+        # The first source's pipeline owns the session; it opens while each source recovers
+        # its segments and meets its database, as one source's does.
         first = Pipeline(config.for_source(names[0]), session=session)
-        shared = first.session()
         self.pipelines = {names[0]: first}
         for name in names[1:]:
-            self.pipelines[name] = Pipeline(config.for_source(name), session=shared)
+            self.pipelines[name] = Pipeline(config.for_source(name), shared_with=first)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Pipelines":
@@ -294,7 +319,12 @@ class Pipelines:
         raised."""
         reports: dict[str, RunReport] = {}
         failures: list[BaseException] = []
-        self._namespaces(once)
+        first = next(iter(self.pipelines.values()))
+        ready_storage(self.config, once, first._state.stop)
+        if first._session is not None:  # (a session given)
+            self._namespaces(first.sink)
+        else:
+            first.on_open = self._namespaces
 
         def run_one(name: str, pipeline: Pipeline) -> None:
             try:
@@ -313,21 +343,21 @@ class Pipelines:
             raise failures[0]
         return reports
 
-    def _namespaces(self, once: bool) -> None:
-        """The namespaces of every source's tables, created once before the sources start:
-        created by each source's first table, they would race in the catalog."""
-        first = next(iter(self.pipelines.values()))
-        ready_storage(self.config, once, first._state.stop)
+    def _namespaces(self, sink: IcebergSink) -> None:
+        """The namespaces of every source's tables, created once, as the session opens and
+        before any source uses it: created by each source's first table, they would race in
+        the catalog."""
         wanted = {tuple(t.split(".")[:2]) for p in self.pipelines.values()
                   for t in [*p.targets.values(), *p.changelogs.values()]}
         for catalog, namespace in sorted(wanted):
-            first.sink.tables.ensure_namespace(catalog, namespace)
+            sink.tables.ensure_namespace(catalog, namespace)
 
     def stop(self) -> None:
         for pipeline in self.pipelines.values():
             pipeline.stop()
 
-    def close(self) -> None:
+    def close(self, exiting: bool = False) -> None:
+        """``exiting``: as ``Pipeline.close``'s."""
         # The first pipeline owns the Spark session (when it built it): closed last.
         for pipeline in reversed(list(self.pipelines.values())):
-            pipeline.close()
+            pipeline.close(exiting)
