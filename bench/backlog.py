@@ -1,7 +1,7 @@
 """The user's situation, cold: `walberg run --once` as a command, on tables of growing size.
 
     python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
-                            [--shape bigint|uuid|text|composite|days|v3|full|cow]
+                            [--shape bigint|uuid|text|composite|days|bucket|v3|fanin|full|cow]
 
 Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.jvm.classcache),
 as a machine's first walberg run makes it in the background; the time it took is reported.
@@ -32,8 +32,11 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
 
 --shape picks the table's key and layout (SHAPES): a bigint key (the default), a uuid, a text
 key, a composite (tenant int, id bigint) key, a bigint key with the Iceberg table partitioned
-by days(ts) over a year, or a bigint key in a format-version 3 table; and two that keep the
-MERGE: no key (REPLICA IDENTITY FULL) and a copy-on-write table.
+by days(ts) over a year (or bucket(16, id)), a bigint key in a format-version 3 table, or a
+table fanned in from two databases (`fanin`: two sources, east and west, each with half the
+rows and half the changes, into one Iceberg table; pg_recvlogical drains both slots at once, as
+walberg reads both sources at once); and two that keep the MERGE: no key (REPLICA IDENTITY
+FULL) and a copy-on-write table.
 
 These machines are shared and noisy: the figures that matter are the ratios within one run.
 """
@@ -65,6 +68,7 @@ from walberg.apply.jvm.spark import check_java, find_java  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 10_000  # changes per source transaction
+FAN_IN = ("east", "west")  # the databases (and walberg sources) of the fanin shape
 
 # shape: (key columns, their SQL as a function of the row number {g}, the key's column names,
 # extra columns, their SQL, sink.tables layout)
@@ -78,6 +82,8 @@ SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
              "+ (({g}) % 86400) * interval '1 second'", {"partition_by": ["days(ts)"]}),
     "bucket": ("id bigint", "{g}", "id", "", "", {"partition_by": ["bucket(16, id)"]}),
     "v3": ("id bigint", "{g}", "id", "", "", {"format_version": 3}),
+    # Two sources (FAN_IN) whose tables of the same name land in one Iceberg table.
+    "fanin": ("id bigint", "{g}", "id", "", "", {}),
     # No key: REPLICA IDENTITY FULL (updates and deletes find rows by their whole value).
     "full": ("id bigint", "{g}", "id", "", "", {}),
     "cow": ("id bigint", "{g}", "id", "", "", {"write_mode": "copy-on-write"}),
@@ -105,18 +111,28 @@ def batch_seconds(config: Path, step: str) -> float:
                re.findall(r"staged in ([0-9.]+) s, committed in ([0-9.]+) s", text))
 
 
-def write_config(dsn: str, work: Path, name: str, by_position: bool = True,
+def write_config(dsns: dict[str, str], work: Path, name: str, by_position: bool = True,
                  shape: str = "bigint") -> Path:
+    """The pipeline file: one source, or with several ``dsns`` (the fanin shape) a source each,
+    fanned in to one table."""
     layout = SHAPES[shape][5]
+
+    def source(dsn: str, slot: str) -> dict[str, Any]:
+        return {"postgres": {"dsn": dsn, "slot": slot, "publication": f"pub_{name}",
+                             "tables": [f"public.{name}"]}}
+
     raw: dict[str, Any] = {
-        "source": {"postgres": {"dsn": dsn, "slot": f"slot_{name}", "publication": f"pub_{name}",
-                                "tables": [f"public.{name}"]}},
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
                              "warehouse": str(work / "warehouse")}, "namespace": "bench",
                  "apply_by_position": by_position},
         "buffer": {"dir": str(work / f"segments_{name}")},
         "spark": {"master": "local[2]"},
     }
+    if len(dsns) == 1:
+        raw["source"] = source(next(iter(dsns.values())), f"slot_{name}")
+    else:
+        raw["sources"] = {each: source(dsn, f"slot_{name}_{each}") for each, dsn in dsns.items()}
+        raw["sink"]["fan_in"] = True
     if layout:
         raw["sink"]["tables"] = {f"public.{name}": layout}
     path = work / f"{name}{'' if by_position else '-merge'}.yaml"
@@ -173,22 +189,51 @@ def commit_backlog(cur: Any, name: str, rows: int, changes: int, first_new: int,
     return made
 
 
-def recvlogical(server: EmbeddedPostgres, slot: str, publication: str, end_lsn: str) -> float:
-    cmd = [str(server.bin_dir / "pg_recvlogical"), "-d", server.dsn, "--slot", slot, "--start",
-           "-o", "proto_version=1", "-o", f"publication_names={publication}", "--endpos", end_lsn,
-           "-f", "/dev/null", "--no-loop"]
-    seconds, proc = timed(lambda: subprocess.run(cmd, capture_output=True, text=True))
-    if proc.returncode != 0:
-        raise SystemExit(f"pg_recvlogical failed: {proc.stderr}")
+def recvlogical(server: EmbeddedPostgres, slots: dict[str, str], publication: str,
+                end_lsn: str) -> float:
+    """Seconds ``pg_recvlogical`` takes to drain each of ``slots`` (dsn: slot), all at once."""
+    def drain() -> list[subprocess.CompletedProcess[str]]:
+        procs = [subprocess.Popen(
+            [str(server.bin_dir / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start",
+             "-o", "proto_version=1", "-o", f"publication_names={publication}",
+             "--endpos", end_lsn, "-f", "/dev/null", "--no-loop"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for dsn, slot in slots.items()]
+        errs = [p.communicate()[1] for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, "", e)
+                for p, e in zip(procs, errs, strict=True)]
+    seconds, done = timed(drain)
+    for proc in done:
+        if proc.returncode != 0:
+            raise SystemExit(f"pg_recvlogical failed: {proc.stderr}")
     return seconds
 
 
-def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
+def databases(server: EmbeddedPostgres, cur: Any, shape: str) -> dict[str, tuple[str, Any]]:
+    """Source name -> (dsn, cursor): the server's own database, or for the fanin shape a
+    database each for FAN_IN (made here)."""
+    if shape != "fanin":
+        return {"pg": (server.dsn, cur)}
+    dbs = {}
+    for each in FAN_IN:
+        cur.execute(f"CREATE DATABASE bench_{each}")
+        dsn = server.dsn.rsplit("/", 1)[0] + f"/bench_{each}"
+        conn = psycopg2.connect(dsn)
+        conn.autocommit = True
+        dbs[each] = (dsn, conn.cursor())
+    return dbs
+
+
+def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Path, rows: int,
              changes: int, compare_merge: bool, shape: str = "bigint",
              moved: bool = False) -> dict[str, Any]:
     name = f"backlog_{shape}_{rows}"
-    copy_to_stdout_s = make_table(cur, name, rows, shape)
-    config = write_config(server.dsn, work, name, shape=shape)
+    dsns = {each: dsn for each, (dsn, _) in dbs.items()}
+    curs = [c for _, c in dbs.values()]
+    # Each source holds its share of the rows and of the changes (one source: all of them).
+    share_rows, share_changes = rows // len(curs), changes // len(curs)
+    copy_to_stdout_s = sum(make_table(c, name, share_rows, shape) for c in curs)
+    config = write_config(dsns, work, name, shape=shape)
     copy_s = walberg_once(config, "copy")
     # Three no-op runs, their median: one cold start varies by a second or more on a shared
     # machine, and the net apply time is a difference of two of them.
@@ -196,21 +241,31 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
     noop_s = noops[1]
     # The same without the class-data archive: a machine's first run, or WALBERG_CLASS_CACHE=off.
     noop_bare_s = walberg_once(config, "noop-bare", {**os.environ, "WALBERG_CLASS_CACHE": "off"})
-    cur.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
-    cur.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}', 'pgoutput')")
-    made = commit_backlog(cur, name, rows, changes, rows + 1, shape)
-    cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-    end_lsn = cur.fetchone()[0]
-    recv_s = recvlogical(server, f"recv_{name}", f"recv_{name}", end_lsn)
-    cur.execute(f"SELECT pg_drop_replication_slot('recv_{name}')")
+    # (slot names are the server's: one each)
+    recv = {each: f"recv_{name}" if len(curs) == 1 else f"recv_{name}_{each}" for each in dbs}
+    for each, (_, c) in dbs.items():
+        c.execute(f"CREATE PUBLICATION recv_{name} FOR TABLE {name}")
+        c.execute(f"SELECT pg_create_logical_replication_slot('{recv[each]}', 'pgoutput')")
+
+    def backlog(first_new: int) -> int:
+        return sum(commit_backlog(c, name, share_rows, share_changes, first_new, shape)
+                   for c in curs)
+
+    made = backlog(rows + 1)
+    curs[0].execute("SELECT pg_current_wal_insert_lsn()::text")
+    end_lsn = curs[0].fetchone()[0]
+    recv_s = recvlogical(server, {dsns[each]: slot for each, slot in recv.items()},
+                         f"recv_{name}", end_lsn)
+    for each, (_, c) in dbs.items():
+        c.execute(f"SELECT pg_drop_replication_slot('{recv[each]}')")
     apply_s = walberg_once(config, "apply")
     net_s = max(apply_s - noop_s, 1e-3)
     merge: dict[str, Any] = {}
     if compare_merge:
         # The same kind of backlog on the same table (a few percent larger now), applied by
         # MERGE (sink.apply_by_position: false): what the apply cost before, in this run.
-        more = commit_backlog(cur, name, rows, changes, 2 * rows + 1, shape)
-        merge_s = walberg_once(write_config(server.dsn, work, name, by_position=False,
+        more = backlog(2 * rows + 1)
+        merge_s = walberg_once(write_config(dsns, work, name, by_position=False,
                                             shape=shape), "merge")
         merge = {"merge_run_once_s": merge_s, "merge_changes": more,
                  "merge_net_s": max(merge_s - noop_s, 1e-3),
@@ -218,16 +273,17 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
     if moved:
         # The driver moves to a fresh machine: a backlog of the same kind, applied with no key
         # index on this disk (it is made anew from the lake, delete files and all).
-        more = commit_backlog(cur, name, rows, changes, 3 * rows + 1, shape)
-        shutil.rmtree(work / f"segments_{name}" / "keyindex")
+        more = backlog(3 * rows + 1)
+        for index in (work / f"segments_{name}").glob("**/keyindex"):
+            shutil.rmtree(index)
         walberg_once(config, "moved")
         text = config.with_suffix(".moved.log").read_text()
-        found = re.search(r"rebuilt from the lake \((.*?)\): \d+ keys, in ([0-9.]+) s", text)
+        found = re.findall(r"rebuilt from the lake \((.*?)\): \d+ keys, in ([0-9.]+) s", text)
         merge["moved"] = {"changes": more, "batch_s": batch_seconds(config, "moved"),
-                          "index_s": float(found.group(2)) if found else None,
-                          "how": found.group(1) if found else None}
+                          "index_s": sum(float(f[1]) for f in found) if found else None,
+                          "how": "; ".join(f[0] for f in found) if found else None}
     result = {
-        "rows": rows, "changes": made,
+        "rows": rows, "changes": made, "sources": len(curs),
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
                  "walberg_rows_per_s": rows / copy_s,
                  "ratio": copy_to_stdout_s / copy_s},
@@ -240,9 +296,11 @@ def one_size(cur: Any, server: EmbeddedPostgres, work: Path, rows: int,
         "ratio": recv_s / net_s, **merge,
     }
     # Only the logs are kept: the table's files, segments and key index go (1 GB at 50M rows),
-    # and its slot, which would hold the WAL of the next sizes' loads.
-    cur.execute(f"SELECT pg_drop_replication_slot('slot_{name}')")
-    cur.execute(f"DROP TABLE {name}")
+    # and its slots, which would hold the WAL of the next sizes' loads.
+    for each, (_, c) in dbs.items():
+        slot = f"slot_{name}" if len(curs) == 1 else f"slot_{name}_{each}"
+        c.execute(f"SELECT pg_drop_replication_slot('{slot}')")
+        c.execute(f"DROP TABLE {name}")
     shutil.rmtree(work / "warehouse" / "bench" / name, ignore_errors=True)
     shutil.rmtree(work / f"segments_{name}", ignore_errors=True)
     return result
@@ -293,9 +351,9 @@ def main() -> int:
     try:
         conn = psycopg2.connect(server.dsn)
         conn.autocommit = True
-        cur = conn.cursor()
+        dbs = databases(server, conn.cursor(), args.shape)
         for rows in sizes:
-            results["sizes"].append(one_size(cur, server, work, rows, args.changes,
+            results["sizes"].append(one_size(dbs, server, work, rows, args.changes,
                                                args.compare_merge, args.shape,
                                                args.moved_driver))
             print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
