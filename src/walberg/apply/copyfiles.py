@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.jvm.helper import batch_helper
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call
 from walberg.apply.position import datafiles
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.readahead import ahead
@@ -83,8 +83,8 @@ def commit(lake: LakeSession, files: CopyFiles, marks: Mapping[str, str]) -> int
     the number of data files it added."""
     crash_point("copy-files")
     added = spark_call(f"committing the initial copy of {files.target}",
-                       lambda: _commit(lake.spark, files.table, files.written, marks,
-                                       lake.source))
+                       lambda: one_commit_at_a_time(files.target, lambda: _commit(
+                           lake.spark, files.table, files.written, marks, lake.source)))
     log.info("initial copy of %s: written on the driver as %d data file(s)", files.target, added)
     return added
 

@@ -552,6 +552,24 @@ def storage_watch() -> Optional["StorageWatch"]:
     return _watch
 
 
+_commit_locks: dict[str, threading.Lock] = {}
+_commit_locks_guard = threading.Lock()
+
+
+def one_commit_at_a_time(target: str, fn: Callable[[], T]) -> T:
+    """``fn`` (a commit to ``target``), while no other thread of this process commits to it.
+    Sources fanning in to one table commit from threads of one JVM; a Hadoop catalog renames
+    each commit's metadata file under Iceberg's in-JVM lock, and a commit that meets it there
+    tries again only every 5 s (the lock's default interval, which its catalog does not let
+    a setting change): two sources' batches finishing together cost the second 5-6 s. Here
+    the second waits only for the first, then Iceberg retries it at once on the new
+    metadata."""
+    with _commit_locks_guard:
+        lock = _commit_locks.setdefault(target, threading.Lock())
+    with lock:
+        return fn()
+
+
 def spark_call(what: str, fn: Callable[[], T]) -> T:
     """Run a Spark call; a Java failure becomes an ApplyError that says what was attempted,
     and one for an object store that does not answer a StorageUnavailable (see apply.jvm.watch)."""

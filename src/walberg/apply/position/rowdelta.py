@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.jvm.helper import JavaFiles, batch_helper
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call
 from walberg.apply.position import dv
 from walberg.apply.position.datafiles import (
     data_folder,
@@ -264,7 +264,8 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                     .expireOlderThan(0).cleanExpiredFiles(False).commit()
             txn.commitTransaction()
 
-        spark_call(f"committing a row delta to {target}", commit)
+        spark_call(f"committing a row delta to {target}",
+                   lambda: one_commit_at_a_time(target, commit))
         clock.append(time.monotonic())
     except BaseException:
         remove_files(spark, written)
