@@ -23,6 +23,7 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
    whatever N is. "Growth" is each size's batch time (stage and commit, from the run's log,
    so two start-ups' noise does not move it) over the smallest size's (the target: under 1.5x
    from 200k to 10M rows).
+   --shape kafka: the same as Debezium events in a Kafka topic (bench/backlog_kafka.py).
 5. With --compare-merge: a second backlog of the same kind on the same table, applied by
    MERGE (`sink.apply_by_position: false`), the apply path before key indexes.
 6. With --moved-driver: a further backlog of the same kind, applied with the table's key index
@@ -189,6 +190,17 @@ def commit_backlog(cur: Any, name: str, rows: int, changes: int, first_new: int,
     return made
 
 
+def noop_runs(config: Path) -> dict[str, Any]:
+    """The fixed cost of a run: three no-op `walberg run --once` runs (nothing to apply) and
+    their median (one cold start varies by a second or more on a shared machine, and the net
+    apply time is a difference of two of them); and one without the class-data archive, a
+    machine's first run (or WALBERG_CLASS_CACHE=off)."""
+    noops = sorted(walberg_once(config, f"noop{i}") for i in range(3))
+    bare = walberg_once(config, "noop-bare", {**os.environ, "WALBERG_CLASS_CACHE": "off"})
+    return {"noop_run_once_s": noops[1], "noop_runs_s": noops,
+            "noop_without_class_archive_s": bare}
+
+
 def recvlogical(server: EmbeddedPostgres, slots: dict[str, str], publication: str,
                 end_lsn: str) -> float:
     """Seconds ``pg_recvlogical`` takes to drain each of ``slots`` (dsn: slot), all at once."""
@@ -235,12 +247,8 @@ def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Pa
     copy_to_stdout_s = sum(make_table(c, name, share_rows, shape) for c in curs)
     config = write_config(dsns, work, name, shape=shape)
     copy_s = walberg_once(config, "copy")
-    # Three no-op runs, their median: one cold start varies by a second or more on a shared
-    # machine, and the net apply time is a difference of two of them.
-    noops = sorted(walberg_once(config, f"noop{i}") for i in range(3))
-    noop_s = noops[1]
-    # The same without the class-data archive: a machine's first run, or WALBERG_CLASS_CACHE=off.
-    noop_bare_s = walberg_once(config, "noop-bare", {**os.environ, "WALBERG_CLASS_CACHE": "off"})
+    fixed = noop_runs(config)
+    noop_s = fixed["noop_run_once_s"]
     # (slot names are the server's: one each)
     recv = {each: f"recv_{name}" if len(curs) == 1 else f"recv_{name}_{each}" for each in dbs}
     for each, (_, c) in dbs.items():
@@ -287,11 +295,10 @@ def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Pa
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
                  "walberg_rows_per_s": rows / copy_s,
                  "ratio": copy_to_stdout_s / copy_s},
-        "noop_run_once_s": noop_s, "noop_runs_s": noops,
-        "noop_without_class_archive_s": noop_bare_s,
+        **fixed,
         "apply_run_once_s": apply_s, "apply_net_s": net_s,
         "apply_batch_s": batch_seconds(config, "apply"),
-        "pg_recvlogical_s": recv_s,
+        "pg_recvlogical_s": recv_s, "baseline_s": recv_s,
         "walberg_changes_per_s": made / net_s, "pg_recvlogical_changes_per_s": made / recv_s,
         "ratio": recv_s / net_s, **merge,
     }
@@ -332,7 +339,7 @@ def main() -> int:
     ap.add_argument("--moved-driver", action="store_true",
                     help="also apply a further backlog with no key index on this disk, as a "
                          "driver on a fresh machine does")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="bigint",
+    ap.add_argument("--shape", choices=sorted([*SHAPES, "kafka"]), default="bigint",
                     help="the table's key and layout (see SHAPES)")
     ap.add_argument("--out", default=None,
                     help="default: bench/results/backlog.json (backlog-<shape>.json for a shape "
@@ -343,22 +350,39 @@ def main() -> int:
         args.out = str(ROOT / "bench" / "results" / f"backlog{suffix}.json")
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="walberg-backlog-"))
-    server = EmbeddedPostgres().start()
+    if args.shape == "kafka":
+        import backlog_kafka
+
+        tansu, servers = backlog_kafka.broker(work)
+    else:
+        server = EmbeddedPostgres().start()
     results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": [],
                                "shape": args.shape,
                                "class_archive": class_archive()}
     started = time.monotonic()
     try:
-        conn = psycopg2.connect(server.dsn)
-        conn.autocommit = True
-        dbs = databases(server, conn.cursor(), args.shape)
-        for rows in sizes:
-            results["sizes"].append(one_size(dbs, server, work, rows, args.changes,
-                                               args.compare_merge, args.shape,
-                                               args.moved_driver))
-            print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
+        if args.shape == "kafka":
+            if args.compare_merge or args.moved_driver:
+                raise SystemExit("--compare-merge and --moved-driver are for the Postgres shapes")
+            for rows in sizes:
+                results["sizes"].append(backlog_kafka.one_size(
+                    servers, work, rows, args.changes, walberg_once, noop_runs, batch_seconds))
+                print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
+        else:
+            conn = psycopg2.connect(server.dsn)
+            conn.autocommit = True
+            dbs = databases(server, conn.cursor(), args.shape)
+            for rows in sizes:
+                results["sizes"].append(one_size(dbs, server, work, rows, args.changes,
+                                                   args.compare_merge, args.shape,
+                                                   args.moved_driver))
+                print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)",
+                      flush=True)
     finally:
-        server.stop()
+        if args.shape == "kafka":
+            tansu.kill()
+        else:
+            server.stop()
     # Growth is taken from the batches' own time (the net time carries two start-ups' noise).
     base = results["sizes"][0]
     for each in results["sizes"]:
@@ -368,15 +392,19 @@ def main() -> int:
     out = save_results(results, args.out)
     print(f"\ncold `walberg run --once` backlog of {args.changes:,} random-key changes, "
           f"{args.shape} table, {results['cores']} cores")
+    print("(baseline: " + ("a consumer draining the same records from the topic; the copy's, "
+                           "the table's records" if args.shape == "kafka" else
+                           "pg_recvlogical draining the same changes; the copy's, "
+                           "COPY ... TO STDOUT") + ")")
     print(f"{'table rows':>12} {'no-op run':>10} {'(3 runs)':>10} {'(no archive)':>12} "
           f"{'apply run':>10} {'apply net':>10} "
-          f"{'recvlogical':>12} {'ratio':>6} {'growth':>7} {'copy rows/s':>12} {'copy ratio':>11}")
+          f"{'baseline':>12} {'ratio':>6} {'growth':>7} {'copy rows/s':>12} {'copy ratio':>11}")
     for s in results["sizes"]:
         runs = "-".join(f"{x:.1f}" for x in (s["noop_runs_s"][0], s["noop_runs_s"][-1]))
         print(f"{s['rows']:>12,} {s['noop_run_once_s']:>9.1f}s {runs:>10} "
               f"{s['noop_without_class_archive_s']:>11.1f}s {s['apply_run_once_s']:>9.1f}s "
               f"{s['apply_net_s']:>9.1f}s "
-              f"{s['pg_recvlogical_s']:>11.1f}s {s['ratio']:>6.2f} {s['growth']:>6.2f}x "
+              f"{s['baseline_s']:>11.1f}s {s['ratio']:>6.2f} {s['growth']:>6.2f}x "
               f"{s['copy']['walberg_rows_per_s']:>12,.0f} {s['copy']['ratio']:>11.2f}")
     if args.compare_merge:
         print("\nthe same kind of backlog applied by MERGE (sink.apply_by_position: false):")

@@ -30,27 +30,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def start_tansu(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A Tansu broker on a free loopback port, in memory, its output in ``log``: the process
+    and its bootstrap servers, once it accepts connections."""
     port = _free_port()
     url = f"tcp://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("tansu") / "tansu.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(_binary()), "broker", "--listener-url", url,
                                  "--advertised-listener-url", url,
                                  "--storage-engine", "memory://tansu/"],
                                 stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"tansu did not start: {log.read_text()}") from None
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, servers = start_tansu(tmp_path_factory.mktemp("tansu") / "tansu.log")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"tansu did not start: {log.read_text()}") from None
-                time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
+        yield servers
     finally:
         proc.kill()
         proc.wait()
