@@ -83,6 +83,14 @@ def test_values_take_the_text_form_the_apply_stage_parses() -> None:
             dbz.to_text(bad, dbz.FieldType(t))
 
 
+@given(st.one_of(st.decimals(allow_nan=False, allow_infinity=False).map(str),
+                 st.from_regex(r"[-+]?[0-9]{1,6}(\.[0-9]{0,4})?(e[-+]?[0-9])?", fullmatch=True)))
+def test_a_decimal_string_reads_as_its_number_whichever_way_it_is_written(text: str) -> None:
+    """Decimals sent as text (decimal.handling.mode string) are passed on as they are when
+    already canonical, else read as numbers: the same text either way."""
+    assert dbz.to_text(text, dbz.FieldType(dbz.NUMERIC)) == format(Decimal(text), "f").encode()
+
+
 def test_envelopes_with_and_without_schema() -> None:
     bare = {"op": "u", "before": None, "after": {"id": 1}, "ts_ms": 5, "source": {"lsn": 42}}
     e = dbz.parse_event(json.dumps(bare).encode())

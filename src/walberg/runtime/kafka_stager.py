@@ -54,6 +54,10 @@ class _Shape:
 
     columns: tuple[Column, ...]
     types: tuple[dbz.FieldType, ...]
+    images: dbz.Images = field(init=False)  # (records without a schema of their own)
+
+    def __post_init__(self) -> None:
+        self.images = dbz.Images(self.columns, self.types)
 
 
 def offsets_text(offsets: Mapping[Partition, int]) -> str:
@@ -230,18 +234,19 @@ class KafkaStager:
         name, target = self.names[record.topic], self.targets[record.topic]
         if event.fields is not None:
             shape = self._widened(record.topic, shape, event.fields, builder)
-        types = shape.types
+        images = shape.images
         if event.fields is not None:
             dbz.check_fields(event.fields, shape.columns,
                              lambda t, c: self._same_type(t, c, target))
             # The record's own encoding (e.g. microseconds or milliseconds) reads its values.
             given = dict(event.fields)
-            types = tuple(given.get(c.name, t) for c, t in zip(shape.columns, types, strict=True))
+            images = dbz.Images(shape.columns, tuple(
+                given.get(c.name, t) for c, t in zip(shape.columns, shape.types, strict=True)))
         lsn = event.lsn or 0
         if event.truncates:
             builder.truncate(name, shape.columns, seq, lsn)
             return True
-        staged = dbz.changes(event, key, shape.columns, types)
+        staged = images.changes(event, key)
         for i, (op, row) in enumerate(staged):
             builder.add(name, shape.columns, op, seq - len(staged) + 1 + i, lsn, row)
         return True

@@ -189,13 +189,14 @@ def parse_event(value: bytes) -> Event:
     if op is None:
         raise BadRecord(f"unknown op {given!r} (expected c, r, u, d or t)")
     before, after = doc.get("before"), doc.get("after")
-    for name, row in (("before", before), ("after", after)):
-        if row is not None and not isinstance(row, dict):
-            raise BadRecord(f"{name} is not a JSON object")
-    if op in "cru" and after is None:
+    if before is not None and type(before) is not dict:
+        raise BadRecord("before is not a JSON object")
+    if after is not None and type(after) is not dict:
+        raise BadRecord("after is not a JSON object")
+    if after is None and op in "cru":
         raise BadRecord(f"op {op} without after")
-    source = doc.get("source") if isinstance(doc.get("source"), dict) else {}
-    lsn = source.get("lsn") if isinstance(source, dict) else None
+    source = doc.get("source")
+    lsn = source.get("lsn") if type(source) is dict else None
     ts = doc.get("ts_ms")
     return Event(op, before, after, _fields(schema) if schema is not None else None,
                  ts if isinstance(ts, int) else None, lsn if isinstance(lsn, int) else None)
@@ -293,11 +294,28 @@ def _type_name(oid: int) -> str:
     return {v: k for k, v in _NAMES.items()}.get(oid, str(oid))
 
 
+# Column types whose JSON values are read by more than their text (see to_text).
+_READ = frozenset({BOOL, INT2, INT4, INT8, FLOAT4, FLOAT8, NUMERIC, DATE, TIMESTAMP,
+                   TIMESTAMPTZ, TIME, BYTEA})
+_INTEGERS = frozenset({INT2, INT4, INT8})
+# A decimal written as its own canonical text (decimal.handling.mode string): kept as it is.
+_PLAIN_DECIMAL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+
+
 def to_text(value: Any, t: FieldType) -> Value:
     """One JSON value as the Postgres text form of its column type (bytes), None for NULL,
     UNCHANGED for Debezium's unavailable-value placeholder."""
     if value is None:
         return None
+    # The common cases first (a record's values go through here one by one).
+    kind = type(value)
+    if kind is str:
+        if t.oid not in _READ and value != UNAVAILABLE:
+            return str.encode(value)
+        if t.oid == NUMERIC and t.logical is None and _PLAIN_DECIMAL.fullmatch(value):
+            return str.encode(value)
+    elif kind is int and t.oid in _INTEGERS:
+        return str(value).encode()
     if value == UNAVAILABLE:
         return UNCHANGED
     oid = t.oid
@@ -354,55 +372,76 @@ def check_fields(fields: Sequence[tuple[str, FieldType]], columns: Sequence[Colu
                             f"record, the table's column is {_type_name(col.type_oid)}")
 
 
+class Images:
+    """How a table's before/after objects become staged rows: its columns, their types and its
+    key, worked out once for all the records that share them."""
+
+    def __init__(self, columns: Sequence[Column], types: Sequence[FieldType]) -> None:
+        self.columns = tuple(columns)
+        self.names = frozenset(c.name for c in columns)
+        self.fields = tuple((c.name, t) for c, t in zip(columns, types, strict=True))
+        self.keys = tuple((i, c.name) for i, c in enumerate(columns) if c.is_key)
+
+    def row(self, values: Optional[Mapping[str, Any]]) -> Row:
+        """A before/after object as a staged row in the table's column order. A field the
+        table lacks is a schema mismatch; a column the record lacks is NULL."""
+        values = values or {}
+        if not values.keys() <= self.names:
+            extra = set(values) - self.names
+            raise BadRecord(f"schema mismatch: field(s) {', '.join(sorted(extra))} not in the "
+                            f"table ({', '.join(c.name for c in self.columns)})")
+        out: list[Value] = []
+        for name, t in self.fields:
+            try:
+                out.append(to_text(values.get(name), t))
+            except BadRecord as exc:
+                raise BadRecord(f"column {name}: {exc}") from None
+        return tuple(out)
+
+    def image(self, values: Optional[Mapping[str, Any]], key: Optional[Mapping[str, Any]]
+              ) -> Row:
+        """``row``, with key columns missing from the object taken from the message key."""
+        if key is not None and any((values or {}).get(n) is None and key.get(n) is not None
+                                   for _, n in self.keys):
+            values = dict(values or {})
+            for _, n in self.keys:
+                if values.get(n) is None and key.get(n) is not None:
+                    values[n] = key[n]
+        staged = self.row(values)
+        for i, n in self.keys:
+            if staged[i] is None or staged[i] is UNCHANGED:
+                raise BadRecord(f"missing key: key column {n} has no value in the record "
+                                "or its message key")
+        return staged
+
+    def changes(self, event: Event, key: Optional[Mapping[str, Any]]) -> list[tuple[Op, Row]]:
+        """The staged changes of one event, in order: (op, row). Key columns missing from
+        the before/after image come from the message key."""
+        op = event.op
+        if op == "t":
+            return []
+        if op == "c":
+            return [(Op.INSERT, self.image(event.after, key))]
+        if op == "r":
+            return [(Op.UPDATE, self.image(event.after, key))]
+        if op == "d":
+            return [(Op.DELETE, self.image(event.before, key))]
+        new = self.image(event.after, key)
+        if event.before is not None:
+            old = self.image(event.before, key)
+            if any(old[i] != new[i] for i, _ in self.keys):
+                # A changed key: the old row goes, the new one comes (like pgoutput's key change).
+                return [(Op.DELETE, old), (Op.INSERT, new)]
+        return [(Op.UPDATE, new)]
+
+
 def row(values: Optional[Mapping[str, Any]], columns: Sequence[Column],
         types: Sequence[FieldType]) -> Row:
-    """A before/after object as a staged row in the table's column order. A field the table
-    lacks is a schema mismatch; a column the record lacks is NULL."""
-    values = values or {}
-    extra = set(values) - {c.name for c in columns}
-    if extra:
-        raise BadRecord(f"schema mismatch: field(s) {', '.join(sorted(extra))} not in the table "
-                        f"({', '.join(c.name for c in columns)})")
-    out: list[Value] = []
-    for c, t in zip(columns, types, strict=True):
-        try:
-            out.append(to_text(values.get(c.name), t))
-        except BadRecord as exc:
-            raise BadRecord(f"column {c.name}: {exc}") from None
-    return tuple(out)
+    """``Images.row`` for one object."""
+    return Images(columns, types).row(values)
 
 
 def changes(event: Event, key: Optional[Mapping[str, Any]], columns: Sequence[Column],
             types: Sequence[FieldType]) -> list[tuple[Op, Row]]:
-    """The staged changes of one event, in order: (op, row). Key columns missing from
-    the before/after image come from the message key."""
-    keys = [c for c in columns if c.is_key]
-    if event.op == "t":
-        return []
-
-    def image(values: Optional[Mapping[str, Any]]) -> Row:
-        merged = dict(values or {})
-        for c in keys:
-            if merged.get(c.name) is None and key is not None and key.get(c.name) is not None:
-                merged[c.name] = key[c.name]
-        staged = row(merged, columns, types)
-        for i, c in enumerate(columns):
-            if c.is_key and staged[i] in (None, UNCHANGED):
-                raise BadRecord(f"missing key: key column {c.name} has no value in the record "
-                                "or its message key")
-        return staged
-
-    if event.op == "c":
-        return [(Op.INSERT, image(event.after))]
-    if event.op == "r":
-        return [(Op.UPDATE, image(event.after))]
-    if event.op == "d":
-        return [(Op.DELETE, image(event.before))]
-    new = image(event.after)
-    if event.before is not None:
-        old = image(event.before)
-        at = [i for i, c in enumerate(columns) if c.is_key]
-        if [old[i] for i in at] != [new[i] for i in at]:
-            # A changed key: the old row goes, the new one comes (like pgoutput's key change).
-            return [(Op.DELETE, old), (Op.INSERT, new)]
-    return [(Op.UPDATE, new)]
+    """``Images.changes`` for one event."""
+    return Images(columns, types).changes(event, key)
