@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging
 import os
 import signal
@@ -223,6 +224,17 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _collect_rarely() -> None:
+    """Python's cycle collector for a process that stages millions of rows: what is loaded by
+    now (modules, the JVM's gateway) is left out of its collections for good, and its young
+    generation is collected every 50,000 allocations, not 700. A batch makes a tuple or a
+    dict for each row and value, nearly none of them in cycles, and with the defaults each
+    collection walked the survivors: a third of the time decoding Debezium events went to
+    it. Memory freed by reference counting, as nearly all of it is, is unaffected."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from walberg.apply.jvm.spark import start_jvm_for_file
 
@@ -235,6 +247,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     start_early(config, args.once, memo)
     from walberg.pipeline import Pipeline
+
+    _collect_rarely()
 
     if config.source.kafka is not None:
         return _run_kafka(config, args.once)
