@@ -4,7 +4,8 @@ last commit added, and its files. Reads only; nothing here commits."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+import json
+from typing import Any, Optional
 
 from walberg.apply.jvm.spark import spark_call
 from walberg.apply.session import (
@@ -62,35 +63,31 @@ class Snapshots:
         """``target`` as an Iceberg Java table, refreshed (metadata on the driver only)."""
         return java_table(self.lake.spark, target)
 
-    def current_ancestry(self, target: str) -> Iterator[Any]:
-        """The summary (a Java map) of the table's current snapshot and of each of its
-        ancestors still held, newest first: what the ``history`` metadata table calls the
-        current ancestors."""
+    def current_ancestry(self, target: str) -> list[dict[str, str]]:
+        """The summary of the table's current snapshot and of each of its ancestors still held,
+        newest first (what the ``history`` metadata table calls the current ancestors), read
+        from the table's metadata on the driver in one call: no Spark job."""
+        from walberg.apply.jvm.helper import batch_helper
+
         table = self.iceberg_table(target)
-        snapshot = table.currentSnapshot()
-        while snapshot is not None:
-            yield snapshot.summary()
-            parent = snapshot.parentId()
-            snapshot = table.snapshot(parent) if parent is not None else None
+        return [{str(k): str(v) for k, v in summary.items()}
+                for summary in json.loads(batch_helper(self.lake.spark).ancestry(table))]
 
     def lsn_marks(self, target: str) -> dict[str, str]:
         """Every source's LSN and Kafka offset in the table's current history (the highest of
         each), so a maintenance commit can carry them all: expiring old snapshots then loses
         none."""
-        t = quote_target(target)
-        rows = self.lake.sql(
-            f"reading the snapshot history of {target}",
-            f"SELECT e.key AS key, e.value AS value FROM {t}.snapshots s "
-            f"JOIN {t}.history h ON s.snapshot_id = h.snapshot_id "
-            f"LATERAL VIEW explode(s.summary) e AS key, value "
-            f"WHERE h.is_current_ancestor AND (e.key = '{LSN_PROPERTY}' "
-            f"OR e.key LIKE '{LSN_PROPERTY}.%' OR e.key LIKE '{OFFSET_PROPERTY}.%')").collect()
         best: dict[str, int] = {}
-        for r in rows:
-            key = r["key"]
-            value = (int(r["value"]) if key.startswith(OFFSET_PROPERTY + ".")
-                     else Lsn.parse(r["value"]))
-            best[key] = max(best.get(key, value), value)
+        for summary in spark_call(f"reading the snapshot history of {target}",
+                                  lambda: self.current_ancestry(target)):
+            for key, text in summary.items():
+                if key.startswith(OFFSET_PROPERTY + "."):
+                    value = int(text)
+                elif key == LSN_PROPERTY or key.startswith(LSN_PROPERTY + "."):
+                    value = Lsn.parse(text)
+                else:
+                    continue
+                best[key] = max(best.get(key, value), value)
         return {k: (str(Lsn(v)) if k.startswith(LSN_PROPERTY) else str(v))
                 for k, v in best.items()}
 

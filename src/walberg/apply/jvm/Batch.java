@@ -34,6 +34,7 @@ import org.apache.iceberg.MetricsConfig;
 import org.apache.iceberg.OverwriteFiles;
 import org.apache.iceberg.PartitionSpec;
 import org.apache.iceberg.RowDelta;
+import org.apache.iceberg.Snapshot;
 import org.apache.iceberg.Table;
 import org.apache.iceberg.TableScan;
 import org.apache.iceberg.io.CloseableIterable;
@@ -193,6 +194,20 @@ public class Batch {
      * trips a property). */
     public String properties(Table table) throws Exception {
         return json.writeValueAsString(table.properties());
+    }
+
+    /** The summaries of the table's current snapshot and of each ancestor it still holds,
+     * newest first, as a JSON list (py4j would walk the chain in three round trips a
+     * snapshot and iterate each summary in three an entry). */
+    public String ancestry(Table table) throws Exception {
+        List summaries = new ArrayList();
+        Snapshot snapshot = table.currentSnapshot();
+        while (snapshot != null) {
+            summaries.add(snapshot.summary());
+            Long parent = snapshot.parentId();
+            snapshot = parent == null ? null : table.snapshot(parent.longValue());
+        }
+        return json.writeValueAsString(summaries);
     }
 
     /** The values of {@code map} at {@code keys} (a JSON list of strings), in order. */
