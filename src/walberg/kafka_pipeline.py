@@ -132,7 +132,7 @@ class KafkaPipeline:
         thread = threading.Thread(target=applier.loop, name="walberg-apply", daemon=True)
         thread.start()
         try:
-            reader.read(once)
+            reader.read(once, coming=self.sink.warm)
             if once or not state.stop.is_set():
                 reader.drain()
         finally:

@@ -5,6 +5,7 @@ the pipeline's main thread, beside the applier."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from walberg import metrics
 from walberg.buffer.store import SegmentStore
@@ -31,14 +32,17 @@ class KafkaReader:
         self._read: dict[Partition, int] = {}  # next offset read from the broker
         self._source = config.source_name or "kafka"  # the gauges' label
 
-    def read(self, once: bool) -> None:
+    def read(self, once: bool, coming: Callable[[], None] = lambda: None) -> None:
         """Read until stopped; with ``once``, until every partition is read up to its end as
-        it was at the start."""
+        it was at the start. ``coming``: called when there are records to read (at once when
+        streaming), so the first batch's commit can be readied meanwhile."""
         consumer, store, state = self.consumer, self.store, self.state
         applied = state.applied_offsets()
         partitions = consumer.partitions(self.topics)
         start = {tp: applied.get(tp, kafka.BEGINNING) for tp in partitions}
         ends = {tp: consumer.high_watermark(*tp) for tp in partitions} if once else {}
+        if not once or any(end > max(start[tp], 0) for tp, end in ends.items()):
+            coming()
         consumer.assign(start)
         log.info("reading %s from the lake's offsets: %s", ", ".join(self.topics),
                  ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
@@ -46,15 +50,20 @@ class KafkaReader:
         interval = self.config.buffer.max_interval_seconds
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
         while not state.stop.is_set() and state.error is None:
-            if once and all(self._read.get(tp, applied.get(tp, 0)) >= end
-                            for tp, end in ends.items()):
-                break
+            limit = 500
+            if once:
+                left = sum(max(end - self._read.get(tp, applied.get(tp, 0)), 0)
+                           for tp, end in ends.items())
+                if not left:
+                    break
+                # (no more than is left: the consumer waits out its timeout for a fuller batch)
+                limit = min(limit, left)
             if store.pending_bytes() > backlog_limit:
                 # Spark is behind: stop reading for a moment.
                 state.progress.wait(0.2)
                 state.progress.clear()
                 continue
-            for record in consumer.poll(min(interval, 0.5)):
+            for record in consumer.poll(min(interval, 0.5), limit):
                 store.append(record.offset, FRAME_KAFKA, kafka.encode(record))
                 self._read[(record.topic, record.partition)] = record.offset + 1
                 if store.should_seal():

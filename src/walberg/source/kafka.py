@@ -112,7 +112,8 @@ class Consumer:
         self._consumer.assign([self._ck.TopicPartition(t, p, o) for (t, p), o in start.items()])
 
     def poll(self, timeout: float, limit: int = 500) -> list[Record]:
-        """Up to ``limit`` records, waiting at most ``timeout`` seconds for the first."""
+        """Up to ``limit`` records, within ``timeout`` seconds: librdkafka returns as soon as
+        it has ``limit`` of them, else at the timeout with what came."""
         out: list[Record] = []
         for m in self._consumer.consume(limit, timeout):
             error = m.error()
