@@ -156,8 +156,8 @@ class IcebergSink:
         return self.writes.append_changes(target, staged, lsn, max_seq, void, txns, held)
 
     def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
-                  lsn: Lsn) -> None:
-        self.writes.load_copy(target, columns, files, lsn)
+                  lsn: Lsn, on_driver: bool = True) -> None:
+        self.writes.load_copy(target, columns, files, lsn, on_driver)
 
     def copy_here(self, target: str, columns: Sequence[Column],
                   staged: Sequence[pa.DataType]) -> bool:

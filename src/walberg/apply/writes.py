@@ -174,12 +174,13 @@ class Writes:
         return count
 
     def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
-                  lsn: Lsn) -> None:
+                  lsn: Lsn, on_driver: bool = True) -> None:
         """Replace the table's contents with the initial copy, in one commit marked ``lsn``:
         written on the driver when staging left every column in its type (apply.copyfiles),
-        else by Spark."""
-        if copyfiles.write_copy(self.lake, self.tables, target, columns, files, lsn,
-                                self.lake.marks(lsn, None)) is not None:
+        else by Spark. ``on_driver``: False when ``copy_here`` or ``write_copy_parts`` has
+        already found (and said) that this table's copy is Spark's."""
+        if on_driver and copyfiles.write_copy(self.lake, self.tables, target, columns, files,
+                                              lsn, self.lake.marks(lsn, None)) is not None:
             self.lake.refresh(target)
         else:
             df = self.lake.read_staged(files)

@@ -157,7 +157,9 @@ class InitialCopy:
             self.sink.append_copy(changelog, info.columns, [parquet], created.consistent_point)
             self.tables.changelog_held[source] = created.consistent_point
         if changelog != target:
-            self.sink.load_copy(target, info.columns, [parquet], created.consistent_point)
+            # (without a changelog the driver's path was weighed above, and said why not)
+            self.sink.load_copy(target, info.columns, [parquet], created.consistent_point,
+                                on_driver=changelog is not None)
         return stream.rows
 
     def _copy_direct(self, info: pg.TableInfo, created: CreatedSlot, workdir: Path,
