@@ -59,8 +59,8 @@ def main() -> int:
             cur.execute("CREATE TABLE cmd (id bigint PRIMARY KEY, name text)")
             cur.execute("INSERT INTO cmd SELECT g, 'name ' || g FROM generate_series(1, %s) g",
                         (args.rows,))
-        config = str(write_config(server.dsn, work, "cmd"))
-        walberg_once(Path(config))
+        config = str(write_config({"pg": server.dsn}, work, "cmd"))
+        walberg_once(Path(config), "copy")
         target = "lake.bench.cmd"
         runs: dict[str, Any] = {
             "help (baseline)": lambda: command("--help"),

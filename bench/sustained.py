@@ -71,6 +71,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _one(cur: Any) -> Any:
+    """The one value of the one row the cursor's last statement returned."""
+    row = cur.fetchone()
+    assert row is not None
+    return row[0]
+
+
 def write_config(dsn: str, work: Path, name: str, port: int) -> Path:
     raw = {
         "source": {"postgres": {"dsn": dsn, "slot": f"slot_{name}", "publication": f"pub_{name}",
@@ -179,7 +186,7 @@ class Writer:
         # Just before the commit record: the LSN walberg reports for this transaction is at
         # least this.
         cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-        self.last = lsn_int(cur.fetchone()[0])
+        self.last = lsn_int(_one(cur))
         cur.execute("COMMIT")
         self.commits.append((self.last, time.time()))
         self.changes += made
@@ -344,7 +351,7 @@ def main() -> int:
         live.wait(30)
         cur.execute(f"SELECT pg_drop_replication_slot('live_{name}')")
         cur.execute("SELECT pg_current_wal_insert_lsn()::text")
-        recv_s = recvlogical(server, f"recv_{name}", f"recv_{name}", cur.fetchone()[0])
+        recv_s = recvlogical(server, {server.dsn: f"recv_{name}"}, f"recv_{name}", _one(cur))
         cur.execute(f"SELECT pg_drop_replication_slot('recv_{name}')")
         flat = writer.changes
         flat_commits, writer.commits = writer.commits, []
