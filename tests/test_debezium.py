@@ -109,6 +109,7 @@ def test_envelopes_with_and_without_schema() -> None:
 
 COLUMNS = (Column("id", dbz.INT4, is_key=True), Column("v", dbz.TEXT))
 TYPES = (dbz.FieldType(dbz.INT4), dbz.FieldType(dbz.TEXT))
+IMAGES = dbz.Images(COLUMNS, TYPES)
 
 
 def _event(op: str, before: object, after: object) -> dbz.Event:
@@ -116,18 +117,18 @@ def _event(op: str, before: object, after: object) -> dbz.Event:
 
 
 def test_ops_become_staged_changes() -> None:
-    assert dbz.changes(_event("c", None, {"id": 1, "v": "a"}), None, COLUMNS, TYPES) == \
+    assert IMAGES.changes(_event("c", None, {"id": 1, "v": "a"}), None) == \
         [(Op.INSERT, (b"1", b"a"))]
-    assert dbz.changes(_event("r", None, {"id": 1, "v": "a"}), None, COLUMNS, TYPES) == \
+    assert IMAGES.changes(_event("r", None, {"id": 1, "v": "a"}), None) == \
         [(Op.UPDATE, (b"1", b"a"))]
-    assert dbz.changes(_event("u", {"id": 1, "v": "a"}, {"id": 1, "v": "b"}), None, COLUMNS,
-                       TYPES) == [(Op.UPDATE, (b"1", b"b"))]
+    assert IMAGES.changes(_event("u", {"id": 1, "v": "a"}, {"id": 1, "v": "b"}), None) == \
+        [(Op.UPDATE, (b"1", b"b"))]
     # A changed key: the old row goes, the new one comes.
-    assert dbz.changes(_event("u", {"id": 1, "v": "a"}, {"id": 2, "v": "a"}), None, COLUMNS,
-                       TYPES) == [(Op.DELETE, (b"1", b"a")), (Op.INSERT, (b"2", b"a"))]
+    assert IMAGES.changes(_event("u", {"id": 1, "v": "a"}, {"id": 2, "v": "a"}), None) == \
+        [(Op.DELETE, (b"1", b"a")), (Op.INSERT, (b"2", b"a"))]
     # A delete without a before image takes its key from the message key.
-    assert dbz.changes(_event("d", None, None), {"id": 7}, COLUMNS, TYPES) == [(Op.DELETE, (b"7", None))]
+    assert IMAGES.changes(_event("d", None, None), {"id": 7}) == [(Op.DELETE, (b"7", None))]
     with pytest.raises(dbz.BadRecord, match="missing key"):
-        dbz.changes(_event("d", None, None), None, COLUMNS, TYPES)
+        IMAGES.changes(_event("d", None, None), None)
     with pytest.raises(dbz.BadRecord, match="schema mismatch"):
-        dbz.changes(_event("c", None, {"id": 1, "extra": 2}), None, COLUMNS, TYPES)
+        IMAGES.changes(_event("c", None, {"id": 1, "extra": 2}), None)

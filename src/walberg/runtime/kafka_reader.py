@@ -50,7 +50,7 @@ class KafkaReader:
         interval = self.config.buffer.max_interval_seconds
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
         while not state.stop.is_set() and state.error is None:
-            limit = 500
+            limit = kafka.POLL_LIMIT
             if once:
                 left = sum(max(end - self._read.get(tp, applied.get(tp, 0)), 0)
                            for tp, end in ends.items())

@@ -1,7 +1,8 @@
 """Debezium change events (JSON, with or without the ``schema`` part): parsing, the column
 types they declare, and their values as the Postgres text the apply stage takes. Pure: no I/O.
 
-An event becomes staged changes the same way a pgoutput message does (see ``changes``):
+An event becomes staged changes the same way a pgoutput message does (see
+``Images.changes``):
 
     op c -> insert      op r -> upsert (a snapshot read may be sent again)
     op u -> update by key; a changed key -> delete of the old key + insert of the new row
@@ -401,12 +402,12 @@ class Images:
     def image(self, values: Optional[Mapping[str, Any]], key: Optional[Mapping[str, Any]]
               ) -> Row:
         """``row``, with key columns missing from the object taken from the message key."""
-        if key is not None and any((values or {}).get(n) is None and key.get(n) is not None
-                                   for _, n in self.keys):
-            values = dict(values or {})
-            for _, n in self.keys:
-                if values.get(n) is None and key.get(n) is not None:
-                    values[n] = key[n]
+        if key is not None:
+            given = values or {}
+            missing = {n: key[n] for _, n in self.keys
+                       if given.get(n) is None and key.get(n) is not None}
+            if missing:
+                values = {**given, **missing}
         staged = self.row(values)
         for i, n in self.keys:
             if staged[i] is None or staged[i] is UNCHANGED:
@@ -434,14 +435,3 @@ class Images:
                 return [(Op.DELETE, old), (Op.INSERT, new)]
         return [(Op.UPDATE, new)]
 
-
-def row(values: Optional[Mapping[str, Any]], columns: Sequence[Column],
-        types: Sequence[FieldType]) -> Row:
-    """``Images.row`` for one object."""
-    return Images(columns, types).row(values)
-
-
-def changes(event: Event, key: Optional[Mapping[str, Any]], columns: Sequence[Column],
-            types: Sequence[FieldType]) -> list[tuple[Op, Row]]:
-    """``Images.changes`` for one event."""
-    return Images(columns, types).changes(event, key)

@@ -63,6 +63,9 @@ def _module() -> Any:
     return confluent_kafka
 
 
+POLL_LIMIT = 500  # records a poll asks for at most
+
+
 class Consumer:
     """A consumer of the configured topics, started at given offsets."""
 
@@ -111,7 +114,7 @@ class Consumer:
         """Read these partitions from these offsets (``BEGINNING``: the earliest there is)."""
         self._consumer.assign([self._ck.TopicPartition(t, p, o) for (t, p), o in start.items()])
 
-    def poll(self, timeout: float, limit: int = 500) -> list[Record]:
+    def poll(self, timeout: float, limit: int = POLL_LIMIT) -> list[Record]:
         """Up to ``limit`` records, within ``timeout`` seconds: librdkafka returns as soon as
         it has ``limit`` of them, else at the timeout with what came."""
         out: list[Record] = []
