@@ -177,8 +177,10 @@ def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
     target = f"{CATALOG}.ns_{unique}.{unique}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
 
-    # First: a first batch commits (in this process), then updates arrive and a later commit
-    # is killed inside (a process of its own: only the crash needs one).
+    # First: a first batch commits (in this process), then updates arrive and the next run is
+    # killed after its lookup, before its row delta commits (a process of its own: only the
+    # crash needs one). Not "commit" (a timer half a second into the commit): a warm row delta
+    # can commit within that, and then the lake is not behind.
     run_once(_config(raw, tmp_path), spark, KafkaPipeline)
     for i in range(1, 121):
         if i % 3 == 0:
@@ -191,7 +193,7 @@ def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
         p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": i}), partition=i % 2)
         expected[i] = i
     crashed = subprocess.run([sys.executable, "-m", "walberg.cli", "run", "-c", str(path),
-                              "--once"], env=dict(env, WALBERG_CRASH_AT="commit:1"),
+                              "--once"], env=dict(env, WALBERG_CRASH_AT="row-delta:1"),
                              capture_output=True, text=True, timeout=600)
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout + crashed.stderr
     half = {r["id"]: r["v"] for r in iceberg_rows(warehouse, target)}
