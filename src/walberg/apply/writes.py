@@ -21,7 +21,7 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
-from walberg.apply.jvm.spark import spark_call, with_commit_properties
+from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call, with_commit_properties
 from walberg.apply.position.keycodec import ByMerge
 from walberg.apply.position.keyed import KeyedApply
 from walberg.apply.position.partitions import NotHere
@@ -168,7 +168,8 @@ class Writes:
             count = int(spark_call(f"appending changes to {target}", rows.count))
             if count:
                 spark_call(f"appending changes to {target}",
-                           lambda: self.lake.writer(rows, target, lsn).append())
+                           lambda: one_commit_at_a_time(
+                               target, lambda: self.lake.writer(rows, target, lsn).append()))
         finally:
             rows.unpersist()
         return count
@@ -379,7 +380,6 @@ class Writes:
         ``LakeSession.marks``): the rows with ``_wb_seq <= max_seq`` outside the ``void``
         ranges, after the last TRUNCATE that counts. ``upsert``: inserts are merged by key even
         when the batch only inserts (the table may hold some of them already)."""
-        columns = staged.columns
         truncate = effective_truncate(max_seq, void, staged.truncates)
 
         def staged_rows() -> Any:
@@ -403,7 +403,18 @@ class Writes:
             except ByMerge as exc:
                 self.keyed.clashed(target, exc)  # nothing was committed: MERGE below
 
-        df = staged_rows() if staged.files else None
+        # Sources fanning in to this table apply from threads of one process: one Spark SQL
+        # write at a time per table, as the row delta commits (see one_commit_at_a_time).
+        one_commit_at_a_time(target, lambda: self._apply_by_spark(
+            target, staged, staged_rows() if staged.files else None, lsn, truncate, marks,
+            upsert))
+
+    def _apply_by_spark(self, target: str, staged: StagedTable, df: Optional[Any], lsn: Lsn,
+                        truncate: Optional[int], marks: Optional[Mapping[str, str]],
+                        upsert: bool) -> None:
+        """``apply``'s Spark SQL write: an append, a multiset's, a MERGE, or a reload after a
+        TRUNCATE."""
+        columns = staged.columns
         if staged.insert_only and df is not None and not upsert:
             typed = self.lake.typed(df, target, columns, "_wb_lsn")
             spark_call(f"appending to {target}",
