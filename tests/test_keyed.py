@@ -10,11 +10,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.position import keyed
+from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.keyindex import KeyIndex
 from walberg.apply.session import java_table, quote_target
 from walberg.config import parse_config
@@ -46,6 +49,23 @@ def _summary(warehouse: Path, target: str) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties)
 
 
+def _points_at_its_row(directory: Path, sql_type: str, ids: list[Any], arrow: Any) -> None:
+    """Each of ``ids`` is in the index in ``directory``, at the data file and position that
+    hold its row."""
+    codec = KeyCodec.for_types([sql_type])
+    assert codec is not None
+    index = KeyIndex(directory, encoding=codec.name)
+    keys, checks = codec.encode([pa.array(ids, arrow)])
+    by_key = dict(zip(keys.tolist(), ids, strict=True))
+    hits = index.lookup(keys, checks)
+    assert len(hits.keys) == len(ids)
+    files = {f: pq.read_table(f.removeprefix("file:"), columns=["id"]).column("id").to_pylist()
+             for f in set(hits.files)}
+    for key, file, position in zip(hits.keys.tolist(), hits.files, hits.positions.tolist(),
+                                   strict=True):
+        assert files[file][position] == by_key[key], (file, position)
+
+
 def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spark: Any,
                                                warehouse: Path, tmp_path: Path, unique: str,
                                                caplog: pytest.LogCaptureFixture,
@@ -66,8 +86,13 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         run_once(config, spark)
     index = KeyIndex(config.index_dir / target)
     assert index.built and index.size == 3000, "the copy builds the index"
-    # from the copy's data files (no delete file yet), read on the driver
-    assert "data file(s) read on the driver): 3000 keys" in caplog.text, caplog.text[-2000:]
+    # from the copy's rows as they were written (the copy's data files are not read back)
+    assert "made from the copy's rows as they were written: 3000 keys" in caplog.text, \
+        caplog.text[-2000:]
+    # ... every key pointing at its row in the copy's data file (so for the text keys)
+    _points_at_its_row(config.index_dir / target, "BIGINT", list(range(1, 3001)), pa.int64())
+    _points_at_its_row(config.index_dir / config.target_for(text_keyed), "STRING",
+                       [f"k{g}" for g in range(1, 51)], pa.string())
     caplog.clear()
 
     rounds = [
@@ -285,8 +310,10 @@ def test_every_key_shape_applies_by_position(pg_conn: Any, postgres: Any, spark:
     with caplog.at_level(logging.INFO, logger="walberg"):
         run_once(config, spark)
     for target in targets.values():
-        assert f"key index of {target} rebuilt from the lake (1 data file(s) read on the " \
-               "driver): 2000 keys" in caplog.text, caplog.text[-3000:]
+        # (the copy's rows went to the index as they were written: the first round's updates
+        # and deletes find their rows through it)
+        assert f"key index of {target} made from the copy's rows as they were written: 2000 " \
+               "keys" in caplog.text, caplog.text[-3000:]
 
     rounds = [
         ["UPDATE {t} SET v = v + 1 WHERE v % 7 = 0", "DELETE FROM {t} WHERE v % 11 = 0",

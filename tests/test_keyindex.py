@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from walberg.apply.position.keycodec import KeyClash
+from walberg.apply.position.copykeys import KeysAsWritten
+from walberg.apply.position.keycodec import ByMerge, KeyClash, KeyCodec
 from walberg.apply.position.keyindex import Entry, KeyIndex
 
 Model = dict[int, tuple[str, int]]
@@ -106,6 +108,56 @@ def test_rebuild_from_files_sorts_on_disk(tmp_path_factory: object, files: list[
     assert index.snapshot == 5 and index.size == len(model)
     assert _answers(index, sorted(model) + [10**13]) == model
     assert _answers(KeyIndex(folder / "index"), sorted(model)) == model
+
+
+@settings(max_examples=40, deadline=None)
+@given(files=st.lists(st.lists(st.integers(-10**12, 10**12), max_size=40), max_size=6),
+       run=st.integers(1, 50), group=st.integers(1, 15), seed=st.integers(0, 2**32 - 1))
+def test_keys_taken_as_a_copy_writes_them(tmp_path_factory: object, files: list[list[int]],
+                                          run: int, group: int, seed: int) -> None:
+    """A copy's parts handed over as they are written (the parts of several files, as a
+    partitioned copy's, interleaved), encoded and sorted in a thread: the index answers as if
+    rebuilt from the files, whatever the run and part sizes."""
+    folder: Path = tmp_path_factory.mktemp("copykeys")  # type: ignore[attr-defined]
+    seen: set[int] = set()
+    model: Model = {}
+    parts: list[list[tuple[int, list[int]]]] = []  # each file's parts, in order
+    for n, keys in enumerate(files):
+        keys = [k for k in dict.fromkeys(keys) if k not in seen]  # each key in one row
+        seen.update(keys)
+        model.update({k: (f"data-{n}.parquet", pos) for pos, k in enumerate(keys)})
+        parts.append([(lo, keys[lo:lo + group]) for lo in range(0, len(keys), group)])
+    codec = KeyCodec.for_types(["BIGINT"])
+    assert codec is not None
+    (folder / "scratch").mkdir()
+    taken = KeysAsWritten(["id"], codec, folder / "scratch", run=run)
+    rng = np.random.default_rng(seed)
+    while any(parts):  # a file drawn at random gives its next part
+        n = int(rng.choice([i for i, left in enumerate(parts) if left]))
+        first, keys = parts[n].pop(0)
+        taken.add(f"data-{n}.parquet", first,
+                  pa.table({"id": pa.array(keys, pa.int64()), "v": [0] * len(keys)}))
+    index = KeyIndex(folder / "index", chunk=7)
+    taken.finish(index, 9)
+    assert index.snapshot == 9 and index.size == len(model)
+    assert _answers(index, sorted(model) + [10**13]) == model
+    assert not (folder / "scratch").exists()
+
+
+def test_keys_a_copy_cannot_index_are_said_at_its_end(tmp_path: Path) -> None:
+    """A key the index cannot hold (here NULL) fails ``finish`` with ``ByMerge`` (the table
+    is then merged), and nothing sorted is left behind."""
+    codec = KeyCodec.for_types(["BIGINT"])
+    assert codec is not None
+    (tmp_path / "scratch").mkdir()
+    taken = KeysAsWritten(["id"], codec, tmp_path / "scratch", run=2)
+    taken.add("data-0.parquet", 0, pa.table({"id": pa.array([1, 2, 3], pa.int64())}))
+    taken.add("data-0.parquet", 3, pa.table({"id": pa.array([4, None], pa.int64())}))
+    for _ in range(10):  # (more parts than the queue holds: the thread has stopped)
+        taken.add("data-0.parquet", 5, pa.table({"id": pa.array([9], pa.int64())}))
+    with pytest.raises(ByMerge):
+        taken.finish(KeyIndex(tmp_path / "index"), 1)
+    assert not (tmp_path / "scratch").exists()
 
 
 def test_a_hit_counts_only_when_its_check_matches(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from walberg.apply.jvm.helper import batch_helper
 from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call
 from walberg.apply.position import datafiles
+from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.readahead import ahead
 from walberg.apply.session import SOURCE_COLUMN, LakeSession, java_table
@@ -40,10 +41,14 @@ class CopyFiles:
     target: str
     table: Any
     written: list[datafiles.Written]
+    keys: Optional[KeysAsWritten] = None  # the rows' keys, taken as they were written
+    snapshot: Optional[int] = None  # the commit's, once ``commit`` made it
 
     def discard(self) -> None:
         """Remove the files (a copy that failed after writing them; they are still only on
         this disk: ``commit`` uploads them)."""
+        if self.keys is not None:
+            self.keys.discard()
         for each in self.written:
             each.path.unlink(missing_ok=True)
 
@@ -59,10 +64,12 @@ def why_not_here(lake: LakeSession, tables: Tables, target: str, columns: Sequen
 
 
 def write_files(lake: LakeSession, target: str, columns: Sequence[Column],
-                parts: Iterable[pa.Table], lsn: Lsn, scratch: Path) -> CopyFiles:
+                parts: Iterable[pa.Table], lsn: Lsn, scratch: Path,
+                keys: Optional[KeysAsWritten] = None) -> CopyFiles:
     """Write the copy's rows (``parts``: tables of the staged columns ``c0..cN``, as they come)
     as the table's data files, each row marked ``lsn``; for ``commit``. A table this cannot
-    partition raises ``NotHere`` and leaves nothing written."""
+    partition raises ``NotHere`` and leaves nothing written. ``keys`` takes the rows' keys
+    as they are written (discarded if this fails)."""
     spark = lake.spark
     table = java_table(spark, target)
     schema = datafiles.arrow_schema(table, columns, lake, target)
@@ -72,39 +79,53 @@ def write_files(lake: LakeSession, target: str, columns: Sequence[Column],
     rows = ahead(_with_lsn(parts, schema, int(lsn), lake.source), "copy")
     try:
         written = spark_call(f"writing the initial copy of {target}", lambda: datafiles.write(
-            spark, table, schema, rows, scratch, "walberg-copy", partitioner, fanout=True))
+            spark, table, schema, rows, scratch, "walberg-copy", partitioner, fanout=True,
+            on_rows=None if keys is None else keys.add))
+    except BaseException:
+        if keys is not None:
+            keys.discard()
+        raise
     finally:
         rows.close()  # (its thread stopped before the caller closes ``parts``)
-    return CopyFiles(target, table, written)
+    return CopyFiles(target, table, written, keys)
 
 
 def commit(lake: LakeSession, files: CopyFiles, marks: Mapping[str, str]) -> int:
     """Commit the written files in place of the table's rows, in one commit carrying ``marks``;
     the number of data files it added."""
     crash_point("copy-files")
-    added = spark_call(f"committing the initial copy of {files.target}",
-                       lambda: one_commit_at_a_time(files.target, lambda: _commit(
-                           lake.spark, files.table, files.written, marks, lake.source)))
+    added, files.snapshot = spark_call(
+        f"committing the initial copy of {files.target}",
+        lambda: one_commit_at_a_time(files.target, lambda: _commit(
+            lake.spark, files.table, files.written, marks, lake.source)))
     log.info("initial copy of %s: written on the driver as %d data file(s)", files.target, added)
     return added
 
 
 def write_copy(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
-               files: Sequence[Path], lsn: Lsn, marks: Mapping[str, str]) -> Optional[int]:
+               files: Sequence[Path], lsn: Lsn, marks: Mapping[str, str],
+               keys: Callable[[], Optional[KeysAsWritten]] = lambda: None
+               ) -> Optional[CopyFiles]:
     """Replace ``target``'s rows with the staged copy ``files`` in one commit carrying
-    ``marks``; the number of data files it added, or None if this copy takes Spark's path
-    (the log says why)."""
+    ``marks``; the files committed, or None if this copy takes Spark's path (the log says
+    why). ``keys``: what takes the rows' keys as they are written, if anything."""
     why = why_not_here(lake, tables, target, columns, [pq.read_schema(f).types for f in files])
     if why is not None:
         log.info("initial copy of %s: written by Spark, because %s", target, why)
         return None
     scratch = Path(files[0]).parent if files else Path(".")
     try:
-        written = write_files(lake, target, columns, _staged(files), lsn, scratch)
+        written = write_files(lake, target, columns, _staged(files), lsn, scratch, keys())
     except NotHere as exc:
         log.info("initial copy of %s: written by Spark, because %s", target, exc)
         return None
-    return commit(lake, written, marks)
+    try:
+        commit(lake, written, marks)
+    except BaseException:
+        if written.keys is not None:
+            written.keys.discard()
+        raise
+    return written
 
 
 def _staged(files: Sequence[Path]) -> Iterator[pa.Table]:
@@ -127,9 +148,10 @@ def _with_lsn(parts: Iterable[pa.Table], schema: pa.Schema, lsn: int,
 
 
 def _commit(spark: Any, table: Any, written: list[datafiles.Written],
-            marks: Mapping[str, str], source: Optional[str]) -> int:
+            marks: Mapping[str, str], source: Optional[str]) -> tuple[int, int]:
     """Commit the written files in place of every row the table held (or in a shared table,
-    every row of ``source``: its partition, the first field of a shared table's spec)."""
+    every row of ``source``: its partition, the first field of a shared table's spec); the
+    number of files and the commit's snapshot."""
     expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
     rows = (expressions.alwaysTrue() if source is None
             else expressions.equal(SOURCE_COLUMN, source))
@@ -138,4 +160,4 @@ def _commit(spark: Any, table: Any, written: list[datafiles.Written],
     for key, value in marks.items():
         overwrite.set(key, value)
     overwrite.commit()
-    return len(written)
+    return len(written), int(table.currentSnapshot().snapshotId())

@@ -180,8 +180,10 @@ class Writes:
         written on the driver when staging left every column in its type (apply.copyfiles),
         else by Spark. ``on_driver``: False when ``copy_here`` or ``write_copy_parts`` has
         already found (and said) that this table's copy is Spark's."""
-        if on_driver and copyfiles.write_copy(self.lake, self.tables, target, columns, files,
-                                              lsn, self.lake.marks(lsn, None)) is not None:
+        copied = copyfiles.write_copy(
+            self.lake, self.tables, target, columns, files, lsn, self.lake.marks(lsn, None),
+            lambda: self.keyed.keys_as_written(target, columns)) if on_driver else None
+        if copied is not None:
             self.lake.refresh(target)
         else:
             df = self.lake.read_staged(files)
@@ -190,7 +192,8 @@ class Writes:
                 f"writing the initial copy of {target}",
                 lambda: self.lake.writer(typed, target, lsn).overwrite(self.lake.own_rows()),
             )
-        spark_call(f"indexing the keys of {target}", lambda: self.keyed.prepare(target, columns))
+        spark_call(f"indexing the keys of {target}",
+                   lambda: self.keyed.prepare(target, columns, copied))
 
     def copy_here(self, target: str, columns: Sequence[Column],
                   staged: Sequence[pa.DataType]) -> bool:
@@ -209,7 +212,8 @@ class Writes:
         files, for ``commit_copy``; None (nothing written, the log says why) if this table's
         rows turn out to need Spark."""
         try:
-            return copyfiles.write_files(self.lake, target, columns, parts, lsn, scratch)
+            return copyfiles.write_files(self.lake, target, columns, parts, lsn, scratch,
+                                         self.keyed.keys_as_written(target, columns))
         except NotHere as exc:
             log.info("initial copy of %s: staged for Spark after all, because %s", target, exc)
             return None
@@ -218,10 +222,15 @@ class Writes:
                     lsn: Lsn) -> None:
         """Replace the table's rows with the copy's written files, in one commit marked
         ``lsn``."""
-        copyfiles.commit(self.lake, files, self.lake.marks(lsn, None))
+        try:
+            copyfiles.commit(self.lake, files, self.lake.marks(lsn, None))
+        except BaseException:
+            if files.keys is not None:
+                files.keys.discard()
+            raise
         self.lake.refresh(files.target)
         spark_call(f"indexing the keys of {files.target}",
-                   lambda: self.keyed.prepare(files.target, columns))
+                   lambda: self.keyed.prepare(files.target, columns, files))
 
     def dead_letter_target(self, target: str) -> str:
         return target + DLQ_SUFFIX

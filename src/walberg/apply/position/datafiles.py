@@ -25,7 +25,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -151,14 +151,15 @@ FANOUT_BUDGET_BYTES = 256 * 1024 * 1024  # a copy's rows held back, over all its
 
 def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
           scratch: Path, prefix: str, partitioner: Optional[Partitioner] = None,
-          fanout: bool = False) -> list[Written]:
+          fanout: bool = False, on_rows: Optional[OnRows] = None) -> list[Written]:
     """Write ``parts`` (tables in ``schema``) as data files of ``table`` named ``prefix-*``:
     in its data folder when that is on this disk, else under ``scratch`` for ``data_files``
     to upload. With a ``partitioner``, each partition's rows go to files of their own, under a
     folder named for it: gathered first and written a partition at a time (a batch's new
     rows), or with ``fanout`` (a copy, too large to gather) as they come, a file open per
     partition; over ``MAX_OPEN_PARTITIONS`` of them, ``NotHere`` (and nothing stays
-    written)."""
+    written). ``on_rows`` is told each part as it is written: its data file's location and
+    the position of its first row there."""
     props = java_properties(spark, table)
     codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
     level = props.get("write.parquet.compression-level")
@@ -177,7 +178,7 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
                 raise NotHere(f"it has over {MAX_OPEN_PARTITIONS} partitions")
             found = outs[tuple(values)] = _Files(
                 target, schema, prefix, partitioner.folder(values) if partitioner else "",
-                values)
+                values, on_rows)
         return found
 
     try:
@@ -225,6 +226,10 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     return [w for each in outs.values() for w in each.written]
 
 
+# Told each part ``write`` writes: its data file's location, its first row's position there.
+OnRows = Callable[[str, int, pa.Table], None]
+
+
 @dataclass(frozen=True)
 class _Target:
     """Where and how ``write`` writes: the table's data folder, the folder on this disk the
@@ -242,12 +247,14 @@ class _Files:
     one open at a time, rolled at the table's target size."""
 
     def __init__(self, target: _Target, schema: pa.Schema, prefix: str, subfolder: str,
-                 partition: list[Optional[str]]) -> None:
+                 partition: list[Optional[str]], on_rows: Optional[OnRows] = None) -> None:
         self.target, self.schema, self.prefix = target, schema, prefix
         self.subfolder, self.partition = subfolder, partition
+        self.on_rows = on_rows
         self.written: list[Written] = []
         self._writer: Any = None
         self._sink: Any = None
+        self._rows = 0  # in the file open now
 
     def add(self, part: pa.Table) -> None:
         if part.num_rows == 0:
@@ -260,6 +267,7 @@ class _Files:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._sink = open(path, "wb")
             self.written.append(Written(f"{self.target.folder}/{name}", path, self.partition))
+            self._rows = 0
             try:  # decimals as INT32/INT64 where they fit, as Iceberg's own writer does
                 self._writer = pq.ParquetWriter(self._sink, self.schema,
                                                 store_decimal_as_integer=True,
@@ -267,6 +275,9 @@ class _Files:
             except TypeError:  # an older pyarrow: fixed-length decimals, read by all
                 self._writer = pq.ParquetWriter(self._sink, self.schema, **self.target.options)
         self._writer.write_table(part)
+        if self.on_rows is not None:
+            self.on_rows(self.written[-1].location, self._rows, part)
+        self._rows += part.num_rows
         if self._sink.tell() >= self.target.roll_bytes:
             self.close()
 

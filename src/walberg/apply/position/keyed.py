@@ -38,7 +38,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +48,7 @@ import pyarrow.parquet as pq
 from walberg.apply.batch import StagedTable, applied_rows, value_column
 from walberg.apply.jvm.helper import JavaFiles
 from walberg.apply.position import datafiles, rowdelta
+from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
 from walberg.apply.position.lakekeys import live_scan
@@ -70,6 +71,9 @@ from walberg.apply.tables import Tables
 from walberg.apply.types import UUID
 from walberg.faults import crash_point
 from walberg.model import Column, Lsn
+
+if TYPE_CHECKING:
+    from walberg.apply.copyfiles import CopyFiles
 
 log = logging.getLogger("walberg")
 
@@ -409,15 +413,51 @@ class KeyedApply:
             log.info("%s by position: new rows written by Spark, because %s", target, why)
         return why
 
-    def prepare(self, target: str, columns: Sequence[Column]) -> None:
+    def keys_as_written(self, target: str, columns: Sequence[Column]
+                        ) -> Optional[KeysAsWritten]:
+        """For a copy written on the driver: what takes its rows' keys as they are written,
+        for ``prepare``; None if the table is not applied by position."""
+        found = self.key_of(target, columns)
+        if found is None:
+            return None
+        positions, codec = found
+        return KeysAsWritten([columns[i].name for i in positions], codec,
+                             Path(self._scratch().path))
+
+    def prepare(self, target: str, columns: Sequence[Column],
+                copied: Optional[CopyFiles] = None) -> None:
         """After the table was (re)written whole (an initial copy): build its index now, so
-        that the first batch does not wait for it."""
+        that the first batch does not wait for it; from the keys taken as the copy was
+        written when ``copied`` (committed) holds them, else from the lake."""
+        keys = None if copied is None else copied.keys
         self.forget(target)
-        if self.key_of(target, columns) is not None:
-            try:
-                self.index(target, columns)
-            except ByMerge as exc:
-                self.clashed(target, exc)
+        found = self.key_of(target, columns)
+        if found is None:
+            if keys is not None:
+                keys.discard()
+            return
+        try:
+            if keys is not None and copied is not None and copied.snapshot is not None:
+                started = time.monotonic()
+                index = self._indexes[target] = KeyIndex(self._directory(target),
+                                                         encoding=found[1].name)
+                try:
+                    keys.finish(index, copied.snapshot)
+                    log.info("key index of %s made from the copy's rows as they were "
+                             "written: %d keys, %.2f s after its commit", target, index.size,
+                             time.monotonic() - started)
+                except ByMerge:
+                    raise
+                except Exception as exc:  # (made from the lake below instead)
+                    self.forget(target)
+                    log.warning("key index of %s: not made from the copy's rows (%s); made "
+                                "from the lake instead", target, exc)
+            self.index(target, columns)
+        except ByMerge as exc:
+            self.clashed(target, exc)
+        finally:
+            if keys is not None:
+                keys.discard()
 
 
 def _positional(table: Any, source: Optional[str]) -> bool:

@@ -250,7 +250,7 @@ class KeyIndex:
         Sorted on disk under ``scratch`` in runs of ``run`` keys, then merged, so memory stays
         bounded by the run whatever the table's size (about 50 bytes a key of the run: 100 MB
         for the default run of 2M keys)."""
-        self.rebuild(snapshot, _external_sort(_numbered(rows), scratch, run), files)
+        self.rebuild(snapshot, sort_rows(rows, scratch, run), files)
 
     def rebuild_unsorted(self, snapshot: Optional[int], files: list[str],
                          entries: Iterator[Entry], scratch: Path, run: int = 1 << 21) -> None:
@@ -422,6 +422,15 @@ def _numbered(rows: Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]]
 
 
 Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # keys, checks, files, positions
+
+
+def sort_rows(rows: Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]], scratch: Path,
+              run: int = 1 << 21) -> Iterator[Columns]:
+    """The entries of ``rows`` (as ``rebuild_from_files`` takes them) in ascending key order,
+    for ``rebuild`` with the same files: the first batch comes once every row was read and
+    sorted into runs on disk under ``scratch``; the rest are merged from them as they are
+    taken."""
+    return _external_sort(_numbered(rows), scratch, run)
 _NAMES = (("keys", np.int64), ("checks", np.int64), ("files", np.int32), ("positions", np.int64))
 
 
