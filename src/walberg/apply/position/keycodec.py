@@ -159,9 +159,18 @@ def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> list[np.ndarray
     return [np.asarray(column.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)]
 
 
-_HEX = np.full(256, 255, np.uint8)
-_HEX[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10, dtype=np.uint8)
-_HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16, dtype=np.uint8)
+def _hex_pairs() -> np.ndarray:
+    """The byte each two lowercase hex digits spell, by the two characters read as one native
+    uint16 (65536 entries); 0xFFFF for any other two characters."""
+    digits = b"0123456789abcdef"
+    pairs = np.frombuffer(bytes(c for hi in digits for lo in digits for c in (hi, lo)),
+                          np.uint16)
+    table = np.full(1 << 16, 0xFFFF, np.uint16)
+    table[pairs] = np.arange(256, dtype=np.uint16)
+    return table
+
+
+_HEX_PAIRS = _hex_pairs()
 
 
 def _uuid_words(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -178,14 +187,14 @@ def _uuid_words(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     data = np.frombuffer(text.buffers()[2], np.uint8, 36 * n, int(offsets[0])).reshape(n, 36)
     if not bool(np.all(data[:, [8, 13, 18, 23]] == ord("-"))):
         raise KeyEncodingError("a uuid key not in Postgres's spelling")
-    # The 32 hex digits (slices, not a gather: a copy at memory speed), then their values.
+    # The 32 hex digits (slices, not a gather: a copy at memory speed), then the byte of each
+    # two, looked up at once (a third faster than a digit at a time, then shifts).
     digits = np.concatenate([data[:, 0:8], data[:, 9:13], data[:, 14:18], data[:, 19:23],
                              data[:, 24:36]], axis=1)
-    nibbles = _HEX[digits]
-    if int(nibbles.max()) == 255:
+    values = _HEX_PAIRS[digits.view(np.uint16)]
+    if int(values.max()) == 0xFFFF:
         raise KeyEncodingError("a uuid key not in lowercase hex")
-    pairs = nibbles.reshape(n, 16, 2)
-    raw = (pairs[:, :, 0] << 4) | pairs[:, :, 1]
+    raw = values.astype(np.uint8)
     words = raw.view(">u8").astype(np.uint64).view(np.int64)
     return words[:, 0].copy(), words[:, 1].copy()
 
