@@ -92,12 +92,17 @@ def write_files(lake: LakeSession, target: str, columns: Sequence[Column],
 
 def commit(lake: LakeSession, files: CopyFiles, marks: Mapping[str, str]) -> int:
     """Commit the written files in place of the table's rows, in one commit carrying ``marks``;
-    the number of data files it added."""
+    the number of data files it added. If it fails, the keys taken as they were written go."""
     crash_point("copy-files")
-    added, files.snapshot = spark_call(
-        f"committing the initial copy of {files.target}",
-        lambda: one_commit_at_a_time(files.target, lambda: _commit(
-            lake.spark, files.table, files.written, marks, lake.source)))
+    try:
+        added, files.snapshot = spark_call(
+            f"committing the initial copy of {files.target}",
+            lambda: one_commit_at_a_time(files.target, lambda: _commit(
+                lake.spark, files.table, files.written, marks, lake.source)))
+    except BaseException:
+        if files.keys is not None:
+            files.keys.discard()
+        raise
     log.info("initial copy of %s: written on the driver as %d data file(s)", files.target, added)
     return added
 
@@ -119,12 +124,7 @@ def write_copy(lake: LakeSession, tables: Tables, target: str, columns: Sequence
     except NotHere as exc:
         log.info("initial copy of %s: written by Spark, because %s", target, exc)
         return None
-    try:
-        commit(lake, written, marks)
-    except BaseException:
-        if written.keys is not None:
-            written.keys.discard()
-        raise
+    commit(lake, written, marks)
     return written
 
 

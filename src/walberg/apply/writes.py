@@ -222,12 +222,7 @@ class Writes:
                     lsn: Lsn) -> None:
         """Replace the table's rows with the copy's written files, in one commit marked
         ``lsn``."""
-        try:
-            copyfiles.commit(self.lake, files, self.lake.marks(lsn, None))
-        except BaseException:
-            if files.keys is not None:
-                files.keys.discard()
-            raise
+        copyfiles.commit(self.lake, files, self.lake.marks(lsn, None))
         self.lake.refresh(files.target)
         spark_call(f"indexing the keys of {files.target}",
                    lambda: self.keyed.prepare(files.target, columns, files))

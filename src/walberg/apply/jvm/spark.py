@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, T
 
 from walberg.apply.jvm import classcache, launch
 from walberg.errors import ApplyError, EnvironmentProblem
+
+log = logging.getLogger("walberg")
 
 if TYPE_CHECKING:
     from walberg.apply.jvm.watch import StorageWatch
@@ -432,9 +435,7 @@ def _warm_metadata_beside() -> None:
             jvm.org.apache.hadoop.fs.FileSystem.getLocal(
                 jvm.org.apache.hadoop.conf.Configuration())
         except Exception as exc:  # only a warm-up: what needs it does it again, and says
-            import logging
-
-            logging.getLogger("walberg").debug("metadata warm-up failed: %s", exc)
+            log.debug("metadata warm-up failed: %s", exc)
 
     threading.Thread(target=run, name="walberg-warm-metadata", daemon=True).start()
 

@@ -430,34 +430,39 @@ class KeyedApply:
         that the first batch does not wait for it; from the keys taken as the copy was
         written when ``copied`` (committed) holds them, else from the lake."""
         keys = None if copied is None else copied.keys
-        self.forget(target)
-        found = self.key_of(target, columns)
-        if found is None:
-            if keys is not None:
-                keys.discard()
-            return
         try:
-            if keys is not None and copied is not None and copied.snapshot is not None:
-                started = time.monotonic()
-                index = self._indexes[target] = KeyIndex(self._directory(target),
-                                                         encoding=found[1].name)
-                try:
-                    keys.finish(index, copied.snapshot)
-                    log.info("key index of %s made from the copy's rows as they were "
-                             "written: %d keys, %.2f s after its commit", target, index.size,
-                             time.monotonic() - started)
-                except ByMerge:
-                    raise
-                except Exception as exc:  # (made from the lake below instead)
-                    self.forget(target)
-                    log.warning("key index of %s: not made from the copy's rows (%s); made "
-                                "from the lake instead", target, exc)
-            self.index(target, columns)
-        except ByMerge as exc:
-            self.clashed(target, exc)
+            self.forget(target)
+            found = self.key_of(target, columns)
+            if found is None:
+                return
+            try:
+                if keys is not None and copied is not None and copied.snapshot is not None:
+                    self._index_from_copy(target, found[1], keys, copied.snapshot)
+                self.index(target, columns)
+            except ByMerge as exc:
+                self.clashed(target, exc)
         finally:
             if keys is not None:
                 keys.discard()
+
+    def _index_from_copy(self, target: str, codec: KeyCodec, keys: KeysAsWritten,
+                         snapshot: int) -> None:
+        """The table's index made from the keys its copy's rows gave as they were written, as
+        of the copy's commit ``snapshot``; on a failure other than ``ByMerge``, left for
+        ``index`` to make from the lake (with a warning)."""
+        started = time.monotonic()
+        index = self._indexes[target] = KeyIndex(self._directory(target), encoding=codec.name)
+        try:
+            keys.finish(index, snapshot)
+        except ByMerge:
+            raise
+        except Exception as exc:
+            self.forget(target)
+            log.warning("key index of %s: not made from the copy's rows (%s); made from the "
+                        "lake instead", target, exc)
+            return
+        log.info("key index of %s made from the copy's rows as they were written: %d keys, "
+                 "%.2f s after its commit", target, index.size, time.monotonic() - started)
 
 
 def _positional(table: Any, source: Optional[str]) -> bool:
