@@ -281,9 +281,11 @@ class KeyIndex:
             at = np.searchsorted(run.keys, queries)
             hit = pending & (at < len(run.keys))
             hit[hit] = run.keys[at[hit]] == queries[hit]
-            _same(run.checks[at[hit]], wanted[hit])
             live = hit.copy()
             live[hit] = run.file_ids[at[hit]] != TOMBSTONE
+            # A tombstone says the entry's row is gone, whichever key it was (its check is not
+            # kept): only a live entry must be the key looked up.
+            _same(run.checks[at[live]], wanted[live])
             found_keys.append(queries[live])
             found_ids.append(run.file_ids[at[live]])
             found_pos.append(run.positions[at[live]])
