@@ -522,3 +522,82 @@ def test_format_3_tables_get_deletion_vectors_by_position(
     for name, target in targets.items():
         assert f"{target} by position: " in caplog.text, (name, caplog.text[-3000:])
         _rows_equal(pg_conn, warehouse, tables[name], target, spark)
+
+
+def test_a_driver_on_another_machine_fetches_the_index_kept_in_the_warehouse(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The key index is kept beside its table (``_walberg_keys``), versioned by the snapshot
+    it describes, only the newest; `walberg maintain` leaves it there; a driver with no index
+    on its disk fetches it (and follows the compaction since) instead of reading the table's
+    keys back; without it, or with sink.key_index_in_warehouse off, the keys are read."""
+    import os
+    import shutil
+    import time
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id uuid PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT md5(g::text)::uuid, g "
+                    "FROM generate_series(1, 3000) g")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
+        mode="json", exclude={"base_dir"})
+    raw["maintenance"] = {"orphan_retention": "1h"}
+    config = parse_config(raw, tmp_path)
+    target = config.target_for(table)
+    kept = warehouse / target.split(".", 1)[1].replace(".", "/") / "_walberg_keys" / "_one"
+
+    def manifests() -> list[str]:
+        return sorted(p.name for p in kept.glob("snapshot-*.json"))
+
+    def current() -> int:
+        snapshot = hadoop_table(warehouse, target).current_snapshot()
+        assert snapshot is not None
+        return snapshot.snapshot_id
+
+    run_once(config, spark)
+    assert manifests() == [f"snapshot-{current()}.json"], "kept after the copy"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = -v WHERE v % 3 = 0")
+        cur.execute(f"DELETE FROM {table} WHERE v % 7 = 0")
+    _run_logged(config, spark, caplog)
+    assert "kept in the warehouse at snapshot" in caplog.text, caplog.text[-2000:]
+    assert manifests() == [f"snapshot-{current()}.json"], "only the newest state is kept"
+
+    # Orphan removal leaves the kept index alone (even old), and removes a real orphan.
+    long_ago = time.time() - 2 * 86400
+    for path in [*kept.rglob("*"), kept]:
+        os.utime(path, (long_ago, long_ago))
+    decoy = kept.parent.parent / "data" / "orphan.parquet"
+    decoy.write_bytes(b"not referenced")
+    os.utime(decoy, (long_ago, long_ago))
+    before = sorted(p.relative_to(kept) for p in kept.rglob("*"))
+    (report,) = maintain(Lake(config, session=spark), [table])
+    assert report.orphan_files_removed >= 1 and not decoy.exists()
+    assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == before
+
+    # A fresh driver: no index on this disk. It is fetched (hard links from the warehouse on
+    # this disk) and follows the compaction; nothing reads the table's keys.
+    shutil.rmtree(config.index_dir)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 0 WHERE v % 5 = 0")
+        cur.execute(f"DELETE FROM {table} WHERE v % 11 = 0")
+        cur.execute(f"INSERT INTO {table} SELECT md5(g::text)::uuid, g "
+                    "FROM generate_series(5001, 5100) g")
+    _run_logged(config, spark, caplog)
+    assert "fetched from the warehouse" in caplog.text and "followed" in caplog.text, \
+        caplog.text[-3000:]
+    assert "rebuilt" not in caplog.text and "MERGE" not in caplog.text, caplog.text[-3000:]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+    # Not kept (the setting off): a fresh driver reads the keys back.
+    raw["sink"]["key_index_in_warehouse"] = False
+    config = parse_config(raw, tmp_path)
+    shutil.rmtree(config.index_dir)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 1 WHERE v % 4 = 0")
+    _run_logged(config, spark, caplog)
+    assert "rebuilt from the lake" in caplog.text and "fetched" not in caplog.text, \
+        caplog.text[-3000:]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)

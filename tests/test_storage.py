@@ -76,11 +76,28 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
         cur.execute(f"DELETE FROM {table} WHERE id > 450")
     walberg("run", "--once")
     assert "[ok  ]" in walberg("verify")
-    # The driver moves to a fresh machine (no key index here): the index is made anew from
-    # the bucket on the driver, the key column and the delete files read through Arrow's S3.
+    # The key index was kept in the bucket beside the table, versioned by its snapshot.
+    prefix = f"warehouse/{raw['sink']['namespace']}/{unique}/_walberg_keys/_one/"
+    kept = keys(s3, bucket, prefix)
+    assert any(re.fullmatch(r"snapshot-\d+\.json", n[len(prefix):]) for n in kept) and \
+        any("/base-" in n for n in kept), "\n".join(kept)
+    # The driver moves to a fresh machine (no key index here): it fetches the index from the
+    # bucket instead of reading the table's keys.
     shutil.rmtree(tmp_path / "segments" / "keyindex")
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 'moved' WHERE id BETWEEN 40 AND 60")
+    done = walberg_cli("run", "--once", "-c", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = done.stdout + done.stderr
+    assert "fetched from the warehouse" in logged and "rebuilt" not in logged, logged[-3000:]
+    assert "[ok  ]" in walberg("verify")
+    # With no copy in the bucket either, the index is made anew from the bucket on the
+    # driver, the key column and the delete files read through Arrow's S3.
+    shutil.rmtree(tmp_path / "segments" / "keyindex")
+    for name in keys(s3, bucket, prefix):
+        s3.delete_object(Bucket=bucket, Key=name)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 'moved again' WHERE id BETWEEN 50 AND 70")
     done = walberg_cli("run", "--once", "-c", str(path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"rebuilt from the lake \(\d+ data file\(s\) and [1-9]\d* delete file\(s\) "

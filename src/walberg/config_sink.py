@@ -165,6 +165,11 @@ class Sink(_Model):
                           "not) as one row delta found through a key index in buffer.dir "
                           "(cost follows the changes); false: always MERGE (cost follows the "
                           "table)")
+    key_index_in_warehouse: bool = Field(
+        True, description="keep each table's key index (see apply_by_position) in the "
+                          "warehouse too, under <table>/_walberg_keys, versioned by the "
+                          "snapshot it describes: a driver on another machine fetches it "
+                          "instead of reading every key of the table back")
     properties: dict[str, str] = Field(
         default_factory=dict, description="Iceberg table properties for every table")
     tables: dict[str, TableLayout] = Field(

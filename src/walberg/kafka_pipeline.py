@@ -71,7 +71,8 @@ class KafkaPipeline:
         if self._sink is None:
             self._sink = IcebergSink(self._session, self.types, None,
                                      stage_root(self.config, self._session),
-                                     self.config.index_dir)
+                                     self.config.index_dir,
+                                     self.config.sink.key_index_in_warehouse)
         return self._sink
 
     def stop(self) -> None:
@@ -82,6 +83,8 @@ class KafkaPipeline:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        if self._sink is not None:
+            self._sink.close()
         release(self._store, self._session if self._owns_session else None)
         self._store = None
         if self._owns_session:

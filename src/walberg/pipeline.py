@@ -84,7 +84,7 @@ class Pipeline:
         self._tag = config.source_name if config.sink.fan_in else None
         self._sink: Optional[IcebergSink] = (
             IcebergSink(session, self.types, self._tag, stage_root(config, session),
-                        config.index_dir)
+                        config.index_dir, config.sink.key_index_in_warehouse)
             if session is not None else None)
         self._store: Optional[SegmentStore] = None
         self._state = RunState()
@@ -157,7 +157,8 @@ class Pipeline:
 
     def _open_sink(self) -> None:
         self._sink = IcebergSink(self._session, self.types, self._tag,
-                                 stage_root(self.config, self._session), self.config.index_dir)
+                                 stage_root(self.config, self._session), self.config.index_dir,
+                                 self.config.sink.key_index_in_warehouse)
         if self._state.staging_early.is_set():
             self._sink.warm()  # a batch is coming: its commit's code loads meanwhile
 
@@ -189,6 +190,8 @@ class Pipeline:
                 self.session()
             except BaseException:
                 pass
+        if self._sink is not None:
+            self._sink.close()
         release(self._store, self._session if self._owns_session else None, exiting)
         self._store = None
         if self._owns_session:

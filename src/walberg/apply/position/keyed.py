@@ -51,7 +51,8 @@ from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
-from walberg.apply.position.lakekeys import live_scan
+from walberg.apply.position.keystore import KeyStore, Place, place_of
+from walberg.apply.position.lakekeys import Files, live_scan
 from walberg.apply.position.livefiles import LiveFiles, read_blob
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.position.rowdelta import (
@@ -93,11 +94,17 @@ FOLLOW_MAX_ROWS = 2_000_000
 class KeyedApply:
     """Applies batches by position to the tables that allow it (see the module docstring)."""
 
-    def __init__(self, lake: LakeSession, tables: Tables, root: Optional[Path]) -> None:
-        """``root``: where the key indexes live (None: never by position)."""
+    def __init__(self, lake: LakeSession, tables: Tables, root: Optional[Path],
+                 keep: bool = True) -> None:
+        """``root``: where the key indexes live (None: never by position). ``keep``: keep each
+        index in the warehouse too, for a driver on another machine (``keystore``)."""
         self.lake = lake
         self.tables = tables
         self.root = root
+        self._store = KeyStore() if keep and root is not None else None
+        self._places: dict[str, Optional[Place]] = {}
+        self._kept: dict[str, Optional[int]] = {}  # the snapshot each index was last kept at
+        self._files: Optional[Files] = None
         self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
         self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
@@ -136,6 +143,12 @@ class KeyedApply:
         self._positional.pop(target, None)
         self._indexes.pop(target, None)
         self._live.pop(target, None)
+        self._places.pop(target, None)
+
+    def close(self) -> None:
+        """Before the process ends: wait for the indexes still being kept in the warehouse."""
+        if self._store is not None:
+            self._store.close()
 
     # ---- which tables -----------------------------------------------------------------------
 
@@ -191,8 +204,11 @@ class KeyedApply:
             table = java_table(self.lake.spark, target)
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
+        if not found.built and self._store is not None:
+            found = self._fetched(target, table, found, codec, now)
         if found.built and now == found.snapshot:
             self._know_files(target, table, now)
+            self._keep(target, table, found)
             return found
         appended = self._appends_since(table, found.snapshot, now) if found.built else None
         started = time.monotonic()
@@ -232,7 +248,69 @@ class KeyedApply:
                 log.info("key index of %s rebuilt from the lake (%s): %d keys, in %.2f s",
                          target, how, found.size, time.monotonic() - started)
         self._know_files(target, table, found.snapshot)
+        self._keep(target, table, found)
         return found
+
+    # ---- the index in the warehouse (keystore) -----------------------------------------------
+
+    def _place(self, target: str, table: Any) -> Optional[Place]:
+        """Where the table's index is kept in the warehouse (None: nowhere the driver writes;
+        said once)."""
+        if target not in self._places:
+            location = str(table.location())
+            place = self._places[target] = place_of(location, self.lake.source,
+                                                    lambda: self._lake_files().s3_fs())
+            if place is None:
+                log.info("key index of %s: not kept in the warehouse (%s is neither on this "
+                         "machine nor on S3); a driver on another machine reads its keys",
+                         target, location)
+        return self._places[target]
+
+    def _lake_files(self) -> Files:
+        if self._files is None:
+            self._files = Files(self.lake.spark)
+        return self._files
+
+    def _fetched(self, target: str, table: Any, empty: KeyIndex, codec: KeyCodec,
+                 now: Optional[int]) -> KeyIndex:
+        """A driver with no index of the table: the one kept in the warehouse, if it describes
+        the current snapshot or one it follows to it by appends; else ``empty``."""
+        place = self._place(target, table)
+        if place is None or now is None:
+            return empty
+        assert self._store is not None
+        started = time.monotonic()
+        directory = self._directory(target)
+        try:
+            snapshot = self._store.fetch(
+                place, directory, codec.name,
+                lambda s: s == now or self._appends_since(table, s, now) is not None)
+        except Exception as exc:
+            log.warning("key index of %s: the copy in the warehouse could not be read (%s); "
+                        "made from the lake instead", target, exc)
+            return empty
+        if snapshot is None:
+            return empty
+        found = self._indexes[target] = KeyIndex(directory, encoding=codec.name)
+        self._kept[target] = snapshot
+        log.info("key index of %s fetched from the warehouse (snapshot %d, %d keys) in %.2f s",
+                 target, snapshot, found.size, time.monotonic() - started)
+        return found
+
+    def _keep(self, target: str, table: Any, index: KeyIndex) -> None:
+        """Have the index kept in the warehouse at its snapshot, unless it is already."""
+        if self._store is None or index.snapshot is None or \
+                self._kept.get(target) == index.snapshot:
+            return
+        place = self._place(target, table)
+        if place is None:
+            return
+        try:
+            self._store.keep(target, place, index.directory, self._scratch_root())
+        except OSError as exc:
+            log.warning("key index of %s: not kept in the warehouse (%s)", target, exc)
+            return
+        self._kept[target] = index.snapshot
 
     def _know_files(self, target: str, table: Any, snapshot: Optional[int]) -> None:
         """Of a partitioned or format-3 table, the partition and deletion vector of every live
@@ -296,15 +374,19 @@ class KeyedApply:
             == self.lake.source
 
     def _scratch(self) -> "_Scratch":
+        return _Scratch(self._scratch_root())
+
+    def _scratch_root(self) -> Path:
+        """The index root, made if need be; on first use, swept of the scratch folders and
+        links to keep that a killed run left (this process holds buffer.dir's lock)."""
         assert self.root is not None
         if not self.root.is_dir():
             self.root.mkdir(parents=True, exist_ok=True)
         elif not self._swept:
-            # What a killed run left (this process holds buffer.dir's lock).
-            for left in self.root.glob("scratch-*"):
+            for left in [*self.root.glob("scratch-*"), *self.root.glob("keep-*")]:
                 shutil.rmtree(left, ignore_errors=True)
         self._swept = True
-        return _Scratch(self.root)
+        return self.root
 
     # ---- a batch ----------------------------------------------------------------------------
 
@@ -392,6 +474,7 @@ class KeyedApply:
         index.commit(result.snapshot_id, hits.keys, added)
         if live is not None:
             live.committed(result.data_files, result.delete_files, result.snapshot_id)
+        self._keep(target, table, index)
         clock.append(time.monotonic())
         log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
                  "(new rows %.2f s, beside them the lookup and delete file %.2f s; deletes "

@@ -125,7 +125,7 @@ class Files:
             return pa.OSFile(str(local), "rb")
         path = self._s3_path(location)
         assert path is not None
-        return self._s3_fs().open_input_file(path)
+        return self.s3_fs().open_input_file(path)
 
     def read_range(self, location: str, offset: int, length: int) -> bytes:
         with self.open(location) as source:
@@ -138,7 +138,7 @@ class Files:
                 return location[len(scheme):]
         return None
 
-    def _s3_fs(self) -> Any:
+    def s3_fs(self) -> Any:
         if self._s3 is None:
             from pyarrow import fs
 
@@ -158,7 +158,8 @@ class Files:
                 scheme=scheme or ("https" if secure else "http"),
                 force_virtual_addressing=(get("path.style.access") or "false") != "true",
                 connect_timeout=float(get("connection.establish.timeout") or 5000) / 1000,
-                request_timeout=float(get("connection.timeout") or 200000) / 1000)
+                request_timeout=float(get("connection.timeout") or 200000) / 1000,
+                allow_delayed_open=True)
         return self._s3
 
 

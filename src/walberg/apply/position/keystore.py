@@ -1,0 +1,321 @@
+"""A table's key index kept in the warehouse too, beside the table, versioned by the snapshot it
+describes: a driver that starts on a fresh machine (Kubernetes, EMR) fetches it instead of
+reading every key of the table back (see ``keyed.KeyedApply.index``).
+
+Where: ``<table location>/_walberg_keys/<source>/`` (``_one`` with one source). Iceberg's orphan
+file removal (``walberg maintain``) leaves names that begin with ``_`` alone, and a table whose
+folder is removed takes it along.
+
+What: the index's files as ``keyindex`` has them on local disk (a base of four flat columns and
+small delta runs, each written once and never changed) and, written last, ``snapshot-<id>.json``,
+the index's manifest, which names them. On object storage each file is compressed (zstd), a
+base's columns first turned into differences between neighbours, chunk by chunk, with their
+bytes grouped by significance: sorted keys and mostly ascending positions shrink to a few bytes
+an entry. In a warehouse on this machine's disk the files are hard links.
+
+When: after each change of the index (a batch's commit, a copy, a rebuild), by a thread of its
+own, from hard links taken at once (the index moves on meanwhile): only the newest waiting
+state of a table is kept. A run waits for it before it ends (``close``). A crash in between
+leaves the folder at an older snapshot, or with files no manifest names (removed by the next
+keep): a manifest only names files written before it.
+
+Fetched: only when this disk has no index for the table, and only a manifest whose snapshot is
+the table's current one or one the index follows to it (appends and compactions since; the
+caller says which). Anything else, or any failure, and the index is read from the lake as
+before: the copy in the warehouse saves time, never decides what is right.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pyarrow as pa
+from pyarrow import fs as pafs
+
+from walberg.apply.position.keyindex import MANIFEST
+from walberg.faults import crash_point
+
+log = logging.getLogger("walberg")
+
+FOLDER = "_walberg_keys"
+CHUNK = 1 << 20  # entries of a base column packed at a time
+_SNAPSHOT = re.compile(r"snapshot-(-?\d+)\.json")
+_COLUMNS: dict[str, np.dtype] = {"keys": np.dtype(np.int64), "checks": np.dtype(np.int64),
+                                 "files": np.dtype(np.int32), "positions": np.dtype(np.int64)}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one table's index is kept: a folder on an Arrow file system."""
+
+    fs: Any
+    folder: str
+    local: bool  # this machine's disk: the files are hard links, not packed
+
+    def path(self, name: str) -> str:
+        return f"{self.folder}/{name}"
+
+
+def place_of(location: str, source: Optional[str], s3: Callable[[], Any]) -> Optional[Place]:
+    """The place for the index of the table at ``location`` (``source``: the fan-in source
+    whose index it is), or None where the driver cannot write (neither this disk nor S3)."""
+    from walberg.apply.position.rowdelta import local_path
+
+    where = f"{FOLDER}/{source or '_one'}"
+    local = local_path(location)
+    if local is not None:
+        return Place(pafs.LocalFileSystem(), str(local / where), True)
+    for scheme in ("s3a://", "s3://", "s3n://"):
+        if location.startswith(scheme):
+            return Place(s3(), f"{location[len(scheme):].rstrip('/')}/{where}", False)
+    return None
+
+
+def _names(manifest: dict[str, Any], directory: Path) -> list[str]:
+    """The files of the index in ``directory`` that its manifest names, relative to it (a
+    base's checks are not written when they are all 0)."""
+    names = list(manifest["deltas"])
+    if manifest.get("base"):
+        for column in _COLUMNS:
+            name = f"{manifest['base']}/{column}"
+            if column != "checks" or (directory / name).exists():
+                names.append(name)
+    return names
+
+
+@dataclass
+class _Keep:
+    target: str
+    place: Place
+    manifest: dict[str, Any]
+    held: Path  # hard links to the files the manifest names, as they were when asked
+
+
+class KeyStore:
+    """Keeps indexes in the warehouse (one thread, newest state first) and fetches them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wanted: dict[str, _Keep] = {}  # by place folder: the newest state to keep
+        self._worker: Optional[threading.Thread] = None
+        self._idle = threading.Event()
+        self._idle.set()
+
+    # ---- keeping ----------------------------------------------------------------------------
+
+    def keep(self, target: str, place: Place, directory: Path, scratch_root: Path) -> None:
+        """Keep the index in ``directory``, as its manifest says now, at ``place``: in the
+        background; a state of the same table still waiting is dropped for this one."""
+        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest["kept"] = _names(manifest, directory)
+        held = Path(tempfile.mkdtemp(prefix="keep-", dir=scratch_root))
+        try:
+            for name in manifest["kept"]:
+                (held / name).parent.mkdir(parents=True, exist_ok=True)
+                os.link(directory / name, held / name)
+        except OSError:
+            shutil.rmtree(held, ignore_errors=True)
+            raise
+        with self._lock:
+            dropped = self._wanted.pop(place.folder, None)
+            self._wanted[place.folder] = _Keep(target, place, manifest, held)
+            self._idle.clear()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="walberg-keystore",
+                                                daemon=True)
+                self._worker.start()
+        if dropped is not None:
+            shutil.rmtree(dropped.held, ignore_errors=True)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._worker = None
+                    self._idle.set()
+                    return
+                folder = next(iter(self._wanted))
+                job = self._wanted.pop(folder)
+            started = time.monotonic()
+            try:
+                sent = self._keep_now(job)
+                log.info("key index of %s kept in the warehouse at snapshot %s (%d file(s), "
+                         "%.1f MB sent) in %.2f s", job.target, job.manifest["snapshot"],
+                         sent[0], sent[1] / 1e6, time.monotonic() - started)
+            except Exception as exc:
+                log.warning("key index of %s: not kept in the warehouse (%s); a driver on "
+                            "another machine reads the table's keys instead", job.target, exc)
+            finally:
+                shutil.rmtree(job.held, ignore_errors=True)
+
+    def _keep_now(self, job: _Keep) -> tuple[int, int]:
+        """Send the files the folder lacks, then the manifest, then remove what it no longer
+        needs; (files sent, bytes sent)."""
+        place, manifest = job.place, job.manifest
+        there = _listing(place)
+        names = manifest["kept"]
+        sent = [0, 0]
+        for name in names:
+            if name in there:
+                continue
+            if place.local:
+                target = Path(place.path(name))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(job.held / name, target)
+                except OSError:  # another file system: a copy
+                    shutil.copyfile(job.held / name, target)
+                sent[1] += target.stat().st_size
+            else:
+                sent[1] += _send(job.held / name, place, name, manifest["base_size"])
+            sent[0] += 1
+        crash_point("key-store")  # the files there, the manifest naming them not yet
+        name = f"snapshot-{manifest['snapshot']}.json"
+        body = json.dumps({**manifest, "packed": not place.local}).encode()
+        if place.local:
+            partial = Path(place.path(f".{name}.partial"))
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_bytes(body)
+            os.replace(partial, place.path(name))
+        else:
+            if isinstance(place.fs, pafs.LocalFileSystem):
+                place.fs.create_dir(place.folder, recursive=True)
+            with place.fs.open_output_stream(place.path(name)) as out:
+                out.write(body)
+        wanted = {n.split("/")[0] for n in names} | {name}
+        for stale in sorted({n.split("/")[0] for n in there} - wanted):
+            info = place.fs.get_file_info(place.path(stale))
+            if info.type == pafs.FileType.Directory:
+                place.fs.delete_dir(place.path(stale))
+            elif info.type == pafs.FileType.File:
+                place.fs.delete_file(place.path(stale))
+        return sent[0], sent[1]
+
+    def close(self, timeout: float = 300.0) -> None:
+        """Wait for the states asked to be kept (at most ``timeout`` seconds)."""
+        if not self._idle.wait(timeout):
+            log.warning("key indexes not kept in the warehouse within %.0f s; left behind",
+                        timeout)
+
+    # ---- fetching ---------------------------------------------------------------------------
+
+    def fetch(self, place: Place, directory: Path, encoding: str,
+              usable: Callable[[int], bool]) -> Optional[int]:
+        """Bring into ``directory`` (holding no index) the newest kept index whose snapshot is
+        ``usable`` and made with ``encoding``; its snapshot, or None (nothing to fetch)."""
+        infos = place.fs.get_file_info(pafs.FileSelector(place.folder, allow_not_found=True))
+        found = sorted((int(m.group(1)) for m in (_SNAPSHOT.fullmatch(i.base_name)
+                                                  for i in infos) if m), reverse=True)
+        for snapshot in found:
+            if not usable(snapshot):
+                continue
+            with place.fs.open_input_stream(place.path(f"snapshot-{snapshot}.json")) as source:
+                manifest = json.loads(source.read().decode())
+            if manifest.get("encoding", "int") != encoding:
+                return None
+            packed = bool(manifest.pop("packed", False))
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            try:
+                with ThreadPoolExecutor(4, thread_name_prefix="walberg-fetch") as pool:
+                    for done in [pool.submit(_receive, place, name, directory / name, packed,
+                                             manifest["base_size"])
+                                 for name in manifest.pop("kept")]:
+                        done.result()
+                partial = directory / f"{MANIFEST}.partial"
+                partial.write_text(json.dumps(manifest))
+                os.replace(partial, directory / MANIFEST)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            return snapshot
+        return None
+
+
+def _listing(place: Place) -> set[str]:
+    """The names of the files (and folders) under the place, relative to it."""
+    infos = place.fs.get_file_info(pafs.FileSelector(place.folder, allow_not_found=True,
+                                                     recursive=True))
+    prefix = len(place.folder.rstrip("/")) + 1
+    return {i.path[prefix:] for i in infos}
+
+
+def _column(name: str) -> Optional[np.dtype]:
+    """The type of a base column's entries, or None for another file (a delta run)."""
+    folder, _, column = name.rpartition("/")
+    return _COLUMNS.get(column) if folder.startswith("base-") else None
+
+
+def _send(local: Path, place: Place, name: str, entries: int) -> int:
+    """Write one file to object storage, packed (see the module docstring); bytes sent."""
+    dtype = _column(name)
+    if isinstance(place.fs, pafs.LocalFileSystem):  # (object storage has no folders to make)
+        place.fs.create_dir(place.path(name).rpartition("/")[0], recursive=True)
+    with place.fs.open_output_stream(place.path(name)) as raw:
+        with pa.CompressedOutputStream(raw, "zstd") as out:
+            if dtype is None:
+                out.write(local.read_bytes())
+            else:
+                for offset in range(0, entries, CHUNK):
+                    count = min(CHUNK, entries - offset)
+                    values = np.fromfile(local, dtype=dtype, count=count,
+                                         offset=offset * dtype.itemsize)
+                    if len(values) != count:
+                        raise ValueError(f"{name} holds fewer entries than its manifest says")
+                    out.write(_planes(np.diff(values, prepend=dtype.type(0))))
+    return int(place.fs.get_file_info(place.path(name)).size)
+
+
+def _receive(place: Place, name: str, local: Path, packed: bool, entries: int) -> None:
+    """Read one kept file into ``local``, unpacked."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if not packed:
+        if not place.local:
+            pafs.copy_files(place.path(name), str(local), source_filesystem=place.fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+            return
+        try:  # (the index never changes a file in place: a link is a copy)
+            os.link(place.path(name), local)
+        except OSError:
+            shutil.copyfile(place.path(name), local)
+        return
+    dtype = _column(name)
+    with place.fs.open_input_stream(place.path(name)) as raw, \
+            pa.CompressedInputStream(raw, "zstd") as source, open(local, "wb") as out:
+        if dtype is None:
+            while True:
+                block = source.read(1 << 24)
+                if not block:
+                    break
+                out.write(block)
+            return
+        for offset in range(0, entries, CHUNK):
+            count = min(CHUNK, entries - offset)
+            block = source.read(count * dtype.itemsize)
+            if len(block) != count * dtype.itemsize:
+                raise ValueError(f"{name} in the warehouse is shorter than its manifest says")
+            np.cumsum(_unplanes(block, dtype), dtype=dtype).tofile(out)
+
+
+def _planes(values: np.ndarray) -> bytes:
+    """The values' bytes grouped by significance: every lowest byte, then every next one..."""
+    width = values.dtype.itemsize
+    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, width).T).tobytes()
+
+
+def _unplanes(block: bytes, dtype: np.dtype) -> np.ndarray:
+    width = dtype.itemsize
+    planes = np.frombuffer(block, np.uint8).reshape(width, -1)
+    return np.ascontiguousarray(planes.T).view(dtype).reshape(-1)
