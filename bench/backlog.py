@@ -27,9 +27,13 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
 5. With --compare-merge: a second backlog of the same kind on the same table, applied by
    MERGE (`sink.apply_by_position: false`), the apply path before key indexes.
 6. With --moved-driver: a further backlog of the same kind, applied with the table's key index
-   removed from this disk, as a driver on a fresh machine meets it (the index is made anew from
-   the lake, delete files and all): its batch time over the first backlog's (the target: at
-   most 2x).
+   removed from this disk, as a driver on a fresh machine meets it: the index is fetched from
+   the warehouse, where it is kept beside the table (sink.key_index_in_warehouse); then one
+   more, with the kept copy removed too, so the index is made anew from the lake, delete files
+   and all. Each batch's time over the first backlog's (the target: at most 2x).
+
+--warehouse s3: the warehouse on an S3-compatible server on this machine (moto, in memory;
+the s3a jars as tests/test_storage.py finds them), instead of a folder on this disk.
 
 --shape picks the table's key and layout (SHAPES): a bigint key (the default), a uuid, a text
 key, a composite (tenant int, id bigint) key, a bigint key with the Iceberg table partitioned
@@ -113,9 +117,10 @@ def batch_seconds(config: Path, step: str) -> float:
 
 
 def write_config(dsns: dict[str, str], work: Path, name: str, by_position: bool = True,
-                 shape: str = "bigint") -> Path:
+                 shape: str = "bigint", lake: Optional[dict[str, Any]] = None) -> Path:
     """The pipeline file: one source, or with several ``dsns`` (the fanin shape) a source each,
-    fanned in to one table."""
+    fanned in to one table. ``lake``: the warehouse and storage sections for object storage
+    (None: a folder in ``work``)."""
     layout = SHAPES[shape][5]
 
     def source(dsn: str, slot: str) -> dict[str, Any]:
@@ -124,8 +129,9 @@ def write_config(dsns: dict[str, str], work: Path, name: str, by_position: bool 
 
     raw: dict[str, Any] = {
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
-                             "warehouse": str(work / "warehouse")}, "namespace": "bench",
-                 "apply_by_position": by_position},
+                             "warehouse": (lake or {}).get("warehouse",
+                                                           str(work / "warehouse"))},
+                 "namespace": "bench", "apply_by_position": by_position},
         "buffer": {"dir": str(work / f"segments_{name}")},
         "spark": {"master": "local[2]"},
     }
@@ -136,6 +142,8 @@ def write_config(dsns: dict[str, str], work: Path, name: str, by_position: bool 
         raw["sink"]["fan_in"] = True
     if layout:
         raw["sink"]["tables"] = {f"public.{name}": layout}
+    if lake is not None:
+        raw["storage"] = lake["storage"]
     path = work / f"{name}{'' if by_position else '-merge'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -238,14 +246,14 @@ def databases(server: EmbeddedPostgres, cur: Any, shape: str) -> dict[str, tuple
 
 def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Path, rows: int,
              changes: int, compare_merge: bool, shape: str = "bigint",
-             moved: bool = False) -> dict[str, Any]:
+             moved: bool = False, lake: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     name = f"backlog_{shape}_{rows}"
     dsns = {each: dsn for each, (dsn, _) in dbs.items()}
     curs = [c for _, c in dbs.values()]
     # Each source holds its share of the rows and of the changes (one source: all of them).
     share_rows, share_changes = rows // len(curs), changes // len(curs)
     copy_to_stdout_s = sum(make_table(c, name, share_rows, shape) for c in curs)
-    config = write_config(dsns, work, name, shape=shape)
+    config = write_config(dsns, work, name, shape=shape, lake=lake)
     copy_s = walberg_once(config, "copy")
     fixed = noop_runs(config)
     noop_s = fixed["noop_run_once_s"]
@@ -274,22 +282,29 @@ def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Pa
         # MERGE (sink.apply_by_position: false): what the apply cost before, in this run.
         more = backlog(2 * rows + 1)
         merge_s = walberg_once(write_config(dsns, work, name, by_position=False,
-                                            shape=shape), "merge")
+                                            shape=shape, lake=lake), "merge")
         merge = {"merge_run_once_s": merge_s, "merge_changes": more,
                  "merge_net_s": max(merge_s - noop_s, 1e-3),
                  "merge_batch_s": batch_seconds(config.with_name(f"{name}-merge.yaml"), "merge")}
     if moved:
         # The driver moves to a fresh machine: a backlog of the same kind, applied with no key
-        # index on this disk (it is made anew from the lake, delete files and all).
-        more = backlog(3 * rows + 1)
-        for index in (work / f"segments_{name}").glob("**/keyindex"):
-            shutil.rmtree(index)
-        walberg_once(config, "moved")
-        text = config.with_suffix(".moved.log").read_text()
-        found = re.findall(r"rebuilt from the lake \((.*?)\): \d+ keys, in ([0-9.]+) s", text)
-        merge["moved"] = {"changes": more, "batch_s": batch_seconds(config, "moved"),
-                          "index_s": sum(float(f[1]) for f in found) if found else None,
-                          "how": "; ".join(f[0] for f in found) if found else None}
+        # index on this disk; it is fetched from the warehouse. Then again with the copy kept
+        # in the warehouse removed too: made anew from the lake, delete files and all.
+        for n, step in enumerate(("moved", "moved_unkept"), start=3):
+            more = backlog(n * rows + 1)
+            for index in (work / f"segments_{name}").glob("**/keyindex"):
+                shutil.rmtree(index)
+            if step == "moved_unkept":
+                remove_lake(work, lake, f"{name}/_walberg_keys")
+            walberg_once(config, step)
+            text = config.with_suffix(f".{step}.log").read_text()
+            found = [(f"rebuilt from the lake ({how})", seconds) for how, seconds in re.findall(
+                r"rebuilt from the lake \((.*?)\): \d+ keys, in ([0-9.]+) s", text)]
+            found += [("fetched from the warehouse", seconds) for seconds in re.findall(
+                r"fetched from the warehouse \(snapshot -?\d+, \d+ keys\) in ([0-9.]+) s", text)]
+            merge[step] = {"changes": more, "batch_s": batch_seconds(config, step),
+                           "index_s": sum(float(f[1]) for f in found) if found else None,
+                           "how": "; ".join(f[0] for f in found) if found else None}
     result = {
         "rows": rows, "changes": made, "sources": len(curs),
         "copy": {"walberg_run_once_s": copy_s, "copy_to_stdout_s": copy_to_stdout_s,
@@ -308,9 +323,40 @@ def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Pa
         slot = f"slot_{name}" if len(curs) == 1 else f"slot_{name}_{each}"
         c.execute(f"SELECT pg_drop_replication_slot('{slot}')")
         c.execute(f"DROP TABLE {name}")
-    shutil.rmtree(work / "warehouse" / "bench" / name, ignore_errors=True)
+    remove_lake(work, lake, name)
     shutil.rmtree(work / f"segments_{name}", ignore_errors=True)
     return result
+
+
+def remove_lake(work: Path, lake: Optional[dict[str, Any]], folder: str) -> None:
+    """Remove a folder of the bench namespace from the warehouse (on this disk or the S3
+    server)."""
+    if lake is None:
+        shutil.rmtree(work / "warehouse" / "bench" / folder, ignore_errors=True)
+        return
+    s3 = lake["client"]
+    names = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket="bench", Prefix=f"warehouse/bench/{folder}/") for o in page.get("Contents", [])]
+    for lo in range(0, len(names), 1000):
+        s3.delete_objects(Bucket="bench", Delete={"Objects": [{"Key": k}
+                                                             for k in names[lo:lo + 1000]]})
+
+
+def object_storage(work: Path) -> tuple[Any, dict[str, Any]]:
+    """An S3-compatible server (moto) on this machine with a bucket for the warehouse: the
+    server's process, and the pipeline file's warehouse and storage sections for it."""
+    import boto3
+    from staging import moto
+
+    proc, endpoint = moto(work)
+    keys = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **keys)
+    client.create_bucket(Bucket="bench")
+    return proc, {"warehouse": "s3a://bench/warehouse", "client": client,
+                  "storage": {"s3": {"endpoint": endpoint, "region": "us-east-1",
+                                     "path_style_access": True,
+                                     "access_key_id": keys["aws_access_key_id"],
+                                     "secret_access_key": keys["aws_secret_access_key"]}}}
 
 
 def class_archive() -> dict[str, Any]:
@@ -339,6 +385,9 @@ def main() -> int:
     ap.add_argument("--moved-driver", action="store_true",
                     help="also apply a further backlog with no key index on this disk, as a "
                          "driver on a fresh machine does")
+    ap.add_argument("--warehouse", choices=["local", "s3"], default="local",
+                    help="the warehouse in a folder on this disk, or on an S3-compatible "
+                         "server on this machine (moto)")
     ap.add_argument("--shape", choices=sorted([*SHAPES, "kafka"]), default="bigint",
                     help="the table's key and layout (see SHAPES)")
     ap.add_argument("--out", default=None,
@@ -356,8 +405,9 @@ def main() -> int:
         tansu, servers = backlog_kafka.broker(work)
     else:
         server = EmbeddedPostgres().start()
+    moto, lake = object_storage(work) if args.warehouse == "s3" else (None, None)
     results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": [],
-                               "shape": args.shape,
+                               "shape": args.shape, "warehouse": args.warehouse,
                                "class_archive": class_archive()}
     started = time.monotonic()
     try:
@@ -375,7 +425,7 @@ def main() -> int:
             for rows in sizes:
                 results["sizes"].append(one_size(dbs, server, work, rows, args.changes,
                                                    args.compare_merge, args.shape,
-                                                   args.moved_driver))
+                                                   args.moved_driver, lake))
                 print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)",
                       flush=True)
     finally:
@@ -383,6 +433,8 @@ def main() -> int:
             tansu.kill()
         else:
             server.stop()
+        if moto is not None:
+            moto.terminate()
     # Growth is taken from the batches' own time (the net time carries two start-ups' noise).
     base = results["sizes"][0]
     for each in results["sizes"]:
@@ -416,14 +468,16 @@ def main() -> int:
                   f"{s['merge_batch_s']:>8.1f}s {s['merge_growth']:>6.2f}x "
                   f"{s['merge_batch_s'] / s['apply_batch_s']:>17.2f}")
     if args.moved_driver:
-        print("\na further backlog applied by a driver on a fresh machine (no key index here):")
+        print("\nfurther backlogs applied by a driver on a fresh machine (no key index here), "
+              "the index kept in the warehouse, then not:")
         print(f"{'table rows':>12} {'warm batch':>11} {'first batch':>12} {'of it, index':>13} "
-              f"{'first / warm':>13}  index made from")
+              f"{'first / warm':>13}  index")
         for s in results["sizes"]:
-            m = s["moved"]
-            print(f"{s['rows']:>12,} {s['apply_batch_s']:>10.1f}s {m['batch_s']:>11.1f}s "
-                  f"{m['index_s'] or 0:>12.1f}s {m['batch_s'] / s['apply_batch_s']:>13.2f}  "
-                  f"{m['how']}")
+            for step in ("moved", "moved_unkept"):
+                m = s[step]
+                print(f"{s['rows']:>12,} {s['apply_batch_s']:>10.1f}s {m['batch_s']:>11.1f}s "
+                      f"{m['index_s'] or 0:>12.1f}s {m['batch_s'] / s['apply_batch_s']:>13.2f}  "
+                      f"{m['how']}")
     print(f"results: {out}; each run's log: {work}/*.log")
     return 0
 
