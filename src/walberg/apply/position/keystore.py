@@ -8,10 +8,11 @@ folder is removed takes it along.
 
 What: the index's files as ``keyindex`` has them on local disk (a base of four flat columns and
 small delta runs, each written once and never changed) and, written last, ``snapshot-<id>.json``,
-the index's manifest, which names them. On object storage each file is compressed (zstd), a
-base's columns first turned into differences between neighbours, chunk by chunk, with their
-bytes grouped by significance: sorted keys and mostly ascending positions shrink to a few bytes
-an entry. In a warehouse on this machine's disk the files are hard links.
+the index's manifest, which names them. On object storage each file is sent in pieces of 4 MiB
+(``<name>.<n>``: each one PUT, and a fetch reads them side by side), each compressed (zstd),
+a base's columns first turned into differences between neighbours with their bytes grouped by
+significance: sorted keys and mostly ascending positions shrink to a few bytes an entry, one
+integer key's to almost nothing. In a warehouse on this machine's disk the files are hard links.
 
 When: after each change of the index (a batch's commit, a copy, a rebuild), by a thread of its
 own, from hard links taken at once (the index moves on meanwhile): only the newest waiting
@@ -50,7 +51,7 @@ from walberg.faults import crash_point
 log = logging.getLogger("walberg")
 
 FOLDER = "_walberg_keys"
-CHUNK = 1 << 20  # entries of a base column packed at a time
+PIECE = 4 << 20  # bytes of a file in one object on object storage (a multiple of 8)
 _SNAPSHOT = re.compile(r"snapshot-(-?\d+)\.json")
 _COLUMNS: dict[str, np.dtype] = {"keys": np.dtype(np.int64), "checks": np.dtype(np.int64),
                                  "files": np.dtype(np.int32), "positions": np.dtype(np.int64)}
@@ -119,7 +120,8 @@ class KeyStore:
         """Keep the index in ``directory``, as its manifest says now, at ``place``: in the
         background; a state of the same table still waiting is dropped for this one."""
         manifest = json.loads((directory / MANIFEST).read_text())
-        manifest["kept"] = _names(manifest, directory)
+        manifest["kept"] = {name: (directory / name).stat().st_size
+                            for name in _names(manifest, directory)}
         held = Path(tempfile.mkdtemp(prefix="keep-", dir=scratch_root))
         try:
             for name in manifest["kept"]:
@@ -165,12 +167,13 @@ class KeyStore:
         needs; (files sent, bytes sent)."""
         place, manifest = job.place, job.manifest
         there = _listing(place)
-        names = manifest["kept"]
-        sent = [0, 0]
-        for name in names:
-            if name in there:
-                continue
-            if place.local:
+        packed = not place.local
+        wanted = {name: _objects(name, size, packed) for name, size in manifest["kept"].items()}
+        missing = [(name, objects) for name, objects in wanted.items()
+                   if not set(objects) <= there]
+        sent = [len(missing), 0]
+        if place.local:
+            for name, _ in missing:
                 target = Path(place.path(name))
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
@@ -178,12 +181,14 @@ class KeyStore:
                 except OSError:  # another file system: a copy
                     shutil.copyfile(job.held / name, target)
                 sent[1] += target.stat().st_size
-            else:
-                sent[1] += _send(job.held / name, place, name, manifest["base_size"])
-            sent[0] += 1
+        else:
+            with ThreadPoolExecutor(4, thread_name_prefix="walberg-keep") as pool:
+                sent[1] = sum(pool.map(
+                    lambda piece: _send(job.held / piece[0], place, piece[0], piece[1]),
+                    [(name, n) for name, objects in missing for n in range(len(objects))]))
         crash_point("key-store")  # the files there, the manifest naming them not yet
         name = f"snapshot-{manifest['snapshot']}.json"
-        body = json.dumps({**manifest, "packed": not place.local}).encode()
+        body = json.dumps({**manifest, "packed": packed}).encode()
         if place.local:
             partial = Path(place.path(f".{name}.partial"))
             partial.parent.mkdir(parents=True, exist_ok=True)
@@ -194,8 +199,8 @@ class KeyStore:
                 place.fs.create_dir(place.folder, recursive=True)
             with place.fs.open_output_stream(place.path(name)) as out:
                 out.write(body)
-        wanted = {n.split("/")[0] for n in names} | {name}
-        for stale in sorted({n.split("/")[0] for n in there} - wanted):
+        keep = {o.split("/")[0] for objects in wanted.values() for o in objects} | {name}
+        for stale in sorted({n.split("/")[0] for n in there} - keep):
             info = place.fs.get_file_info(place.path(stale))
             if info.type == pafs.FileType.Directory:
                 place.fs.delete_dir(place.path(stale))
@@ -226,13 +231,19 @@ class KeyStore:
             if manifest.get("encoding", "int") != encoding:
                 return None
             packed = bool(manifest.pop("packed", False))
+            sizes: dict[str, int] = manifest.pop("kept")
             shutil.rmtree(directory, ignore_errors=True)
             directory.mkdir(parents=True)
             try:
-                with ThreadPoolExecutor(4, thread_name_prefix="walberg-fetch") as pool:
-                    for done in [pool.submit(_receive, place, name, directory / name, packed,
-                                             manifest["base_size"])
-                                 for name in manifest.pop("kept")]:
+                for name, size in sizes.items():  # (each piece is written in its place)
+                    (directory / name).parent.mkdir(parents=True, exist_ok=True)
+                    with open(directory / name, "wb") as out:
+                        out.truncate(size)
+                with ThreadPoolExecutor(8, thread_name_prefix="walberg-fetch") as pool:
+                    for done in [pool.submit(_receive, place, name, directory / name, packed, n,
+                                             size)
+                                 for name, size in sizes.items()
+                                 for n in range(len(_objects(name, size, packed)))]:
                         done.result()
                 partial = directory / f"{MANIFEST}.partial"
                 partial.write_text(json.dumps(manifest))
@@ -258,55 +269,58 @@ def _column(name: str) -> Optional[np.dtype]:
     return _COLUMNS.get(column) if folder.startswith("base-") else None
 
 
-def _send(local: Path, place: Place, name: str, entries: int) -> int:
-    """Write one file to object storage, packed (see the module docstring); bytes sent."""
+def _objects(name: str, size: int, packed: bool) -> list[str]:
+    """The objects a file of ``size`` bytes is kept as: itself, or its pieces when packed."""
+    if not packed:
+        return [name]
+    return [f"{name}.{n}" for n in range(max(1, -(-size // PIECE)))]
+
+
+def _send(local: Path, place: Place, name: str, n: int) -> int:
+    """Write piece ``n`` of one file to object storage, packed (see the module docstring);
+    the bytes sent."""
+    with open(local, "rb") as source:
+        source.seek(n * PIECE)
+        raw = source.read(PIECE)
     dtype = _column(name)
+    if dtype is not None:
+        values = np.frombuffer(raw, dtype=dtype)
+        raw = _planes(np.diff(values, prepend=dtype.type(0)))
+    body = pa.compress(raw, codec="zstd", asbytes=True)
     if isinstance(place.fs, pafs.LocalFileSystem):  # (object storage has no folders to make)
         place.fs.create_dir(place.path(name).rpartition("/")[0], recursive=True)
-    with place.fs.open_output_stream(place.path(name)) as raw:
-        with pa.CompressedOutputStream(raw, "zstd") as out:
-            if dtype is None:
-                out.write(local.read_bytes())
-            else:
-                for offset in range(0, entries, CHUNK):
-                    count = min(CHUNK, entries - offset)
-                    values = np.fromfile(local, dtype=dtype, count=count,
-                                         offset=offset * dtype.itemsize)
-                    if len(values) != count:
-                        raise ValueError(f"{name} holds fewer entries than its manifest says")
-                    out.write(_planes(np.diff(values, prepend=dtype.type(0))))
-    return int(place.fs.get_file_info(place.path(name)).size)
+    with place.fs.open_output_stream(place.path(f"{name}.{n}")) as out:
+        out.write(body)
+    return len(body)
 
 
-def _receive(place: Place, name: str, local: Path, packed: bool, entries: int) -> None:
-    """Read one kept file into ``local``, unpacked."""
-    local.parent.mkdir(parents=True, exist_ok=True)
+def _receive(place: Place, name: str, local: Path, packed: bool, n: int, size: int) -> None:
+    """Read piece ``n`` of one kept file (of ``size`` bytes) into its place in ``local``."""
     if not packed:
         if not place.local:
             pafs.copy_files(place.path(name), str(local), source_filesystem=place.fs,
                             destination_filesystem=pafs.LocalFileSystem())
             return
+        local.unlink()
         try:  # (the index never changes a file in place: a link is a copy)
             os.link(place.path(name), local)
         except OSError:
             shutil.copyfile(place.path(name), local)
         return
+    length = min(PIECE, size - n * PIECE)
+    with place.fs.open_input_stream(place.path(f"{name}.{n}")) as source:
+        body = source.read()
+    raw = pa.decompress(body, decompressed_size=length, codec="zstd", asbytes=True)
+    if len(raw) != length:
+        raise ValueError(f"{name} in the warehouse is not the size its manifest says")
     dtype = _column(name)
-    with place.fs.open_input_stream(place.path(name)) as raw, \
-            pa.CompressedInputStream(raw, "zstd") as source, open(local, "wb") as out:
-        if dtype is None:
-            while True:
-                block = source.read(1 << 24)
-                if not block:
-                    break
-                out.write(block)
-            return
-        for offset in range(0, entries, CHUNK):
-            count = min(CHUNK, entries - offset)
-            block = source.read(count * dtype.itemsize)
-            if len(block) != count * dtype.itemsize:
-                raise ValueError(f"{name} in the warehouse is shorter than its manifest says")
-            np.cumsum(_unplanes(block, dtype), dtype=dtype).tofile(out)
+    if dtype is not None:
+        raw = np.cumsum(_unplanes(raw, dtype), dtype=dtype).tobytes()
+    fd = os.open(local, os.O_WRONLY)
+    try:
+        os.pwrite(fd, raw, n * PIECE)
+    finally:
+        os.close(fd)
 
 
 def _planes(values: np.ndarray) -> bytes:
