@@ -147,7 +147,8 @@ def write_config(dsns: dict[str, str], work: Path, name: str, by_position: bool 
         # moto's answer to a multipart upload's completion trips the s3a connector's parser
         # (a NullPointerException in the AWS SDK), so the copy's large data files go up in one
         # PUT each on this test server.
-        raw["spark"]["conf"] = {"spark.hadoop.fs.s3a.multipart.threshold": "2G"}
+        raw["spark"]["conf"] = {"spark.hadoop.fs.s3a.multipart.size": "1G",
+                                "spark.hadoop.fs.s3a.multipart.threshold": "1G"}
     path = work / f"{name}{'' if by_position else '-merge'}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
