@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -312,5 +313,22 @@ def test_fan_in_sources_apply_by_position_each_to_its_own_rows(
         sorted((i, v) for _, i, v in _source_rows(conns, unique))
     for name in ("east", "west"):
         assert (tmp_path / "segments" / name / "keyindex").is_dir()
+    # Each source's index is kept in the warehouse in a folder of its own; on a fresh driver
+    # each fetches its own and goes on by position.
+    kept = warehouse / target.split(".", 1)[1].replace(".", "/") / "_walberg_keys"
+    assert sorted(p.name for p in kept.iterdir()) == ["east", "west"]
+    for name in ("east", "west"):
+        shutil.rmtree(tmp_path / "segments" / name / "keyindex")
+    for name, sql in (("east", f"UPDATE {unique} SET v = 'east moved' WHERE id IN (2, 9)"),
+                      ("west", f"DELETE FROM {unique} WHERE id = 9")):
+        with conns[name].cursor() as cur:
+            cur.execute(sql)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        _run(config, spark)
+    assert len(re.findall(rf"key index of {re.escape(target)} fetched from the warehouse",
+                          caplog.text)) == 2, caplog.text[-4000:]
+    assert "rebuilt from the lake" not in caplog.text, caplog.text[-4000:]
+    assert lake() == _source_rows(conns, unique)
     for conn in conns.values():
         conn.close()
