@@ -130,6 +130,10 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         if any(binary in s for s in statements):
             assert "Spark converts column(s) b" in caplog.text, caplog.text[-3000:]
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    # Every key, those of rows the batches wrote included (their entries taken as the rows
+    # were written, not read back), points at its row.
+    _points_at_its_row(config.index_dir / target, "BIGINT",
+                       [r["id"] for r in postgres_rows(pg_conn, table)], pa.int64())
     # The files written on the driver read the same in Spark.
     in_spark = sorted((r["id"], r["v"], r["note"]) for r in spark.table(target).collect())
     assert in_spark == [(r["id"], r["v"], r["note"]) for r in postgres_rows(pg_conn, table)]

@@ -77,6 +77,12 @@ def test_only_the_newest_state_stays_and_only_usable_ones_are_fetched(tmp_path: 
     store.close()
     first = keystore._listing(place)
     assert "snapshot-10.json" in first and any(n.startswith("base-") for n in first)
+    # The same state again (a run that starts where the last one ended): nothing is written.
+    manifest = tmp_path / "warehouse" / "snapshot-10.json"
+    written = manifest.stat().st_mtime_ns
+    store.keep("t", place, index.directory, tmp_path)
+    store.close()
+    assert manifest.stat().st_mtime_ns == written and keystore._listing(place) == first
     for snapshot in (11, 12, 13):
         index.commit(snapshot, np.array([snapshot], np.int64),
                      (np.empty(0, np.int64), None, [], np.empty(0, np.int64)))

@@ -434,6 +434,10 @@ class KeyedApply:
             looked_up = pool.submit(look_up)
             rows: Any = None
             new_files: Optional[JavaFiles] = None
+            # The new rows' keys as they are written on the driver, by data file and first
+            # position: the index's entries for them, with nothing read back after the commit
+            # (on object storage that was a Spark job over every new file, one per partition).
+            as_written: list[tuple[str, int, pa.Table]] = []
             why = self._why_not_here(target, staged, table)
             started = time.monotonic()
             if why is None:
@@ -445,9 +449,12 @@ class KeyedApply:
                         spark, table, schema,
                         _new_rows(staged.files, schema, max_seq, void, self.lake.source),
                         scratch, "walberg-rows",
-                        None if table.spec().isUnpartitioned() else partitioner)
+                        None if table.spec().isUnpartitioned() else partitioner,
+                        on_rows=lambda location, first, part: as_written.append(
+                            (location, first, part.select(key_names))))
                     new_files = datafiles.data_files(spark, table, written)
                 except NotHere as exc:
+                    as_written.clear()
                     why = str(exc)
                     log.info("%s by position: this batch's new rows written by Spark, because "
                              "%s", target, why)
@@ -469,8 +476,12 @@ class KeyedApply:
                                       new_files, table, keys, self.lake.source, live)
             clock.append(time.monotonic())
             crash_point("indexed", delay=0.5)
-            added = _concat(list(written_entries(spark, result.added_files, key_names, codec,
-                                                 Path(scratch))))
+            if new_files is not None and \
+                    set(result.added_files) == {location for location, _, _ in as_written}:
+                added = _entries_as_written(as_written, key_names, codec)
+            else:
+                added = _concat(list(written_entries(spark, result.added_files, key_names,
+                                                     codec, Path(scratch))))
         index.commit(result.snapshot_id, hits.keys, added)
         if live is not None:
             live.committed(result.data_files, result.delete_files, result.snapshot_id)
@@ -614,6 +625,18 @@ def _batch_keys(files: Sequence[Path], positions: Sequence[int], codec: KeyCodec
     unique_keys, unique_checks = sorted_unique_pairs(np.concatenate(keys),
                                                      np.concatenate(checks))
     return unique_keys, unique_checks, (min(f[0] for f in firsts), max(f[1] for f in firsts))
+
+
+def _entries_as_written(parts: Sequence[tuple[str, int, pa.Table]], key_names: Sequence[str],
+                        codec: KeyCodec) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
+    """Index entries of rows written on the driver: each part's key columns, its data file's
+    location and its first row's position there (its rows follow in order)."""
+    entries = []
+    for location, first, part in parts:
+        keys, checks = codec.encode([part.column(n) for n in key_names])
+        entries.append((keys, checks, [location] * len(keys),
+                        np.arange(first, first + len(keys), dtype=np.int64)))
+    return _concat(entries)
 
 
 def _concat(entries: Sequence[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]

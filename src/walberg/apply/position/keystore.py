@@ -153,6 +153,8 @@ class KeyStore:
             started = time.monotonic()
             try:
                 sent = self._keep_now(job)
+                if sent is None:
+                    continue
                 log.info("key index of %s kept in the warehouse at snapshot %s (%d file(s), "
                          "%.1f MB sent) in %.2f s", job.target, job.manifest["snapshot"],
                          sent[0], sent[1] / 1e6, time.monotonic() - started)
@@ -162,15 +164,20 @@ class KeyStore:
             finally:
                 shutil.rmtree(job.held, ignore_errors=True)
 
-    def _keep_now(self, job: _Keep) -> tuple[int, int]:
+    def _keep_now(self, job: _Keep) -> Optional[tuple[int, int]]:
         """Send the files the folder lacks, then the manifest, then remove what it no longer
-        needs; (files sent, bytes sent)."""
+        needs; (files sent, bytes sent), or None if it was all there."""
         place, manifest = job.place, job.manifest
         there = _listing(place)
         packed = not place.local
         wanted = {name: _objects(name, size, packed) for name, size in manifest["kept"].items()}
         missing = [(name, objects) for name, objects in wanted.items()
                    if not set(objects) <= there]
+        kept = f"snapshot-{manifest['snapshot']}.json"
+        keep = {o.split("/")[0] for objects in wanted.values() for o in objects} | {kept}
+        stale = sorted({n.split("/")[0] for n in there} - keep)
+        if not missing and not stale and kept in there:
+            return None  # kept already (a run that starts where the last one ended)
         sent = [len(missing), 0]
         if place.local:
             for name, _ in missing:
@@ -187,25 +194,23 @@ class KeyStore:
                     lambda piece: _send(job.held / piece[0], place, piece[0], piece[1]),
                     [(name, n) for name, objects in missing for n in range(len(objects))]))
         crash_point("key-store")  # the files there, the manifest naming them not yet
-        name = f"snapshot-{manifest['snapshot']}.json"
         body = json.dumps({**manifest, "packed": packed}).encode()
         if place.local:
-            partial = Path(place.path(f".{name}.partial"))
+            partial = Path(place.path(f".{kept}.partial"))
             partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_bytes(body)
-            os.replace(partial, place.path(name))
+            os.replace(partial, place.path(kept))
         else:
             if isinstance(place.fs, pafs.LocalFileSystem):
                 place.fs.create_dir(place.folder, recursive=True)
-            with place.fs.open_output_stream(place.path(name)) as out:
+            with place.fs.open_output_stream(place.path(kept)) as out:
                 out.write(body)
-        keep = {o.split("/")[0] for objects in wanted.values() for o in objects} | {name}
-        for stale in sorted({n.split("/")[0] for n in there} - keep):
-            info = place.fs.get_file_info(place.path(stale))
+        for old in stale:
+            info = place.fs.get_file_info(place.path(old))
             if info.type == pafs.FileType.Directory:
-                place.fs.delete_dir(place.path(stale))
+                place.fs.delete_dir(place.path(old))
             elif info.type == pafs.FileType.File:
-                place.fs.delete_file(place.path(stale))
+                place.fs.delete_file(place.path(old))
         return sent[0], sent[1]
 
     def close(self, timeout: float = 300.0) -> None:
