@@ -23,6 +23,7 @@ from walberg.apply.session import java_table, quote_target
 from walberg.config import parse_config
 from walberg.lake.maintain import maintain
 from walberg.lake.services import Lake
+from walberg.pipeline import Pipeline
 
 
 def _run_logged(config: Any, spark: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -581,16 +582,26 @@ def test_a_driver_on_another_machine_fetches_the_index_kept_in_the_warehouse(
     assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == before
 
     # A fresh driver: no index on this disk. It is fetched (hard links from the warehouse on
-    # this disk) and follows the compaction; nothing reads the table's keys.
+    # this disk) as the run starts, before the batch needs it, as a run that opens its session
+    # with a batch on its way does, and follows the compaction; nothing reads the table's keys.
     shutil.rmtree(config.index_dir)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 0 WHERE v % 5 = 0")
         cur.execute(f"DELETE FROM {table} WHERE v % 11 = 0")
         cur.execute(f"INSERT INTO {table} SELECT md5(g::text)::uuid, g "
                     "FROM generate_series(5001, 5100) g")
-    _run_logged(config, spark, caplog)
+    pipeline = Pipeline(config, session=spark)
+    caplog.clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="walberg"):
+            pipeline.sink.warm([target])
+            pipeline.run(once=True)
+    finally:
+        pipeline.close()
     assert "fetched from the warehouse" in caplog.text and "followed" in caplog.text, \
         caplog.text[-3000:]
+    assert any(r.threadName.startswith("walberg-prefetch") and "fetched from the warehouse"
+               in r.getMessage() for r in caplog.records), "fetched ahead, in its thread"
     assert "rebuilt" not in caplog.text and "MERGE" not in caplog.text, caplog.text[-3000:]
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)

@@ -160,7 +160,9 @@ class Pipeline:
                                  stage_root(self.config, self._session), self.config.index_dir,
                                  self.config.sink.key_index_in_warehouse)
         if self._state.staging_early.is_set():
-            self._sink.warm()  # a batch is coming: its commit's code loads meanwhile
+            # A batch is coming: its commit's code loads meanwhile, and a driver that moved
+            # fetches the tables' key indexes.
+            self._sink.warm(list(self.targets.values()))
 
     @property
     def sink(self) -> IcebergSink:

@@ -69,9 +69,10 @@ class IcebergSink:
         """Before the process ends: finish keeping the key indexes in the warehouse."""
         self.writes.keyed.close()
 
-    def warm(self) -> None:
-        """A batch is on its way: load the JVM code of its commit now, in the background."""
-        self.writes.keyed.warm()
+    def warm(self, targets: Sequence[str] = ()) -> None:
+        """A batch is on its way: load the JVM code of its commit now, in the background, and
+        fetch the key indexes ``targets`` lack on this disk (kept in the warehouse)."""
+        self.writes.keyed.warm(targets)
 
     @property
     def types(self) -> TypeMap:

@@ -30,13 +30,14 @@ at most one rebuild.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -50,7 +51,7 @@ from walberg.apply.jvm.helper import JavaFiles
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
-from walberg.apply.position.keyindex import Hits, KeyIndex, sorted_unique_pairs
+from walberg.apply.position.keyindex import MANIFEST, Hits, KeyIndex, sorted_unique_pairs
 from walberg.apply.position.keystore import KeyStore, Place, place_of
 from walberg.apply.position.lakekeys import Files, live_scan
 from walberg.apply.position.livefiles import LiveFiles, read_blob
@@ -67,7 +68,13 @@ from walberg.apply.position.rowdelta import (
     written_entries,
 )
 from walberg.apply.readahead import ahead
-from walberg.apply.session import LSN_PROPERTY, SOURCE_COLUMN, LakeSession, java_table
+from walberg.apply.session import (
+    LSN_PROPERTY,
+    SOURCE_COLUMN,
+    LakeSession,
+    find_java_table,
+    java_table,
+)
 from walberg.apply.tables import Tables
 from walberg.apply.types import UUID
 from walberg.faults import crash_point
@@ -105,6 +112,7 @@ class KeyedApply:
         self._places: dict[str, Optional[Place]] = {}
         self._kept: dict[str, Optional[int]] = {}  # the snapshot each index was last kept at
         self._files: Optional[Files] = None
+        self._fetching: dict[str, Future[None]] = {}  # kept indexes fetched ahead (``warm``)
         self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
         self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
@@ -119,13 +127,23 @@ class KeyedApply:
         """Whether any table may go by position: a place for the indexes."""
         return self.root is not None
 
-    def warm(self) -> None:
+    def warm(self, targets: Sequence[str] = ()) -> None:
         """Load the JVM code of a row delta's commit now, in a thread, while the caller goes on
         reading the lake (see ``rowdelta.warm``): a run's first batch applied by position then
-        commits as fast as later ones. Best effort: a failure is logged at debug level."""
+        commits as fast as later ones; and fetch the kept index of each of ``targets`` that
+        has none on this disk (a driver that moved), in a thread too. Best effort: a failure
+        is logged at debug level."""
         if not self._enabled:
             return
         scratch = self._scratch()  # (swept of what a killed run left, here, before the thread)
+        if self._store is not None:
+            missing = [t for t in targets if t not in self._fetching
+                       and not (self._directory(t) / MANIFEST).exists()]
+            if missing:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="walberg-prefetch")
+                for target in missing:
+                    self._fetching[target] = pool.submit(self._fetch_ahead, target)
+                pool.shutdown(wait=False)
 
         def run() -> None:
             started = time.monotonic()
@@ -196,6 +214,7 @@ class KeyedApply:
         assert found_key is not None
         positions, codec = found_key
         keys = [columns[i].name for i in positions]
+        self._wait_for_fetch(target)
         found = self._indexes.get(target)
         if found is None or found.encoding != codec.name:
             found = self._indexes[target] = KeyIndex(self._directory(target),
@@ -205,7 +224,9 @@ class KeyedApply:
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if not found.built and self._store is not None:
-            found = self._fetched(target, table, found, codec, now)
+            fetched = self._fetched(target, table, found, codec, now)
+            assert fetched is not None
+            found = fetched
         if found.built and now == found.snapshot:
             self._know_files(target, table, now)
             self._keep(target, table, found)
@@ -271,10 +292,11 @@ class KeyedApply:
             self._files = Files(self.lake.spark)
         return self._files
 
-    def _fetched(self, target: str, table: Any, empty: KeyIndex, codec: KeyCodec,
-                 now: Optional[int]) -> KeyIndex:
+    def _fetched(self, target: str, table: Any, empty: Optional[KeyIndex],
+                 codec: Optional[KeyCodec], now: Optional[int]) -> Optional[KeyIndex]:
         """A driver with no index of the table: the one kept in the warehouse, if it describes
-        the current snapshot or one it follows to it by appends; else ``empty``."""
+        the current snapshot or one it follows to it by appends (made for ``codec``'s key
+        encoding; None: any); else ``empty``."""
         place = self._place(target, table)
         if place is None or now is None:
             return empty
@@ -283,7 +305,7 @@ class KeyedApply:
         directory = self._directory(target)
         try:
             snapshot = self._store.fetch(
-                place, directory, codec.name,
+                place, directory, None if codec is None else codec.name,
                 lambda s: s == now or self._appends_since(table, s, now) is not None)
         except Exception as exc:
             log.warning("key index of %s: the copy in the warehouse could not be read (%s); "
@@ -291,11 +313,32 @@ class KeyedApply:
             return empty
         if snapshot is None:
             return empty
-        found = self._indexes[target] = KeyIndex(directory, encoding=codec.name)
+        encoding = json.loads((directory / MANIFEST).read_text()).get("encoding", "int")
+        found = KeyIndex(directory, encoding=encoding)
+        if codec is not None:
+            self._indexes[target] = found
         self._kept[target] = snapshot
         log.info("key index of %s fetched from the warehouse (snapshot %d, %d keys) in %.2f s",
                  target, snapshot, found.size, time.monotonic() - started)
         return found
+
+    def _fetch_ahead(self, target: str) -> None:
+        """The kept index of ``target``, fetched before its first batch needs it (``index``
+        waits for it, then checks its encoding and follows the table from its snapshot)."""
+        try:
+            table = find_java_table(self.lake.spark, target)
+            if table is None or table.currentSnapshot() is None:
+                return
+            self._fetched(target, table, None, None, int(table.currentSnapshot().snapshotId()))
+        except Exception as exc:
+            log.debug("fetching the kept key index of %s ahead failed: %s", target, exc)
+
+    def _wait_for_fetch(self, target: str) -> None:
+        """Before the table's index folder is used: the fetch begun ahead, if any, is over
+        (it says its own failures)."""
+        pending = self._fetching.pop(target, None)
+        if pending is not None:
+            pending.result()
 
     def _keep(self, target: str, table: Any, index: KeyIndex) -> None:
         """Have the index kept in the warehouse at its snapshot, unless it is already."""
@@ -525,6 +568,7 @@ class KeyedApply:
         written when ``copied`` (committed) holds them, else from the lake."""
         keys = None if copied is None else copied.keys
         try:
+            self._wait_for_fetch(target)  # (its folder is about to be made anew)
             self.forget(target)
             found = self.key_of(target, columns)
             if found is None:

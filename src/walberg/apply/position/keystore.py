@@ -52,6 +52,7 @@ log = logging.getLogger("walberg")
 
 FOLDER = "_walberg_keys"
 PIECE = 4 << 20  # bytes of a file in one object on object storage (a multiple of 8)
+FETCHES = 8  # pieces read at once
 _SNAPSHOT = re.compile(r"snapshot-(-?\d+)\.json")
 _COLUMNS: dict[str, np.dtype] = {"keys": np.dtype(np.int64), "checks": np.dtype(np.int64),
                                  "files": np.dtype(np.int32), "positions": np.dtype(np.int64)}
@@ -221,10 +222,11 @@ class KeyStore:
 
     # ---- fetching ---------------------------------------------------------------------------
 
-    def fetch(self, place: Place, directory: Path, encoding: str,
+    def fetch(self, place: Place, directory: Path, encoding: Optional[str],
               usable: Callable[[int], bool]) -> Optional[int]:
         """Bring into ``directory`` (holding no index) the newest kept index whose snapshot is
-        ``usable`` and made with ``encoding``; its snapshot, or None (nothing to fetch)."""
+        ``usable`` and made with ``encoding`` (None: any); its snapshot, or None (nothing to
+        fetch)."""
         infos = place.fs.get_file_info(pafs.FileSelector(place.folder, allow_not_found=True))
         found = sorted((int(m.group(1)) for m in (_SNAPSHOT.fullmatch(i.base_name)
                                                   for i in infos) if m), reverse=True)
@@ -233,7 +235,7 @@ class KeyStore:
                 continue
             with place.fs.open_input_stream(place.path(f"snapshot-{snapshot}.json")) as source:
                 manifest = json.loads(source.read().decode())
-            if manifest.get("encoding", "int") != encoding:
+            if encoding is not None and manifest.get("encoding", "int") != encoding:
                 return None
             packed = bool(manifest.pop("packed", False))
             sizes: dict[str, int] = manifest.pop("kept")
@@ -244,7 +246,7 @@ class KeyStore:
                     (directory / name).parent.mkdir(parents=True, exist_ok=True)
                     with open(directory / name, "wb") as out:
                         out.truncate(size)
-                with ThreadPoolExecutor(8, thread_name_prefix="walberg-fetch") as pool:
+                with ThreadPoolExecutor(FETCHES, thread_name_prefix="walberg-fetch") as pool:
                     for done in [pool.submit(_receive, place, name, directory / name, packed, n,
                                              size)
                                  for name, size in sizes.items()
