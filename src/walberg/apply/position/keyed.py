@@ -110,7 +110,7 @@ class KeyedApply:
         self.root = root
         self._store = KeyStore() if keep and root is not None else None
         self._places: dict[str, Optional[Place]] = {}
-        self._kept: dict[str, Optional[int]] = {}  # the snapshot each index was last kept at
+        self._kept: dict[str, int] = {}  # the snapshot each index was last kept at
         self._files: Optional[Files] = None
         self._fetching: dict[str, Future[None]] = {}  # kept indexes fetched ahead (``warm``)
         self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
@@ -224,9 +224,7 @@ class KeyedApply:
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if not found.built and self._store is not None:
-            fetched = self._fetched(target, table, found, codec, now)
-            assert fetched is not None
-            found = fetched
+            found = self._fetched(target, table, codec, now) or found
         if found.built and now == found.snapshot:
             self._know_files(target, table, now)
             self._keep(target, table, found)
@@ -292,14 +290,14 @@ class KeyedApply:
             self._files = Files(self.lake.spark)
         return self._files
 
-    def _fetched(self, target: str, table: Any, empty: Optional[KeyIndex],
-                 codec: Optional[KeyCodec], now: Optional[int]) -> Optional[KeyIndex]:
+    def _fetched(self, target: str, table: Any, codec: Optional[KeyCodec],
+                 now: Optional[int]) -> Optional[KeyIndex]:
         """A driver with no index of the table: the one kept in the warehouse, if it describes
         the current snapshot or one it follows to it by appends (made for ``codec``'s key
-        encoding; None: any); else ``empty``."""
+        encoding; None: any); else None."""
         place = self._place(target, table)
         if place is None or now is None:
-            return empty
+            return None
         assert self._store is not None
         started = time.monotonic()
         directory = self._directory(target)
@@ -310,9 +308,9 @@ class KeyedApply:
         except Exception as exc:
             log.warning("key index of %s: the copy in the warehouse could not be read (%s); "
                         "made from the lake instead", target, exc)
-            return empty
+            return None
         if snapshot is None:
-            return empty
+            return None
         encoding = json.loads((directory / MANIFEST).read_text()).get("encoding", "int")
         found = KeyIndex(directory, encoding=encoding)
         if codec is not None:
@@ -329,7 +327,7 @@ class KeyedApply:
             table = find_java_table(self.lake.spark, target)
             if table is None or table.currentSnapshot() is None:
                 return
-            self._fetched(target, table, None, None, int(table.currentSnapshot().snapshotId()))
+            self._fetched(target, table, None, int(table.currentSnapshot().snapshotId()))
         except Exception as exc:
             log.debug("fetching the kept key index of %s ahead failed: %s", target, exc)
 

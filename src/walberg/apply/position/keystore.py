@@ -46,6 +46,8 @@ import pyarrow as pa
 from pyarrow import fs as pafs
 
 from walberg.apply.position.keyindex import MANIFEST
+from walberg.apply.position.lakekeys import s3_path
+from walberg.apply.position.rowdelta import local_path
 from walberg.faults import crash_point
 
 log = logging.getLogger("walberg")
@@ -69,20 +71,22 @@ class Place:
     def path(self, name: str) -> str:
         return f"{self.folder}/{name}"
 
+    def output(self, name: str) -> Any:
+        """A stream writing the object ``name`` (one PUT on object storage)."""
+        if isinstance(self.fs, pafs.LocalFileSystem):  # (object storage has no folders to make)
+            self.fs.create_dir(self.path(name).rpartition("/")[0], recursive=True)
+        return self.fs.open_output_stream(self.path(name))
+
 
 def place_of(location: str, source: Optional[str], s3: Callable[[], Any]) -> Optional[Place]:
     """The place for the index of the table at ``location`` (``source``: the fan-in source
     whose index it is), or None where the driver cannot write (neither this disk nor S3)."""
-    from walberg.apply.position.rowdelta import local_path
-
     where = f"{FOLDER}/{source or '_one'}"
     local = local_path(location)
     if local is not None:
         return Place(pafs.LocalFileSystem(), str(local / where), True)
-    for scheme in ("s3a://", "s3://", "s3n://"):
-        if location.startswith(scheme):
-            return Place(s3(), f"{location[len(scheme):].rstrip('/')}/{where}", False)
-    return None
+    path = s3_path(location)
+    return None if path is None else Place(s3(), f"{path.rstrip('/')}/{where}", False)
 
 
 def _names(manifest: dict[str, Any], directory: Path) -> list[str]:
@@ -184,10 +188,7 @@ class KeyStore:
             for name, _ in missing:
                 target = Path(place.path(name))
                 target.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.link(job.held / name, target)
-                except OSError:  # another file system: a copy
-                    shutil.copyfile(job.held / name, target)
+                _link(job.held / name, target)
                 sent[1] += target.stat().st_size
         else:
             with ThreadPoolExecutor(4, thread_name_prefix="walberg-keep") as pool:
@@ -202,9 +203,7 @@ class KeyStore:
             partial.write_bytes(body)
             os.replace(partial, place.path(kept))
         else:
-            if isinstance(place.fs, pafs.LocalFileSystem):
-                place.fs.create_dir(place.folder, recursive=True)
-            with place.fs.open_output_stream(place.path(kept)) as out:
+            with place.output(kept) as out:
                 out.write(body)
         for old in stale:
             info = place.fs.get_file_info(place.path(old))
@@ -294,25 +293,17 @@ def _send(local: Path, place: Place, name: str, n: int) -> int:
         values = np.frombuffer(raw, dtype=dtype)
         raw = _planes(np.diff(values, prepend=dtype.type(0)))
     body = pa.compress(raw, codec="zstd", asbytes=True)
-    if isinstance(place.fs, pafs.LocalFileSystem):  # (object storage has no folders to make)
-        place.fs.create_dir(place.path(name).rpartition("/")[0], recursive=True)
-    with place.fs.open_output_stream(place.path(f"{name}.{n}")) as out:
+    with place.output(f"{name}.{n}") as out:
         out.write(body)
     return len(body)
 
 
 def _receive(place: Place, name: str, local: Path, packed: bool, n: int, size: int) -> None:
-    """Read piece ``n`` of one kept file (of ``size`` bytes) into its place in ``local``."""
+    """Read piece ``n`` of one kept file (of ``size`` bytes) into its place in ``local``; not
+    packed, the file is on this disk (``Place.local``) and is linked whole."""
     if not packed:
-        if not place.local:
-            pafs.copy_files(place.path(name), str(local), source_filesystem=place.fs,
-                            destination_filesystem=pafs.LocalFileSystem())
-            return
         local.unlink()
-        try:  # (the index never changes a file in place: a link is a copy)
-            os.link(place.path(name), local)
-        except OSError:
-            shutil.copyfile(place.path(name), local)
+        _link(Path(place.path(name)), local)
         return
     length = min(PIECE, size - n * PIECE)
     with place.fs.open_input_stream(place.path(f"{name}.{n}")) as source:
@@ -328,6 +319,15 @@ def _receive(place: Place, name: str, local: Path, packed: bool, n: int, size: i
         os.pwrite(fd, raw, n * PIECE)
     finally:
         os.close(fd)
+
+
+def _link(source: Path, target: Path) -> None:
+    """``target`` as a hard link to ``source`` (the index never changes a file in place, so a
+    link is a copy), or a copy on another file system."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _planes(values: np.ndarray) -> bytes:

@@ -109,6 +109,14 @@ class LiveScan:
                 for i, path in enumerate(paths.dictionary.to_pylist())}
 
 
+def s3_path(location: str) -> Optional[str]:
+    """``bucket/key`` of an S3 location (any of Hadoop's schemes for it), or None."""
+    for scheme in ("s3a://", "s3://", "s3n://"):
+        if location.startswith(scheme):
+            return location[len(scheme):]
+    return None
+
+
 class Files:
     """Opens a table's files on the driver: on this machine's disk, or on S3 through Arrow."""
 
@@ -117,26 +125,19 @@ class Files:
         self._s3: Any = None
 
     def reachable(self, location: str) -> bool:
-        return local_path(location) is not None or self._s3_path(location) is not None
+        return local_path(location) is not None or s3_path(location) is not None
 
     def open(self, location: str) -> Any:
         local = local_path(location)
         if local is not None:
             return pa.OSFile(str(local), "rb")
-        path = self._s3_path(location)
+        path = s3_path(location)
         assert path is not None
         return self.s3_fs().open_input_file(path)
 
     def read_range(self, location: str, offset: int, length: int) -> bytes:
         with self.open(location) as source:
             return bytes(source.read_at(length, offset))
-
-    @staticmethod
-    def _s3_path(location: str) -> Optional[str]:
-        for scheme in ("s3a://", "s3://", "s3n://"):
-            if location.startswith(scheme):
-                return location[len(scheme):]
-        return None
 
     def s3_fs(self) -> Any:
         if self._s3 is None:
