@@ -418,3 +418,80 @@ def test_a_table_added_to_the_publication_while_running_gets_its_own_copy(
         assert not failures, failures
     for table in (first, later):
         assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+
+def test_once_ends_when_the_slot_resends_what_the_lake_holds(pg_conn: Any, postgres: Any,
+                                                             spark: Any, warehouse: Path,
+                                                             tmp_path: Path,
+                                                             unique: str) -> None:
+    """A stop whose last confirmation never reached the slot (SIGTERM, kill -9 after the commit,
+    a lost connection): the next run's stream is sent again transactions the lake holds. They
+    are not applied twice, the run ends, and no segment is left behind. (The moment when the
+    stream seals them only after the lake's marks became the applied position is a race; the
+    test below makes it.)"""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'x' FROM generate_series(1, 20000) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    slot, saved = config.postgres.slot, f"{config.postgres.slot}_saved"
+    run_once(config, spark)
+    for round_ in range(2):
+        with pg_conn.cursor() as cur:
+            cur.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (slot, saved))
+            # (large: still being sent again when the next run has read the lake)
+            cur.execute(f"UPDATE {table} SET v = %s", (f"r{round_}",))
+        run_once(config, spark)
+        assert slot_flush(pg_conn, slot) > slot_flush(pg_conn, saved)
+        with pg_conn.cursor() as cur:  # the slot as if the confirmation had been lost
+            cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            cur.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (saved, slot))
+            cur.execute("SELECT pg_drop_replication_slot(%s)", (saved,))
+        done: list[Any] = []
+        runner = threading.Thread(target=lambda ended=done: ended.append(run_once(config, spark)),
+                                  daemon=True)
+        runner.start()
+        runner.join(120)
+        assert done, "a --once run on a slot behind the lake did not end within 120 s"
+        assert_lake_equals(pg_conn, warehouse, table, config.target_for(table))
+        assert list((tmp_path / "segments").glob("*.sealed")) == []
+
+
+def test_segments_sealed_after_the_lake_was_read_with_nothing_to_apply_are_let_go(
+        postgres: Any, tmp_path: Path) -> None:
+    """The race of the test above, made: a transaction the lake holds, sent again by a slot that
+    was not told of it, sealed only after the lake's marks became the applied position. No
+    batch takes it (nothing to apply), so the stager removes it; before, it stayed pending and a
+    --once run, whose reader waits for nothing to be pending, never ended."""
+    from pgoutput_encoder import encode
+    from walberg.buffer.store import SegmentStore
+    from walberg.model import Begin, Commit, Insert
+    from walberg.runtime.pg_stager import FRAME_PGOUTPUT, PgStager
+    from walberg.runtime.state import RunState, SegmentMeta
+
+    config = make_config(postgres, tmp_path / "warehouse", tmp_path / "segments", "seg",
+                         ["public.seg"])
+    store = SegmentStore(config.segment_dir, config.buffer.max_segment_bytes)
+    store.recover()
+    state = RunState()
+    stager = PgStager(config, store, state, None, lambda: None, lambda rel: None,  # type: ignore
+                      None)
+
+    def sealed_transaction(begin: int, end: int, whole: bool = True) -> None:
+        store.append(begin, FRAME_PGOUTPUT, encode(Begin(Lsn(end - 8), 0, begin)))
+        store.append(begin + 8, FRAME_PGOUTPUT, encode(Insert(16384, (b"1",))))
+        if whole:
+            store.append(end, FRAME_PGOUTPUT, encode(Commit(0, Lsn(end - 8), Lsn(end), 0)))
+        info = store.seal()
+        assert info is not None
+        state.sealed(info.seq, SegmentMeta(Lsn(end) if whole else None, whole))
+
+    sealed_transaction(0x1000, 0x1100)
+    sealed_transaction(0x1100, 0x1200)
+    sealed_transaction(0x1200, 0x1300, whole=False)  # runs on into a segment not sealed yet
+    state.advance_applied(Lsn(0x1200))  # the lake's mark: the first two are in the lake
+    assert stager.prepare_next(None) is None
+    assert [info.path.suffix for info in store.sealed()] == [".sealed"]
+    assert state.segment(store.sealed()[0].seq) == SegmentMeta(None, False)
+    assert sorted(p.name for p in config.segment_dir.glob("*.sealed")) == [
+        store.sealed()[0].path.name]

@@ -126,6 +126,8 @@ class PgStager:
             first_seq = last.seq if meta is None or not meta.clean_end else last.seq + 1
         batch, end = self._segments_after(first_seq - 1, 0)
         if end is None or end <= floor:
+            if after is None:
+                self._let_go_applied(floor)
             return None
         committed = after.committed if after is not None else None
 
@@ -136,6 +138,26 @@ class PgStager:
             return True
 
         return self.stage(batch, end, floor, lambda staged: self._grow(staged, while_committing))
+
+    def _let_go_applied(self, floor: Lsn) -> None:
+        """Remove the sealed segments, from the first on, whose transactions all end at or
+        before ``floor``, what every table holds: nothing in them is to be applied. A stream
+        that starts before the lake is read may be sent again what a stop left unconfirmed,
+        and seal it only after the lake's marks have become the applied position; no batch
+        would ever take such a segment, and a --once run would wait for it for ever."""
+        spent: list[SegmentInfo] = []
+        for info in self.store.sealed():
+            meta = self.state.segment(info.seq)
+            # (clean with no commit: frames outside any transaction, nothing to apply)
+            if meta is None or not meta.clean_end or (meta.last_commit_end or 0) > floor:
+                break
+            spent.append(info)
+        if spent:
+            log.info("%d segment(s) up to LSN %s hold only what the lake holds (sent again "
+                     "after a stop the slot was not told of): removed", len(spent), floor)
+            self.store.remove(spent)
+            self.state.forget_segments([info.seq for info in spent])
+            self.state.progress.set()
 
     def _grow(self, staged: list[SegmentInfo], wait: Callable[[], bool]
               ) -> Optional[tuple[list[SegmentInfo], Lsn]]:
