@@ -439,7 +439,7 @@ def test_once_ends_when_the_slot_resends_what_the_lake_holds(pg_conn: Any, postg
     for round_ in range(2):
         with pg_conn.cursor() as cur:
             cur.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (slot, saved))
-            # (large: still being sent again when the next run has read the lake)
+            # (one transaction over every row: the slot sends it again, whole)
             cur.execute(f"UPDATE {table} SET v = %s", (f"r{round_}",))
         run_once(config, spark)
         assert slot_flush(pg_conn, slot) > slot_flush(pg_conn, saved)

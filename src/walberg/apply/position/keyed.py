@@ -51,7 +51,13 @@ from walberg.apply.jvm.helper import JavaFiles
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
-from walberg.apply.position.keyindex import MANIFEST, Hits, KeyIndex, sorted_unique_pairs
+from walberg.apply.position.keyindex import (
+    MANIFEST,
+    Hits,
+    KeyIndex,
+    encoding_of,
+    sorted_unique_pairs,
+)
 from walberg.apply.position.keystore import KeyStore, Place, place_of
 from walberg.apply.position.lakekeys import Files, live_scan
 from walberg.apply.position.livefiles import LiveFiles, read_blob
@@ -311,7 +317,7 @@ class KeyedApply:
             return None
         if snapshot is None:
             return None
-        encoding = json.loads((directory / MANIFEST).read_text()).get("encoding", "int")
+        encoding = encoding_of(json.loads((directory / MANIFEST).read_text()))
         found = KeyIndex(directory, encoding=encoding)
         if codec is not None:
             self._indexes[target] = found
@@ -325,9 +331,10 @@ class KeyedApply:
         waits for it, then checks its encoding and follows the table from its snapshot)."""
         try:
             table = find_java_table(self.lake.spark, target)
-            if table is None or table.currentSnapshot() is None:
+            current = None if table is None else table.currentSnapshot()
+            if current is None:
                 return
-            self._fetched(target, table, None, int(table.currentSnapshot().snapshotId()))
+            self._fetched(target, table, None, int(current.snapshotId()))
         except Exception as exc:
             log.debug("fetching the kept key index of %s ahead failed: %s", target, exc)
 

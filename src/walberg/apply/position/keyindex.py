@@ -32,13 +32,18 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
 from walberg.apply.position.keycodec import KeyClash
 
 MANIFEST = "manifest.json"
+
+
+def encoding_of(manifest: Mapping[str, Any]) -> str:
+    """The key codec an index's manifest was made for (indexes from before codecs: integers)."""
+    return str(manifest.get("encoding", "int"))
 TOMBSTONE = -1
 
 
@@ -134,7 +139,7 @@ class KeyIndex:
         if not path.exists():
             return
         manifest = json.loads(path.read_text())
-        if manifest.get("encoding", "int") != self.encoding:
+        if encoding_of(manifest) != self.encoding:
             return
         self.snapshot = manifest["snapshot"]
         self._files = manifest["files"]

@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 from pyarrow import fs as pafs
 
-from walberg.apply.position.keyindex import MANIFEST
+from walberg.apply.position.keyindex import MANIFEST, encoding_of
 from walberg.apply.position.lakekeys import s3_path
 from walberg.apply.position.rowdelta import local_path
 from walberg.faults import crash_point
@@ -234,7 +234,7 @@ class KeyStore:
                 continue
             with place.fs.open_input_stream(place.path(f"snapshot-{snapshot}.json")) as source:
                 manifest = json.loads(source.read().decode())
-            if encoding is not None and manifest.get("encoding", "int") != encoding:
+            if encoding is not None and encoding_of(manifest) != encoding:
                 return None
             packed = bool(manifest.pop("packed", False))
             sizes: dict[str, int] = manifest.pop("kept")
