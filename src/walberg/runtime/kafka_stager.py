@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -28,10 +29,12 @@ from walberg.runtime.applier import Batch, Partition
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
 from walberg.source import kafka
+from walberg.source.debezium_columns import Columns, Decoded
 
 log = logging.getLogger("walberg")
 
 FRAME_KAFKA = 2  # one consumed Kafka record (source.kafka.encode)
+_RUN = 50_000  # records decoded in columns at once, at most
 
 DEAD_LETTER_SCHEMA = pa.schema([
     pa.field("topic", pa.string()), pa.field("partition", pa.int32()),
@@ -56,8 +59,11 @@ class _Shape:
     types: tuple[dbz.FieldType, ...]
     images: dbz.Images = field(init=False)  # (records without a schema of their own)
 
+    decoder: Columns = field(init=False)  # the same, a run of records at a time
+
     def __post_init__(self) -> None:
         self.images = dbz.Images(self.columns, self.types)
+        self.decoder = Columns(self.images)
 
 
 def offsets_text(offsets: Mapping[Partition, int]) -> str:
@@ -180,16 +186,13 @@ class KafkaStager:
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
         builder = BatchBuilder(workdir, prep=lambda name, columns: self.types.prep(
             columns, self.targets[self._topic_of(name)]))
-        seq = 0
-        upto: dict[Partition, int] = {}
-        dead: list[tuple[kafka.Record, str]] = []
-        by_seq: dict[int, kafka.Record] = {}
-        positions: list[tuple[int, str, int, int]] = []
+        into = _Staging(builder)
         read: list[SegmentInfo] = []
         cut = False
         try:
             for info in segments:
                 read.append(info)
+                records: list[kafka.Record] = []
                 for _, kind, payload in self.store.read(info):
                     if kind != FRAME_KAFKA:
                         continue
@@ -197,29 +200,84 @@ class KafkaStager:
                     tp = (record.topic, record.partition)
                     if record.offset < max(floor.get(tp, 0), self.state.lake_offset(tp)):
                         continue  # held already (a replay after a crash) or in the batch before
-                    try:
-                        if self._stage_record(builder, record, seq + 2):
-                            seq += 2  # room for the delete half of a key change
-                            by_seq[seq] = record
-                            positions.append((seq, *tp, record.offset))
-                    except dbz.BadRecord as exc:
-                        dead.append((record, str(exc)))
-                    except _NewColumns:
-                        cut = True  # this record starts the next batch, with the new columns
-                        break
-                    upto[tp] = max(upto.get(tp, 0), record.offset + 1)
-                if cut:
+                    records.append(record)
+                if self._stage_records(into, records):
+                    cut = True  # the record that adds columns starts the next batch
                     break
             staged = builder.finish()
-            dead += _refused(staged, by_seq)
+            into.dead += _refused(staged, into.by_seq)
         except BaseException:
             builder.discard()
             raise
         tables = [self.names[t] for t in self.topics
                   if (st := staged.get(self.names[t])) is not None and (st.rows or st.truncates)]
-        return Batch(read, builder, staged, tables, seq,
+        return Batch(read, builder, staged, tables, into.seq,
                      sum(st.rows for st in staged.values()), time.monotonic() - started,
-                     offsets=upto, dead=dead, cut=cut, records=positions)
+                     offsets=into.upto, dead=into.dead, cut=cut, records=into.positions)
+
+    def _stage_records(self, into: _Staging, records: list[kafka.Record]) -> bool:
+        """Stage the records in order: runs of a topic's records in columns where the decoder
+        vouches for them, the others one by one. True when a record ends the batch before it
+        (new columns)."""
+        i = 0
+        while i < len(records):
+            topic = records[i].topic
+            shape = self._shapes.get(topic) if topic in self.names else None
+            if shape is None or not shape.decoder.usable or records[i].value is None:
+                if self._stage_one(into, records[i]):
+                    return True
+                i += 1
+                continue
+            j = i + 1
+            while j < len(records) and j - i < _RUN and records[j].topic == topic and \
+                    records[j].value is not None:
+                j += 1
+            run = records[i:j]
+            values = [r.value for r in run if r.value is not None]
+            for lo, hi, decoded in shape.decoder.decode(values, [r.key for r in run]):
+                fast = decoded.fast if decoded is not None else np.zeros(hi - lo, np.bool_)
+                edges = [0, *(np.flatnonzero(fast[1:] != fast[:-1]) + 1).tolist(), hi - lo]
+                for a, b in zip(edges, edges[1:], strict=False):
+                    if fast[a]:
+                        assert decoded is not None
+                        self._stage_decoded(into, topic, shape, run[lo + a:lo + b], decoded, a, b)
+                        continue
+                    for k in range(lo + a, lo + b):
+                        if self._stage_one(into, run[k]):
+                            return True
+                        if self._shapes.get(topic) is not shape:  # the record's schema added columns
+                            return self._stage_records(into, run[k + 1:] + records[j:])
+            i = j
+        return False
+
+    def _stage_one(self, into: _Staging, record: kafka.Record) -> bool:
+        """Stage one record by itself; True when it adds columns to a table this batch has
+        rows of (it starts the next batch)."""
+        tp = (record.topic, record.partition)
+        try:
+            if self._stage_record(into.builder, record, into.seq + 2):
+                into.seq += 2  # room for the delete half of a key change
+                into.by_seq[into.seq] = record
+                into.positions.append((into.seq, *tp, record.offset))
+        except dbz.BadRecord as exc:
+            into.dead.append((record, str(exc)))
+        except _NewColumns:
+            return True
+        into.upto[tp] = max(into.upto.get(tp, 0), record.offset + 1)
+        return False
+
+    def _stage_decoded(self, into: _Staging, topic: str, shape: _Shape,
+                       records: list[kafka.Record], decoded: Decoded, lo: int, hi: int) -> None:
+        """Stage records decoded in columns (rows lo..hi of ``decoded``): one change each."""
+        seqs = into.seq + 2 * np.arange(1, len(records) + 1, dtype=np.int64)
+        ops, lsn, values, unchanged = decoded.slice(lo, hi)
+        into.builder.add_columns(self.names[topic], shape.columns, ops, seqs, lsn, values,
+                                 unchanged)
+        into.seq = int(seqs[-1])
+        for seq, record in zip(seqs.tolist(), records, strict=True):
+            into.by_seq[seq] = record
+            into.positions.append((seq, record.topic, record.partition, record.offset))
+            into.upto[(record.topic, record.partition)] = record.offset + 1
 
     def _stage_record(self, builder: BatchBuilder, record: kafka.Record, seq: int) -> bool:
         """Stage one record's change(s) at ``seq``; False if it holds none (a tombstone, or a
@@ -420,6 +478,18 @@ class KafkaStager:
     def done_with(self, batch: Batch) -> list[SegmentInfo]:
         # A batch cut before new columns leaves its last segment to the next one.
         return batch.segments[:-1] if batch.cut else batch.segments
+
+
+@dataclass
+class _Staging:
+    """What staging a batch's records gathers."""
+
+    builder: BatchBuilder
+    seq: int = 0  # of the last change staged (a record takes two: see _stage_one)
+    upto: dict[Partition, int] = field(default_factory=dict)  # next offset read, per partition
+    dead: list[tuple[kafka.Record, str]] = field(default_factory=list)
+    by_seq: dict[int, kafka.Record] = field(default_factory=dict)
+    positions: list[tuple[int, str, int, int]] = field(default_factory=list)
 
 
 class _NewColumns(Exception):

@@ -296,11 +296,11 @@ def _type_name(oid: int) -> str:
 
 
 # Column types whose JSON values are read by more than their text (see to_text).
-_READ = frozenset({BOOL, INT2, INT4, INT8, FLOAT4, FLOAT8, NUMERIC, DATE, TIMESTAMP,
+TYPED = frozenset({BOOL, INT2, INT4, INT8, FLOAT4, FLOAT8, NUMERIC, DATE, TIMESTAMP,
                    TIMESTAMPTZ, TIME, BYTEA})
 _INTEGERS = frozenset({INT2, INT4, INT8})
 # A decimal written as its own canonical text (decimal.handling.mode string): kept as it is.
-_PLAIN_DECIMAL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
+PLAIN_DECIMAL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
 
 
 def to_text(value: Any, t: FieldType) -> Value:
@@ -311,9 +311,9 @@ def to_text(value: Any, t: FieldType) -> Value:
     # The common cases first (a record's values go through here one by one).
     kind = type(value)
     if kind is str:
-        if t.oid not in _READ and value != UNAVAILABLE:
+        if t.oid not in TYPED and value != UNAVAILABLE:
             return str.encode(value)
-        if t.oid == NUMERIC and t.logical is None and _PLAIN_DECIMAL.fullmatch(value):
+        if t.oid == NUMERIC and t.logical is None and PLAIN_DECIMAL.fullmatch(value):
             return str.encode(value)
     elif kind is int and t.oid in _INTEGERS:
         return str(value).encode()

@@ -1,0 +1,254 @@
+"""Debezium events decoded in columns: a run of one topic's records parsed at once by Arrow's
+JSON reader into the table's columns, for the records whose staged change this gives exactly
+as ``Images.changes`` gives it one record at a time. Pure: no I/O.
+
+Decoding one record at a time in Python costs about 20 us a record (the JSON, the envelope's
+checks, each value to its text, one tuple per row); in columns it is the reader's C++ and a
+few vectorised steps for the whole run. The per-record path stays the reference: a record
+this module cannot vouch for is left to it (``Decoded.fast`` is False), and so is any run of
+records the reader refuses as a whole (a value that is not JSON, a field of another type, a
+field the table lacks): the run is halved until the records it refuses are found. What is
+left to the per-record path:
+
+- an envelope with its ``schema`` part (the record's own types), a truncate, an unknown op,
+  a create/read/update without ``after``, a delete without ``before``;
+- a key column that is null or unavailable in the image (the message key fills it), an
+  update whose key changed (a delete and an insert), and an update whose ``before`` is not
+  fit to stage (the per-record path reads it too);
+- a value the per-record path reads as more than its text and the columns cannot match
+  exactly: a numeric that is not plain decimal text, a date or timestamp outside years
+  1-9999, a message key that is not a JSON object;
+- tables with a column of a type read here only one record at a time (timestamptz, time,
+  bytea, real).
+
+Each record is wrapped as ``{"r": <value>}`` on a line of its own, so that a value that is not
+one JSON value (two objects, or none) makes its line invalid rather than shifting the rows;
+values holding a line break are refused before the reader sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date, datetime
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
+
+from walberg.model import Op
+from walberg.source import debezium as dbz
+from walberg.source.debezium import BOOL, DATE, FLOAT8, INT2, INT4, INT8, NUMERIC, TIMESTAMP
+
+# How each column's JSON values are read here (None: only one record at a time).
+_READS: dict[int, pa.DataType] = {INT2: pa.int64(), INT4: pa.int64(), INT8: pa.int64(),
+                                  FLOAT8: pa.float64(), BOOL: pa.bool_(), NUMERIC: pa.string(),
+                                  DATE: pa.int64(), TIMESTAMP: pa.int64()}
+# Days and microseconds since 1970 of the first and last day Python's dates hold (years 1-9999).
+_DAYS = ((date.min - date(1970, 1, 1)).days, (date.max - date(1970, 1, 1)).days)
+_MICROS = (-62_135_596_800_000_000, 253_402_300_799_999_999)
+assert _MICROS[0] == (datetime.min - datetime(1970, 1, 1)).days * 86_400_000_000
+SMALLEST = 32  # a refused run is halved down to this many records, then left to the per-record path
+_OP_CODES = {"c": Op.INSERT.value, "r": Op.UPDATE.value, "u": Op.UPDATE.value,
+             "d": Op.DELETE.value}
+
+
+def _read_as(t: dbz.FieldType) -> Optional[pa.DataType]:
+    if t.oid not in dbz.TYPED:
+        return pa.string()  # kept as the JSON string it is (text, uuid, json sent as text)
+    if t.logical is not None:
+        return None
+    return _READS.get(t.oid)
+
+
+@dataclass
+class Decoded:
+    """A run of records in columns; rows where ``fast`` is False are left to the per-record
+    path (their other fields mean nothing)."""
+
+    fast: npt.NDArray[np.bool_]
+    ops: npt.NDArray[np.str_]  # the staged change's Op code
+    lsn: npt.NDArray[np.int64]  # source.lsn, 0 when absent
+    values: list[pa.Array]  # each column's Postgres text, null for NULL and for unavailable
+    unchanged: list[Optional[npt.NDArray[np.bool_]]]  # per column: rows whose value is unavailable
+
+    def slice(self, lo: int, hi: int
+              ) -> tuple[npt.NDArray[np.str_], npt.NDArray[np.int64], list[pa.Array],
+                         list[Optional[npt.NDArray[np.bool_]]]]:
+        """The rows lo..hi as ``BatchBuilder.add_columns`` takes them (ops, lsn, values,
+        unchanged)."""
+        return (self.ops[lo:hi], self.lsn[lo:hi], [v.slice(lo, hi - lo) for v in self.values],
+                [None if u is None or not u[lo:hi].any() else u[lo:hi] for u in self.unchanged])
+
+
+class _Refused(Exception):
+    """The reader cannot take the run as a whole."""
+
+
+class Columns:
+    """A table's records decoded in columns; ``usable`` is False when a column's type is read
+    only one record at a time."""
+
+    def __init__(self, images: dbz.Images) -> None:
+        self.images = images
+        reads = [_read_as(t) for _, t in images.fields]
+        self.usable = all(r is not None for r in reads)
+        self.types = [t for _, t in images.fields]
+        self.keys = [i for i, _ in images.keys]
+        row = pa.struct([pa.field(name, r or pa.null()) for (name, _), r in
+                         zip(images.fields, reads, strict=True)])
+        self.row_type = row
+        self.schema = pa.schema([pa.field("r", pa.struct([
+            pa.field("op", pa.string()), pa.field("before", row), pa.field("after", row)]))])
+
+    def decode(self, values: Sequence[bytes], keys: Sequence[Optional[bytes]]
+               ) -> Iterator[tuple[int, int, Optional[Decoded]]]:
+        """The records (values and message keys, in order) as pieces ``(lo, hi, decoded)``
+        covering them in order; ``decoded`` is None for a piece left to the per-record path."""
+        if values:
+            yield from self._pieces(values, keys, 0)
+
+    def _pieces(self, values: Sequence[bytes], keys: Sequence[Optional[bytes]], at: int
+                ) -> Iterator[tuple[int, int, Optional[Decoded]]]:
+        n = len(values)
+        try:
+            yield at, at + n, self._decode(values, keys)
+        except (_Refused, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            if n <= SMALLEST:
+                yield at, at + n, None
+                return
+            half = n // 2
+            yield from self._pieces(values[:half], keys[:half], at)
+            yield from self._pieces(values[half:], keys[half:], at + half)
+
+    def _decode(self, values: Sequence[bytes], keys: Sequence[Optional[bytes]]) -> Decoded:
+        n = len(values)
+        envelope = _read_lines(b"r", values, self.schema).column("r").combine_chunks()
+        parts = dict(zip((f.name for f in envelope.type), envelope.flatten(), strict=True))
+        before, after = parts["before"], parts["after"]
+        if before.type != self.row_type or after.type != self.row_type:
+            raise _Refused  # a field the table lacks (the per-record path names it)
+        op = parts["op"]
+        is_d = _true(pc.equal(op, "d"))
+        is_u = _true(pc.equal(op, "u"))
+        known = _true(pc.is_in(op, value_set=pa.array(list(_OP_CODES))))
+        image = pc.if_else(is_d, before.is_valid(), after.is_valid())
+        fast = _np(known) & _np(image) & self._keys_fit(keys, n)
+        olds, news = before.flatten(), after.flatten()
+        values_out: list[pa.Array] = []
+        unchanged: list[Optional[npt.NDArray[np.bool_]]] = []
+        old_text: list[pa.Array] = []
+        old_ok = np.ones(n, np.bool_)
+        for i, t in enumerate(self.types):
+            chosen = pc.if_else(is_d, olds[i], news[i])
+            text, unavailable, ok = _text(chosen, t)
+            fast &= ok
+            values_out.append(text)
+            unchanged.append(unavailable if unavailable.any() else None)
+            if i in self.keys:
+                fast &= _np(text.is_valid())  # null or unavailable: the message key fills it
+                old, old_unavailable, fit = _text(olds[i], t)
+                old_text.append(old)
+                old_ok &= fit & _np(old.is_valid())
+            else:
+                old_ok &= _text(olds[i], t)[2]
+        # An update with a before image: staged only when that image is fit to stage and
+        # the key did not change (else a delete and an insert, one record at a time).
+        with_before = _np(is_u) & _np(before.is_valid())
+        same_key = np.ones(n, np.bool_)
+        for i, old in zip(self.keys, old_text, strict=True):
+            same_key &= _np(_true(pc.equal(old, values_out[i])))
+        fast &= ~with_before | (old_ok & same_key)
+        ops = np.full(n, Op.UPDATE.value)
+        ops[_np(_true(pc.equal(op, "c")))] = Op.INSERT.value
+        ops[_np(is_d)] = Op.DELETE.value
+        return Decoded(fast, ops, _lsn(parts.get("source"), n), values_out, unchanged)
+
+    def _keys_fit(self, keys: Sequence[Optional[bytes]], n: int) -> npt.NDArray[np.bool_]:
+        """Rows whose message key the per-record path reads without refusing the record: none,
+        or a JSON object (whose ``payload``, if it has one, is an object too)."""
+        fit = np.ones(n, np.bool_)
+        given = [(i, k) for i, k in enumerate(keys) if k is not None]
+        if not given:
+            return fit
+        at = np.fromiter((i for i, _ in given), np.int64, len(given))
+        parsed = _read_lines(b"k", [k for _, k in given]).column("k").combine_chunks()
+        if pa.types.is_null(parsed.type):
+            return fit  # JSON null: no key
+        refused = parsed  # rows whose key is not an object
+        if pa.types.is_struct(parsed.type):
+            # A schema/payload wrapper is read for its payload, which must be an object.
+            payload = parsed.type.get_field_index("payload")
+            kind = parsed.type.field(payload).type if payload >= 0 else pa.null()
+            if pa.types.is_null(kind) or pa.types.is_struct(kind):
+                return fit
+            refused = parsed.flatten()[payload]
+        fit[at[_np(refused.is_valid())]] = False
+        return fit
+
+
+def _read_lines(name: bytes, values: Sequence[bytes],
+                schema: Optional[pa.Schema] = None) -> pa.Table:
+    """``values`` as the rows of one field ``name``, one row each, or _Refused."""
+    data = b"".join((b'{"', name, b'":', (b'}\n{"' + name + b'":').join(values), b"}"))
+    if data.count(b"\n") != len(values) - 1:
+        raise _Refused  # a line break inside a value
+    table = pj.read_json(pa.py_buffer(data), read_options=pj.ReadOptions(block_size=1 << 24),
+                         parse_options=pj.ParseOptions(explicit_schema=schema,
+                                                       unexpected_field_behavior="infer"))
+    if table.num_rows != len(values):
+        raise _Refused
+    table.validate(full=True)  # (text that is not UTF-8 is refused here)
+    return table
+
+
+def _true(mask: pa.Array) -> pa.Array:
+    return pc.fill_null(mask, False)
+
+
+def _np(mask: pa.Array) -> npt.NDArray[np.bool_]:
+    return np.asarray(mask.to_numpy(zero_copy_only=False), dtype=np.bool_)
+
+
+def _text(values: pa.Array, t: dbz.FieldType
+          ) -> tuple[pa.Array, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """A column's values as ``to_text`` gives them: (text, null for NULL and unavailable;
+    which rows are unavailable; which rows it gives exactly)."""
+    n = len(values)
+    unavailable = np.zeros(n, np.bool_)
+    ok = np.ones(n, np.bool_)
+    if pa.types.is_string(values.type):
+        flags = _true(pc.equal(values, dbz.UNAVAILABLE))
+        unavailable = _np(flags)
+        text = pc.if_else(flags, pa.scalar(None, pa.string()), values)
+        if t.oid == NUMERIC:
+            plain = pc.match_substring_regex(text, f"^(?:{dbz.PLAIN_DECIMAL.pattern})$")
+            ok = _np(pc.or_(pc.fill_null(plain, True), flags))
+        return text, unavailable, ok
+    if pa.types.is_boolean(values.type):
+        return pc.if_else(values, "t", "f"), unavailable, ok
+    if t.oid in (DATE, TIMESTAMP):
+        low, high = _DAYS if t.oid == DATE else _MICROS
+        inside = pc.and_(pc.greater_equal(values, low), pc.less_equal(values, high))
+        ok = _np(pc.fill_null(inside, True))
+        held = pc.if_else(inside, values, pa.scalar(None, pa.int64()))
+        typed = held.cast(pa.int32()).cast(pa.date32()) if t.oid == DATE \
+            else held.cast(pa.timestamp("us"))
+        return typed.cast(pa.string()), unavailable, ok
+    return values.cast(pa.string()), unavailable, ok
+
+
+def _lsn(source: Optional[pa.Array], n: int) -> npt.NDArray[np.int64]:
+    """source.lsn of each record, 0 where there is none (as the per-record path reads it: an
+    integer, else nothing)."""
+    if source is None or not pa.types.is_struct(source.type) or \
+            source.type.get_field_index("lsn") < 0:
+        return np.zeros(n, np.int64)
+    lsn = source.flatten()[source.type.get_field_index("lsn")]
+    if pa.types.is_null(lsn.type) or pa.types.is_string(lsn.type):
+        return np.zeros(n, np.int64)
+    if not pa.types.is_int64(lsn.type):
+        raise _Refused  # a float or a boolean: one record at a time decides
+    return np.asarray(pc.fill_null(lsn, 0).to_numpy(zero_copy_only=False), dtype=np.int64)

@@ -1,0 +1,217 @@
+"""Debezium records decoded in columns give exactly what the per-record path gives, and
+leave to it every record they cannot vouch for (pure, no broker)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from walberg.model import UNCHANGED, Column, Op, Value
+from walberg.source import debezium as dbz
+from walberg.source.debezium_columns import SMALLEST, Columns
+
+COLUMNS = (Column("id", dbz.TEXT, is_key=True), Column("n", dbz.INT4, is_key=True),
+           Column("amount", dbz.NUMERIC), Column("x", dbz.FLOAT8), Column("ok", dbz.BOOL),
+           Column("day", dbz.DATE), Column("at", dbz.TIMESTAMP), Column("doc", dbz.JSONB),
+           Column("big", dbz.INT8))
+IMAGES = dbz.Images(COLUMNS, tuple(dbz.FieldType(c.type_oid) for c in COLUMNS))
+UNAVAILABLE = dbz.UNAVAILABLE
+
+Outcome = Union[str, list[tuple[Op, tuple[Value, ...]]]]
+
+
+def _per_record(key: Optional[bytes], value: bytes) -> Outcome:
+    """The reference: the per-record path's changes, or "bad" for a dead letter."""
+    try:
+        event = dbz.parse_event(value)
+        if event.fields is not None or event.truncates:
+            return "other"  # (the stager takes these apart: schema records, truncates)
+        return IMAGES.changes(event, dbz.parse_key(key))
+    except dbz.BadRecord:
+        return "bad"
+
+
+def _same(a: tuple[Value, ...], b: tuple[Value, ...]) -> bool:
+    """Rows equal as the apply stage parses them (a double's text may be written two ways)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if COLUMNS[i].type_oid == dbz.FLOAT8 and isinstance(x, bytes) and isinstance(y, bytes):
+            if float(x) != float(y) or str(float(x)) != str(float(y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _check(records: list[tuple[Optional[bytes], bytes]]) -> int:
+    """Decode the records in columns and check each decoded one against the per-record path;
+    returns how many were decoded in columns."""
+    decoder = Columns(IMAGES)
+    assert decoder.usable
+    covered = 0
+    fast = 0
+    for lo, hi, decoded in decoder.decode([v for _, v in records], [k for k, _ in records]):
+        assert lo == covered
+        covered = hi
+        if decoded is None:
+            continue
+        for i in range(lo, hi):
+            if not decoded.fast[i - lo]:
+                continue
+            fast += 1
+            ops, _, values, unchanged = decoded.slice(i - lo, i - lo + 1)
+            row = tuple(UNCHANGED if u is not None and u[0] else v[0].as_py() for v, u in
+                        zip(values, unchanged, strict=True))
+            row = tuple(v.encode() if isinstance(v, str) else v for v in row)
+            want = _per_record(*records[i])
+            assert isinstance(want, list) and len(want) == 1, (records[i], want)
+            assert want[0][0].value == ops[0], (records[i], want, ops[0])
+            assert _same(want[0][1], row), (records[i], want[0][1], row)
+    assert covered == len(records)
+    return fast
+
+
+def _row(**values: Any) -> dict[str, Any]:
+    row = {"id": "a", "n": 1, "amount": "1.50", "x": 0.5, "ok": True, "day": 19000,
+           "at": 1_700_000_000_123_456, "doc": '{"k": 1}', "big": 2**40}
+    row.update(values)
+    return row
+
+
+def _envelope(op: Any, before: Any = None, after: Any = None, **more: Any) -> bytes:
+    return json.dumps({"op": op, "before": before, "after": after, **more}).encode()
+
+
+KEY = json.dumps({"id": "a", "n": 1}).encode()
+EDGES: list[tuple[Optional[bytes], bytes]] = [
+    (KEY, _envelope("c", after=_row())),
+    (KEY, _envelope("r", after=_row(amount=None, x=None, ok=False, day=-719162))),
+    (KEY, _envelope("u", before=_row(), after=_row(amount="2"))),
+    (KEY, _envelope("u", before=None, after=_row(ok=None))),
+    (KEY, _envelope("u", before=_row(), after=_row(id="b"))),  # a key change
+    (KEY, _envelope("u", before=_row(id=UNAVAILABLE), after=_row())),
+    (KEY, _envelope("u", before=_row(amount="1e5"), after=_row())),  # before not fit
+    (KEY, _envelope("d", before=_row())),
+    (KEY, _envelope("d", before={"id": "a", "n": 1})),
+    (KEY, _envelope("d", before=None)),  # the key from the message key
+    (None, _envelope("d", before=None)),  # a dead letter: no key at all
+    (KEY, _envelope("c", after={"id": "a", "amount": "3"})),  # n from the message key
+    (KEY, _envelope("c", after=_row(doc=UNAVAILABLE, amount=UNAVAILABLE))),
+    (KEY, _envelope("c", after=_row(id=UNAVAILABLE))),
+    (KEY, json.dumps({"schema": {"type": "struct", "fields": []},
+                      "payload": json.loads(_envelope("c", after=_row()))}).encode()),
+    (KEY, _envelope("t")),
+    (KEY, _envelope("x", after=_row())),
+    (KEY, json.dumps({"after": _row()}).encode()),
+    (KEY, _envelope(5, after=_row())),
+    (KEY, _envelope("c", after=[1, 2])),
+    (KEY, b"{not json"),
+    (KEY, b"null"),
+    (KEY, b""),
+    (KEY, b'{"op": "c"} {"op": "d"}'),
+    (KEY, _envelope("c", after=_row(extra=1))),
+    (KEY, _envelope("c", after=_row(n=1.5))),
+    (KEY, _envelope("c", after=_row(n="7"))),
+    (KEY, _envelope("c", after=_row(n=True))),
+    (KEY, _envelope("c", after=_row(big=2**70))),
+    (KEY, _envelope("c", after=_row(amount="+1"))),
+    (KEY, _envelope("c", after=_row(amount="01.5"))),
+    (KEY, _envelope("c", after=_row(amount=" 1"))),
+    (KEY, _envelope("c", after=_row(amount=12.25))),
+    (KEY, _envelope("c", after=_row(amount="-0.000"))),
+    (KEY, _envelope("c", after=_row(day=2932897))),
+    (KEY, _envelope("c", after=_row(at=-62135596800000001))),
+    (KEY, _envelope("c", after=_row(at=-1))),
+    (KEY, _envelope("c", after=_row(ok=1))),
+    (KEY, _envelope("c", after=_row(x=3))),
+    (KEY, _envelope("c", after=_row(x=1e300))),
+    (KEY, _envelope("c", after=_row(x=-0.0))),
+    (KEY, b'{"op": "c", "after": ' + json.dumps(_row()).encode()[:-1] + b', "x": NaN}}'),
+    (KEY, _envelope("c", after=_row(doc={"nested": True}))),
+    (KEY, _envelope("c", after=_row(id="é \\u00e9 \" \n\t"))),
+    (KEY, b'{"op": "c", "after": {"id": "\xff", "n": 1}}'),
+    (KEY, b'{"op": "c", "after": {"id": "\\ud800", "n": 1}}'),
+    (KEY, json.dumps({"op": "c", "after": _row()}, indent=2).encode()),  # line breaks
+    (KEY, b'{"op": "c", "after": {"id": "a", "id": "b", "n": 1}}'),
+    (KEY, b'{"op": "d", "op": "c", "after": {"id": "a", "n": 1}}'),
+    (b'"a"', _envelope("c", after=_row())),
+    (b"{bad key", _envelope("c", after=_row())),
+    (json.dumps({"schema": {}, "payload": {"id": "z", "n": 2}}).encode(),
+     _envelope("c", after=_row())),
+    (KEY, _envelope("c", after=_row(), source={"lsn": 42, "connector": "postgresql"})),
+    (KEY, _envelope("c", after=_row(), source={"lsn": "42"})),
+    (KEY, _envelope("c", after=_row(), source="pg")),
+    (KEY, _envelope("c", after=_row(), source=None, transaction=None, ts_ms=1)),
+]
+
+
+def test_every_edge_is_decoded_as_one_record_at_a_time_or_left_to_it() -> None:
+    _check(EDGES)
+    # Each edge alone, and each amid plain records: the run is halved around an edge the
+    # reader refuses, so that the plain records are still decoded in columns.
+    plain = [(KEY, _envelope("c", after=_row(id=f"k{i}"))) for i in range(200)]
+    for edge in EDGES:
+        _check([edge])
+        assert _check(plain[:100] + [edge] + plain[100:]) >= 200 - SMALLEST
+
+
+def test_plain_records_are_all_decoded_in_columns() -> None:
+    records = [(json.dumps({"id": f"c-{i}", "n": i}).encode(),
+                _envelope("cud"[i % 3], before=_row(id=f"c-{i}", n=i) if i % 3 else None,
+                          after=_row(id=f"c-{i}", n=i, amount=f"{i}.25") if i % 3 < 2 else None,
+                          source={"connector": "postgresql", "lsn": 1000 + i, "xmin": None}))
+               for i in range(3000)]
+    assert _check(records) == 3000
+
+
+_TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=8)
+_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-(2**65), 2**65),
+                   st.floats(allow_nan=False, allow_infinity=False), _TEXT,
+                   st.sampled_from([UNAVAILABLE, "1.5", "-0", "007", "1e3", "12.", ".5"]),
+                   st.lists(st.integers(), max_size=2))
+
+
+_FIT = {  # values each column takes, the odd ones among them
+    "id": st.sampled_from(["a", "b", "ü\n", UNAVAILABLE]), "n": st.sampled_from([1, 2]),
+    "amount": st.one_of(st.decimals(allow_nan=False, allow_infinity=False, places=2).map(str),
+                        st.sampled_from(["007", "1e3", "-0", UNAVAILABLE])),
+    "x": st.floats(allow_nan=False, allow_infinity=False), "ok": st.booleans(),
+    "day": st.integers(-800_000, 3_000_000), "at": st.integers(-(2**62), 2**62),
+    "doc": _TEXT, "big": st.integers(-(2**63), 2**63 - 1)}
+
+
+@st.composite
+def _image(draw: st.DrawFn) -> Optional[dict[str, Any]]:
+    odds = draw(st.randoms(use_true_random=True))  # (hypothesis favours its bounds)
+    if odds.random() < 0.1:
+        return None
+    row: dict[str, Any] = {}
+    for c in COLUMNS:
+        if odds.random() < 0.002:
+            continue  # (absent: NULL, or the message key's for a key column)
+        odd = odds.random() < 0.002
+        row[c.name] = draw(_VALUE if odd else st.one_of(st.none(), _FIT[c.name])
+                           if not c.is_key else _FIT[c.name])
+    if odds.random() < 0.002:
+        row["extra"] = 1
+    return row
+
+
+@st.composite
+def _record(draw: st.DrawFn) -> tuple[Optional[bytes], bytes]:
+    odds = draw(st.randoms(use_true_random=True))
+    key = KEY if odds.random() < 0.97 else draw(st.sampled_from([None, b'{"id": "q"}', b"[]"]))
+    op = draw(st.sampled_from("cud" if odds.random() < 0.97 else "crudtz"))
+    return key, _envelope(op, draw(_image()), draw(_image()))
+
+
+_RECORD = _record()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_RECORD, min_size=1, max_size=80))
+def test_any_run_of_records_decodes_as_one_record_at_a_time(records: list[tuple[Optional[bytes],
+                                                                                 bytes]]) -> None:
+    _check(records)
