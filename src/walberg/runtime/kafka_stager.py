@@ -189,6 +189,10 @@ class KafkaStager:
         into = _Staging(builder)
         read: list[SegmentInfo] = []
         cut = False
+        # Records below these are held already (a replay after a crash) or in the batch before.
+        below = self.state.lake_offsets()
+        for tp, o in floor.items():
+            below[tp] = max(below.get(tp, 0), o)
         try:
             for info in segments:
                 read.append(info)
@@ -197,10 +201,8 @@ class KafkaStager:
                     if kind != FRAME_KAFKA:
                         continue
                     record = kafka.decode(payload)
-                    tp = (record.topic, record.partition)
-                    if record.offset < max(floor.get(tp, 0), self.state.lake_offset(tp)):
-                        continue  # held already (a replay after a crash) or in the batch before
-                    records.append(record)
+                    if record.offset >= below.get((record.topic, record.partition), 0):
+                        records.append(record)
                 if self._stage_records(into, records):
                     cut = True  # the record that adds columns starts the next batch
                     break
@@ -274,10 +276,12 @@ class KafkaStager:
         into.builder.add_columns(self.names[topic], shape.columns, ops, seqs, lsn, values,
                                  unchanged)
         into.seq = int(seqs[-1])
-        for seq, record in zip(seqs.tolist(), records, strict=True):
-            into.by_seq[seq] = record
-            into.positions.append((seq, record.topic, record.partition, record.offset))
-            into.upto[(record.topic, record.partition)] = record.offset + 1
+        numbers = seqs.tolist()
+        into.by_seq.update(zip(numbers, records, strict=True))
+        into.positions += [(seq, r.topic, r.partition, r.offset)
+                           for seq, r in zip(numbers, records, strict=True)]
+        # (a partition's offsets grow: its last record is its furthest)
+        into.upto.update({(r.topic, r.partition): r.offset + 1 for r in records})
 
     def _stage_record(self, builder: BatchBuilder, record: kafka.Record, seq: int) -> bool:
         """Stage one record's change(s) at ``seq``; False if it holds none (a tombstone, or a

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import date, datetime
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -170,11 +170,14 @@ class Columns:
         """Rows whose message key the per-record path reads without refusing the record: none,
         or a JSON object (whose ``payload``, if it has one, is an object too)."""
         fit = np.ones(n, np.bool_)
-        given = [(i, k) for i, k in enumerate(keys) if k is not None]
+        if None in keys:
+            at = np.flatnonzero(np.fromiter((k is not None for k in keys), np.bool_, n))
+            given = [k for k in keys if k is not None]
+        else:
+            at, given = np.arange(n), cast("list[bytes]", list(keys))  # (the usual case)
         if not given:
             return fit
-        at = np.fromiter((i for i, _ in given), np.int64, len(given))
-        parsed = _read_lines(b"k", [k for _, k in given]).column("k").combine_chunks()
+        parsed = _read_lines(b"k", given).column("k").combine_chunks()
         if pa.types.is_null(parsed.type):
             return fit  # JSON null: no key
         refused = parsed  # rows whose key is not an object
