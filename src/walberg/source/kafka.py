@@ -42,16 +42,26 @@ def encode(record: Record) -> bytes:
         topic, key or b"", value or b""))
 
 
+_TOPICS: dict[bytes, str] = {}  # a frame's topic name as text (a few topics, many records)
+_new_record = tuple.__new__  # (a Record made without the named tuple's Python-level __new__)
+
+
 def decode(payload: bytes) -> Record:
     """The inverse of ``encode``."""
     tlen, partition, offset, ts, klen, vlen = _HEAD.unpack_from(payload, 0)
-    at = _HEAD.size
-    topic = payload[at:at + tlen].decode()
-    at += tlen
-    key = None if klen == _NULL else bytes(payload[at:at + klen])
-    at += 0 if key is None else klen
-    value = None if vlen == _NULL else bytes(payload[at:at + vlen])
-    return Record(topic, partition, offset, ts, key, value)
+    at = _HEAD.size + tlen
+    name = payload[_HEAD.size:at]
+    topic = _TOPICS.get(name)
+    if topic is None:
+        if len(_TOPICS) > 10_000:
+            _TOPICS.clear()
+        topic = _TOPICS[name] = name.decode()
+    key = None
+    if klen != _NULL:
+        key = payload[at:at + klen]
+        at += klen
+    value = None if vlen == _NULL else payload[at:at + vlen]
+    return _new_record(Record, (topic, partition, offset, ts, key, value))
 
 
 def _module() -> Any:
