@@ -4,6 +4,7 @@ leave to it every record they cannot vouch for (pure, no broker)."""
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any, Optional, Union
 
 from hypothesis import given, settings
@@ -16,7 +17,7 @@ from walberg.source.debezium_columns import SMALLEST, Columns
 COLUMNS = (Column("id", dbz.TEXT, is_key=True), Column("n", dbz.INT4, is_key=True),
            Column("amount", dbz.NUMERIC), Column("x", dbz.FLOAT8), Column("ok", dbz.BOOL),
            Column("day", dbz.DATE), Column("at", dbz.TIMESTAMP), Column("doc", dbz.JSONB),
-           Column("big", dbz.INT8))
+           Column("big", dbz.INT8), Column("tz", dbz.TIMESTAMPTZ))
 IMAGES = dbz.Images(COLUMNS, tuple(dbz.FieldType(c.type_oid) for c in COLUMNS))
 UNAVAILABLE = dbz.UNAVAILABLE
 
@@ -75,7 +76,8 @@ def _check(records: list[tuple[Optional[bytes], bytes]]) -> int:
 
 def _row(**values: Any) -> dict[str, Any]:
     row = {"id": "a", "n": 1, "amount": "1.50", "x": 0.5, "ok": True, "day": 19000,
-           "at": 1_700_000_000_123_456, "doc": '{"k": 1}', "big": 2**40}
+           "at": 1_700_000_000_123_456, "doc": '{"k": 1}', "big": 2**40,
+           "tz": "2024-05-01T10:00:00.5Z"}
     row.update(values)
     return row
 
@@ -125,6 +127,16 @@ EDGES: list[tuple[Optional[bytes], bytes]] = [
     (KEY, _envelope("c", after=_row(at=-62135596800000001))),
     (KEY, _envelope("c", after=_row(at=-1))),
     (KEY, _envelope("c", after=_row(ok=1))),
+    (KEY, _envelope("c", after=_row(tz="2024-02-29T23:59:59Z"))),
+    (KEY, _envelope("c", after=_row(tz="2023-02-29T00:00:00Z"))),
+    (KEY, _envelope("c", after=_row(tz="0000-01-01T00:00:00Z"))),
+    (KEY, _envelope("c", after=_row(tz="2024-01-01T23:59:60Z"))),
+    (KEY, _envelope("c", after=_row(tz="2024-01-01T00:00:00.1234567Z"))),
+    (KEY, _envelope("c", after=_row(tz="2024-01-01T00:00:00+02:00"))),
+    (KEY, _envelope("c", after=_row(tz="2024-01-01T00:00:00"))),
+    (KEY, _envelope("c", after=_row(tz="2024-01-01 00:00:00Z"))),
+    (KEY, _envelope("c", after=_row(tz=1_700_000_000_000_000))),
+    (KEY, _envelope("c", after=_row(tz=UNAVAILABLE))),
     (KEY, _envelope("c", after=_row(x=3))),
     (KEY, _envelope("c", after=_row(x=1e300))),
     (KEY, _envelope("c", after=_row(x=-0.0))),
@@ -179,7 +191,11 @@ _FIT = {  # values each column takes, the odd ones among them
                         st.sampled_from(["007", "1e3", "-0", UNAVAILABLE])),
     "x": st.floats(allow_nan=False, allow_infinity=False), "ok": st.booleans(),
     "day": st.integers(-800_000, 3_000_000), "at": st.integers(-(2**62), 2**62),
-    "doc": _TEXT, "big": st.integers(-(2**63), 2**63 - 1)}
+    "doc": _TEXT, "big": st.integers(-(2**63), 2**63 - 1),
+    "tz": st.one_of(st.datetimes(min_value=datetime(1, 1, 1), max_value=datetime(9999, 12, 31))
+                    .map(lambda d: d.isoformat() + "Z"),
+                    st.sampled_from(["2023-02-29T00:00:00Z", "2024-01-01T00:00:00+01:00",
+                                     "2024-01-01T10:00:00.1234567Z", UNAVAILABLE]))}
 
 
 @st.composite

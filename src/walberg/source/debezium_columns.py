@@ -18,8 +18,9 @@ left to the per-record path:
 - a value the per-record path reads as more than its text and the columns cannot match
   exactly: a numeric that is not plain decimal text, a date or timestamp outside years
   1-9999, a message key that is not a JSON object;
-- tables with a column of a type read here only one record at a time (timestamptz, time,
-  bytea, real).
+- a timestamptz not written as Debezium writes it (UTC, ``Z``, at most six digits of
+  fraction);
+- tables with a column of a type read here only one record at a time (time, bytea, real).
 
 Each record is wrapped as ``{"r": <value>}`` on a line of its own, so that a value that is not
 one JSON value (two objects, or none) makes its line invalid rather than shifting the rows;
@@ -45,11 +46,15 @@ from walberg.source.debezium import BOOL, DATE, FLOAT8, INT2, INT4, INT8, NUMERI
 # How each column's JSON values are read here (None: only one record at a time).
 _READS: dict[int, pa.DataType] = {INT2: pa.int64(), INT4: pa.int64(), INT8: pa.int64(),
                                   FLOAT8: pa.float64(), BOOL: pa.bool_(), NUMERIC: pa.string(),
-                                  DATE: pa.int64(), TIMESTAMP: pa.int64()}
+                                  DATE: pa.int64(), TIMESTAMP: pa.int64(),
+                                  dbz.TIMESTAMPTZ: pa.string()}
 # Days and microseconds since 1970 of the first and last day Python's dates hold (years 1-9999).
 _DAYS = ((date.min - date(1970, 1, 1)).days, (date.max - date(1970, 1, 1)).days)
 _MICROS = (-62_135_596_800_000_000, 253_402_300_799_999_999)
 assert _MICROS[0] == (datetime.min - datetime(1970, 1, 1)).days * 86_400_000_000
+# Debezium's ZonedTimestamp in UTC, as it sends a timestamptz: a moment with up to six digits
+# of fraction (other forms are read one record at a time).
+_ZONED = r"^(?P<at>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(?P<fraction>\d{1,6}))?Z$"
 SMALLEST = 32  # a refused run is halved down to this many records, then left to the per-record path
 _OP_CODES = {"c": Op.INSERT.value, "r": Op.UPDATE.value, "u": Op.UPDATE.value,
              "d": Op.DELETE.value}
@@ -222,6 +227,8 @@ def _text(values: pa.Array, t: dbz.FieldType
     n = len(values)
     unavailable = np.zeros(n, np.bool_)
     ok = np.ones(n, np.bool_)
+    if t.oid == dbz.TIMESTAMPTZ:
+        return _zoned(values)
     if pa.types.is_string(values.type):
         flags = _true(pc.equal(values, dbz.UNAVAILABLE))
         unavailable = _np(flags)
@@ -241,6 +248,25 @@ def _text(values: pa.Array, t: dbz.FieldType
             else held.cast(pa.timestamp("us"))
         return typed.cast(pa.string()), unavailable, ok
     return values.cast(pa.string()), unavailable, ok
+
+
+def _zoned(values: pa.Array
+           ) -> tuple[pa.Array, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """``_text`` of a timestamptz column's strings: ``2024-05-01T10:00:00.5Z`` as
+    ``2024-05-01 10:00:00.500000+00``. A moment is given exactly only when it is a real one
+    (Arrow's parser would move 30 February to March: the moment must print back as it came)."""
+    flags = _true(pc.equal(values, dbz.UNAVAILABLE))
+    parts = pc.extract_regex(pc.if_else(flags, pa.scalar(None, pa.string()), values), _ZONED)
+    at = pc.struct_field(parts, "at")
+    moment = pc.strptime(at, format="%Y-%m-%dT%H:%M:%S", unit="s", error_is_null=True)
+    real = pc.and_(pc.equal(pc.strftime(moment, format="%Y-%m-%dT%H:%M:%S"), at),
+                   pc.invert(pc.starts_with(at, "0000")))
+    given = pc.or_(pc.is_null(values), flags)
+    ok = _np(pc.or_(given, pc.fill_null(real, False)))
+    fraction = pc.utf8_rpad(pc.struct_field(parts, "fraction"), width=6, padding="0")
+    text = pc.binary_join_element_wise(pc.replace_substring(at, "T", " "), ".", fraction,
+                                       "+00", "")
+    return text, _np(flags), ok
 
 
 def _lsn(source: Optional[pa.Array], n: int) -> npt.NDArray[np.int64]:
