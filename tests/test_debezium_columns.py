@@ -113,6 +113,8 @@ EDGES: list[tuple[Optional[bytes], bytes]] = [
     (KEY, b"null"),
     (KEY, b""),
     (KEY, b'{"op": "c"} {"op": "d"}'),
+    (KEY, _envelope("c", after=_row()) + b', "more": 1'),
+    (b'{"id": "a", "n": 1}, "more": 1', _envelope("c", after=_row())),
     (KEY, _envelope("c", after=_row(extra=1))),
     (KEY, _envelope("c", after=_row(n=1.5))),
     (KEY, _envelope("c", after=_row(n="7"))),

@@ -206,8 +206,8 @@ def _read_lines(name: bytes, values: Sequence[bytes],
     table = pj.read_json(pa.py_buffer(data), read_options=pj.ReadOptions(block_size=1 << 24),
                          parse_options=pj.ParseOptions(explicit_schema=schema,
                                                        unexpected_field_behavior="infer"))
-    if table.num_rows != len(values):
-        raise _Refused
+    if table.num_rows != len(values) or table.num_columns != 1:
+        raise _Refused  # (a second field beside ``name``: a value followed by more JSON)
     table.validate(full=True)  # (text that is not UTF-8 is refused here)
     return table
 
