@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from walberg.model import UNCHANGED, Column, Op, Value
 from walberg.source import debezium as dbz
-from walberg.source.debezium_columns import SMALLEST, Columns
+from walberg.source.debezium_columns import SMALLEST, Columns, is_envelope, split_envelope
 
 COLUMNS = (Column("id", dbz.TEXT, is_key=True), Column("n", dbz.INT4, is_key=True),
            Column("amount", dbz.NUMERIC), Column("x", dbz.FLOAT8), Column("ok", dbz.BOOL),
@@ -24,13 +24,17 @@ UNAVAILABLE = dbz.UNAVAILABLE
 Outcome = Union[str, list[tuple[Op, tuple[Value, ...]]]]
 
 
-def _per_record(key: Optional[bytes], value: bytes) -> Outcome:
+def _per_record(key: Optional[bytes], value: bytes, images: dbz.Images = IMAGES) -> Outcome:
     """The reference: the per-record path's changes, or "bad" for a dead letter."""
     try:
         event = dbz.parse_event(value)
-        if event.fields is not None or event.truncates:
-            return "other"  # (the stager takes these apart: schema records, truncates)
-        return IMAGES.changes(event, dbz.parse_key(key))
+        if event.truncates:
+            return "other"  # (the stager takes these apart)
+        if event.fields is not None:
+            # The stager reads a record with a schema of its own by the schema's types.
+            given = dict(event.fields)
+            images = dbz.Images(COLUMNS, tuple(given[c.name] for c in COLUMNS))
+        return images.changes(event, dbz.parse_key(key))
     except dbz.BadRecord:
         return "bad"
 
@@ -46,14 +50,17 @@ def _same(a: tuple[Value, ...], b: tuple[Value, ...]) -> bool:
     return True
 
 
-def _check(records: list[tuple[Optional[bytes], bytes]]) -> int:
-    """Decode the records in columns and check each decoded one against the per-record path;
-    returns how many were decoded in columns."""
-    decoder = Columns(IMAGES)
+def _check(records: list[tuple[Optional[bytes], bytes]], images: dbz.Images = IMAGES,
+           texts: Optional[list[bytes]] = None) -> int:
+    """Decode the records in columns (``texts``: what the decoder reads of each, default their
+    values) and check each decoded one against the per-record path; returns how many were
+    decoded in columns."""
+    decoder = Columns(images)
     assert decoder.usable
     covered = 0
     fast = 0
-    for lo, hi, decoded in decoder.decode([v for _, v in records], [k for k, _ in records]):
+    given = texts if texts is not None else [v for _, v in records]
+    for lo, hi, decoded in decoder.decode(given, [k for k, _ in records]):
         assert lo == covered
         covered = hi
         if decoded is None:
@@ -66,7 +73,7 @@ def _check(records: list[tuple[Optional[bytes], bytes]]) -> int:
             row = tuple(UNCHANGED if u is not None and u[0] else v[0].as_py() for v, u in
                         zip(values, unchanged, strict=True))
             row = tuple(v.encode() if isinstance(v, str) else v for v in row)
-            want = _per_record(*records[i])
+            want = _per_record(*records[i], images)
             assert isinstance(want, list) and len(want) == 1, (records[i], want)
             assert want[0][0].value == ops[0], (records[i], want, ops[0])
             assert _same(want[0][1], row), (records[i], want[0][1], row)
@@ -233,3 +240,57 @@ _RECORD = _record()
 def test_any_run_of_records_decodes_as_one_record_at_a_time(records: list[tuple[Optional[bytes],
                                                                                  bytes]]) -> None:
     _check(records)
+
+
+# The same table as Kafka Connect's JSON converter describes it, with Debezium's time types.
+SCHEMA = {"type": "struct", "name": "t.Envelope", "fields": [
+    {"field": part, "optional": True, "type": "struct", "name": "t.Value", "fields": [
+        {"field": "id", "type": "string"}, {"field": "n", "type": "int32"},
+        {"field": "amount", "type": "string", "optional": True},
+        {"field": "x", "type": "double", "optional": True},
+        {"field": "ok", "type": "boolean", "optional": True},
+        {"field": "day", "type": "int32", "name": "io.debezium.time.Date", "optional": True},
+        {"field": "at", "type": "int64", "name": "io.debezium.time.Timestamp",
+         "optional": True},
+        {"field": "doc", "type": "string", "name": "io.debezium.data.Json", "optional": True},
+        {"field": "big", "type": "int64", "optional": True},
+        {"field": "tz", "type": "string", "name": "io.debezium.time.ZonedTimestamp",
+         "optional": True}]} for part in ("before", "after")]
+    + [{"field": "op", "type": "string"}]}
+SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":")).encode()
+SCHEMA_FIELDS = dbz.parse_event(b'{"schema":' + SCHEMA_TEXT + b',"payload":{"op":"t"}}').fields
+assert SCHEMA_FIELDS is not None
+SCHEMA_IMAGES = dbz.Images(COLUMNS, tuple(t for _, t in SCHEMA_FIELDS))
+
+
+def _wrapped(payload: bytes) -> bytes:
+    return b'{"schema":' + SCHEMA_TEXT + b',"payload":' + payload + b"}"
+
+
+def test_a_schema_envelope_is_cut_into_its_schema_and_payload_texts() -> None:
+    payload = _envelope("c", after=_row(at=1_700_000_000_123))
+    parts = split_envelope(_wrapped(payload))
+    assert parts == (SCHEMA_TEXT, payload) and is_envelope(parts)
+    # Layouts it does not cut, or cuts wrongly (then the texts are not each one JSON value).
+    assert split_envelope(payload) is None
+    assert split_envelope(b'{"payload":' + payload + b',"schema":' + SCHEMA_TEXT + b"}") is None
+    assert split_envelope(b'{"schema":' + SCHEMA_TEXT + b"}") is None
+    nested = b'{"schema":{"a":{"b":1},"payload":2},"payload":' + payload + b"}"
+    cut = split_envelope(nested)
+    assert cut is not None and not is_envelope(cut)
+    assert not is_envelope((SCHEMA_TEXT, payload + b',"more":1'))
+
+
+def test_records_with_their_schema_decode_as_one_record_at_a_time() -> None:
+    # (``at`` in milliseconds here: the default, in microseconds, is past year 9999 as such)
+    payloads = [_envelope("cud"[i % 3], before=_row(id=f"c-{i}", n=i, at=i) if i % 3 else None,
+                          after=_row(id=f"c-{i}", n=i, at=1_700_000_000_000 + i) if i % 3 < 2
+                          else None) for i in range(300)]
+    payloads += [p for _, p in EDGES]
+    records = [(KEY, _wrapped(p)) for p in payloads]
+    texts = []
+    for _, value in records:
+        parts = split_envelope(value)
+        assert parts is not None and parts[0] == SCHEMA_TEXT
+        texts.append(parts[1])
+    assert _check(records, SCHEMA_IMAGES, texts) >= 300 - SMALLEST

@@ -29,12 +29,13 @@ from walberg.runtime.applier import Batch, Partition
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
 from walberg.source import kafka
-from walberg.source.debezium_columns import Columns, Decoded
+from walberg.source.debezium_columns import Columns, Decoded, is_envelope, split_envelope
 
 log = logging.getLogger("walberg")
 
 FRAME_KAFKA = 2  # one consumed Kafka record (source.kafka.encode)
 _RUN = 50_000  # records decoded in columns at once, at most
+_SCHEMAS = 64  # schema texts remembered per table, at most
 
 DEAD_LETTER_SCHEMA = pa.schema([
     pa.field("topic", pa.string()), pa.field("partition", pa.int32()),
@@ -60,6 +61,8 @@ class _Shape:
     images: dbz.Images = field(init=False)  # (records without a schema of their own)
 
     decoder: Columns = field(init=False)  # the same, a run of records at a time
+    # Records with a schema of their own: a decoder per schema text seen (and checked).
+    schemas: dict[bytes, Columns] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.images = dbz.Images(self.columns, self.types)
@@ -225,18 +228,22 @@ class KafkaStager:
         while i < len(records):
             topic = records[i].topic
             shape = self._shapes.get(topic) if topic in self.names else None
-            if shape is None or not shape.decoder.usable or records[i].value is None:
+            decoder, text = self._form(shape, records[i])
+            if shape is None or decoder is None:
                 if self._stage_one(into, records[i]):
                     return True
                 i += 1
                 continue
+            texts = [text]
             j = i + 1
-            while j < len(records) and j - i < _RUN and records[j].topic == topic and \
-                    records[j].value is not None:
+            while j < len(records) and j - i < _RUN and records[j].topic == topic:
+                form, text = self._form(shape, records[j])
+                if form is not decoder:
+                    break
+                texts.append(text)
                 j += 1
             run = records[i:j]
-            values = [r.value for r in run if r.value is not None]
-            for lo, hi, decoded in shape.decoder.decode(values, [r.key for r in run]):
+            for lo, hi, decoded in decoder.decode(texts, [r.key for r in run]):
                 fast = decoded.fast if decoded is not None else np.zeros(hi - lo, np.bool_)
                 edges = [0, *(np.flatnonzero(fast[1:] != fast[:-1]) + 1).tolist(), hi - lo]
                 for a, b in zip(edges, edges[1:], strict=False):
@@ -251,6 +258,19 @@ class KafkaStager:
                             return self._stage_records(into, run[k + 1:] + records[j:])
             i = j
         return False
+
+    @staticmethod
+    def _form(shape: Optional[_Shape], record: kafka.Record) -> tuple[Optional[Columns], bytes]:
+        """The decoder that takes the record in columns, and the text it reads (the value, or
+        the payload of a value whose schema text was seen before); None: one at a time."""
+        value = record.value
+        if shape is None or value is None:
+            return None, b""
+        parts = split_envelope(value)
+        if parts is not None:
+            known = shape.schemas.get(parts[0])
+            return (known, parts[1]) if known is not None and known.usable else (None, b"")
+        return (shape.decoder, value) if shape.decoder.usable else (None, b"")
 
     def _stage_one(self, into: _Staging, record: kafka.Record) -> bool:
         """Stage one record by itself; True when it adds columns to a table this batch has
@@ -311,7 +331,19 @@ class KafkaStager:
         staged = images.changes(event, key)
         for i, (op, row) in enumerate(staged):
             builder.add(name, shape.columns, op, seq - len(staged) + 1 + i, lsn, row)
+        if event.fields is not None:
+            self._learn(shape, record.value, images)
         return True
+
+    @staticmethod
+    def _learn(shape: _Shape, value: bytes, images: dbz.Images) -> None:
+        """Remember a schema text whose record was staged, so that later records carrying the
+        same text (byte for byte) are decoded in columns with the same types."""
+        parts = split_envelope(value)
+        if parts is None or parts[0] in shape.schemas or len(shape.schemas) >= _SCHEMAS:
+            return
+        if is_envelope(parts):
+            shape.schemas[parts[0]] = Columns(images)
 
     def _widened(self, topic: str, shape: _Shape, fields: tuple[tuple[str, dbz.FieldType], ...],
                  builder: BatchBuilder) -> _Shape:

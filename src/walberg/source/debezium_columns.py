@@ -29,6 +29,7 @@ values holding a line break are refused before the reader sees them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Iterator, Optional, Sequence, cast
@@ -52,6 +53,9 @@ _READS: dict[int, pa.DataType] = {INT2: pa.int64(), INT4: pa.int64(), INT8: pa.i
 _DAYS = ((date.min - date(1970, 1, 1)).days, (date.max - date(1970, 1, 1)).days)
 _MICROS = (-62_135_596_800_000_000, 253_402_300_799_999_999)
 assert _MICROS[0] == (datetime.min - datetime(1970, 1, 1)).days * 86_400_000_000
+_MILLIS = frozenset({"org.apache.kafka.connect.data.Timestamp", "io.debezium.time.Timestamp"})
+_MICROS_LOGICAL = "io.debezium.time.MicroTimestamp"
+_SCHEMA_HEAD, _PAYLOAD = b'{"schema":', b',"payload":'
 # Debezium's ZonedTimestamp in UTC, as it sends a timestamptz: a moment with up to six digits
 # of fraction (other forms are read one record at a time).
 _ZONED = r"^(?P<at>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(?P<fraction>\d{1,6}))?Z$"
@@ -63,9 +67,34 @@ _OP_CODES = {"c": Op.INSERT.value, "r": Op.UPDATE.value, "u": Op.UPDATE.value,
 def _read_as(t: dbz.FieldType) -> Optional[pa.DataType]:
     if t.oid not in dbz.TYPED:
         return pa.string()  # kept as the JSON string it is (text, uuid, json sent as text)
-    if t.logical is not None:
+    if t.logical is None or t.oid in (DATE, dbz.TIMESTAMPTZ) or \
+            t.logical in _MILLIS or t.logical == _MICROS_LOGICAL:
+        return _READS.get(t.oid)  # (days, a zoned string, milli- or microseconds)
+    return None  # Connect's base64 decimals, nanoseconds, times: one record at a time
+
+
+def split_envelope(value: bytes) -> Optional[tuple[bytes, bytes]]:
+    """A value laid out as Kafka Connect's JSON converter writes it, ``{"schema":S,
+    "payload":P}``, as ``(S, P)``, cut where the first ``,"payload":`` falls; None for any
+    other layout. The cut is right when S and P are each one JSON value (``is_envelope``):
+    checked once for each schema text before records carrying it are decoded in columns."""
+    if not value.startswith(_SCHEMA_HEAD) or not value.endswith(b"}"):
         return None
-    return _READS.get(t.oid)
+    at = value.find(_PAYLOAD, len(_SCHEMA_HEAD))
+    if at < 0:
+        return None
+    return value[len(_SCHEMA_HEAD):at], value[at + len(_PAYLOAD):-1]
+
+
+def is_envelope(parts: tuple[bytes, bytes]) -> bool:
+    """Whether the schema and payload texts ``split_envelope`` cut are each one JSON value,
+    so that the value was exactly ``{"schema": S, "payload": P}``."""
+    try:
+        json.loads(parts[0])
+        json.loads(parts[1])
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -241,9 +270,13 @@ def _text(values: pa.Array, t: dbz.FieldType
         return pc.if_else(values, "t", "f"), unavailable, ok
     if t.oid in (DATE, TIMESTAMP):
         low, high = _DAYS if t.oid == DATE else _MICROS
+        unit = 1000 if t.logical in _MILLIS else 1  # microseconds in each of the values' units
+        low, high = -(-low // unit), high // unit
         inside = pc.and_(pc.greater_equal(values, low), pc.less_equal(values, high))
         ok = _np(pc.fill_null(inside, True))
         held = pc.if_else(inside, values, pa.scalar(None, pa.int64()))
+        if unit != 1:
+            held = pc.multiply(held, unit)
         typed = held.cast(pa.int32()).cast(pa.date32()) if t.oid == DATE \
             else held.cast(pa.timestamp("us"))
         return typed.cast(pa.string()), unavailable, ok
