@@ -3,6 +3,7 @@ leave to it every record they cannot vouch for (pure, no broker)."""
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import datetime
 from typing import Any, Optional, Union
@@ -17,7 +18,8 @@ from walberg.source.debezium_columns import SMALLEST, Columns, is_envelope, spli
 COLUMNS = (Column("id", dbz.TEXT, is_key=True), Column("n", dbz.INT4, is_key=True),
            Column("amount", dbz.NUMERIC), Column("x", dbz.FLOAT8), Column("ok", dbz.BOOL),
            Column("day", dbz.DATE), Column("at", dbz.TIMESTAMP), Column("doc", dbz.JSONB),
-           Column("big", dbz.INT8), Column("tz", dbz.TIMESTAMPTZ))
+           Column("big", dbz.INT8), Column("tz", dbz.TIMESTAMPTZ), Column("blob", dbz.BYTEA),
+           Column("small", dbz.FLOAT4), Column("clock", dbz.TIME), Column("cost", dbz.NUMERIC))
 IMAGES = dbz.Images(COLUMNS, tuple(dbz.FieldType(c.type_oid) for c in COLUMNS))
 UNAVAILABLE = dbz.UNAVAILABLE
 
@@ -84,7 +86,8 @@ def _check(records: list[tuple[Optional[bytes], bytes]], images: dbz.Images = IM
 def _row(**values: Any) -> dict[str, Any]:
     row = {"id": "a", "n": 1, "amount": "1.50", "x": 0.5, "ok": True, "day": 19000,
            "at": 1_700_000_000_123_456, "doc": '{"k": 1}', "big": 2**40,
-           "tz": "2024-05-01T10:00:00.5Z"}
+           "tz": "2024-05-01T10:00:00.5Z", "blob": "3q2+7w==", "small": 0.1,
+           "clock": 45_296_000_001, "cost": "12.50"}
     row.update(values)
     return row
 
@@ -146,6 +149,10 @@ EDGES: list[tuple[Optional[bytes], bytes]] = [
     (KEY, _envelope("c", after=_row(tz="2024-01-01 00:00:00Z"))),
     (KEY, _envelope("c", after=_row(tz=1_700_000_000_000_000))),
     (KEY, _envelope("c", after=_row(tz=UNAVAILABLE))),
+    (KEY, _envelope("c", after=_row(blob="not base64!"))),
+    (KEY, _envelope("c", after=_row(blob=UNAVAILABLE, small=None, clock=-1))),
+    (KEY, _envelope("c", after=_row(small=3.4028235e38 * 10, clock=86_400_000_000))),
+    (KEY, _envelope("c", after=_row(clock="10:00:00"))),
     (KEY, _envelope("c", after=_row(x=3))),
     (KEY, _envelope("c", after=_row(x=1e300))),
     (KEY, _envelope("c", after=_row(x=-0.0))),
@@ -201,6 +208,9 @@ _FIT = {  # values each column takes, the odd ones among them
     "x": st.floats(allow_nan=False, allow_infinity=False), "ok": st.booleans(),
     "day": st.integers(-800_000, 3_000_000), "at": st.integers(-(2**62), 2**62),
     "doc": _TEXT, "big": st.integers(-(2**63), 2**63 - 1),
+    "blob": st.binary(max_size=6).map(lambda b: base64.b64encode(b).decode()),
+    "small": st.floats(allow_nan=False, allow_infinity=False),
+    "clock": st.integers(-(2**40), 2**40), "cost": st.sampled_from(["1", "2.50", "-0.01"]),
     "tz": st.one_of(st.datetimes(min_value=datetime(1, 1, 1), max_value=datetime(9999, 12, 31))
                     .map(lambda d: d.isoformat() + "Z"),
                     st.sampled_from(["2023-02-29T00:00:00Z", "2024-01-01T00:00:00+01:00",
@@ -255,7 +265,14 @@ SCHEMA = {"type": "struct", "name": "t.Envelope", "fields": [
         {"field": "doc", "type": "string", "name": "io.debezium.data.Json", "optional": True},
         {"field": "big", "type": "int64", "optional": True},
         {"field": "tz", "type": "string", "name": "io.debezium.time.ZonedTimestamp",
-         "optional": True}]} for part in ("before", "after")]
+         "optional": True},
+        {"field": "blob", "type": "bytes", "optional": True},
+        {"field": "small", "type": "float", "optional": True},
+        {"field": "clock", "type": "int64", "name": "io.debezium.time.MicroTime",
+         "optional": True},
+        {"field": "cost", "type": "bytes", "name": "org.apache.kafka.connect.data.Decimal",
+         "parameters": {"scale": "2", "connect.decimal.precision": "12"}, "optional": True}]}
+     for part in ("before", "after")]
     + [{"field": "op", "type": "string"}]}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":")).encode()
 SCHEMA_FIELDS = dbz.parse_event(b'{"schema":' + SCHEMA_TEXT + b',"payload":{"op":"t"}}').fields
@@ -283,9 +300,12 @@ def test_a_schema_envelope_is_cut_into_its_schema_and_payload_texts() -> None:
 
 def test_records_with_their_schema_decode_as_one_record_at_a_time() -> None:
     # (``at`` in milliseconds here: the default, in microseconds, is past year 9999 as such)
-    payloads = [_envelope("cud"[i % 3], before=_row(id=f"c-{i}", n=i, at=i) if i % 3 else None,
-                          after=_row(id=f"c-{i}", n=i, at=1_700_000_000_000 + i) if i % 3 < 2
-                          else None) for i in range(300)]
+    cost = [base64.b64encode(i.to_bytes(3, "big", signed=True)).decode() for i in range(300)]
+    payloads = [_envelope("cud"[i % 3],
+                          before=_row(id=f"c-{i}", n=i, at=i, cost=cost[i]) if i % 3 else None,
+                          after=_row(id=f"c-{i}", n=i, at=1_700_000_000_000 + i, cost=cost[-i])
+                          if i % 3 < 2 else None) for i in range(300)]
+    payloads.append(_envelope("c", after=_row(cost="?")))
     payloads += [p for _, p in EDGES]
     records = [(KEY, _wrapped(p)) for p in payloads]
     texts = []

@@ -20,7 +20,10 @@ left to the per-record path:
   1-9999, a message key that is not a JSON object;
 - a timestamptz not written as Debezium writes it (UTC, ``Z``, at most six digits of
   fraction);
-- tables with a column of a type read here only one record at a time (time, bytea, real).
+- values the per-record path's ``to_text`` refuses, in columns it is called on a value at a
+  time (Connect's base64 decimals, bytea, real, times, nanosecond timestamps: types without
+  vectorised steps here);
+- tables with a variable-scale decimal column (a JSON object per value).
 
 Each record is wrapped as ``{"r": <value>}`` on a line of its own, so that a value that is not
 one JSON value (two objects, or none) makes its line invalid rather than shifting the rows;
@@ -40,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from walberg.model import Op
+from walberg.model import UNCHANGED, Op
 from walberg.source import debezium as dbz
 from walberg.source.debezium import BOOL, DATE, FLOAT8, INT2, INT4, INT8, NUMERIC, TIMESTAMP
 
@@ -53,6 +56,11 @@ _READS: dict[int, pa.DataType] = {INT2: pa.int64(), INT4: pa.int64(), INT8: pa.i
 _DAYS = ((date.min - date(1970, 1, 1)).days, (date.max - date(1970, 1, 1)).days)
 _MICROS = (-62_135_596_800_000_000, 253_402_300_799_999_999)
 assert _MICROS[0] == (datetime.min - datetime(1970, 1, 1)).days * 86_400_000_000
+# Read in columns, then made text a value at a time: Connect's base64 decimals, bytea, real,
+# times and nanosecond timestamps.
+_BY_VALUE: dict[int, pa.DataType] = {NUMERIC: pa.string(), dbz.BYTEA: pa.string(),
+                                     dbz.FLOAT4: pa.float64(), dbz.TIME: pa.int64(),
+                                     TIMESTAMP: pa.int64()}
 _MILLIS = frozenset({"org.apache.kafka.connect.data.Timestamp", "io.debezium.time.Timestamp"})
 _MICROS_LOGICAL = "io.debezium.time.MicroTimestamp"
 _SCHEMA_HEAD, _PAYLOAD = b'{"schema":', b',"payload":'
@@ -65,12 +73,23 @@ _OP_CODES = {"c": Op.INSERT.value, "r": Op.UPDATE.value, "u": Op.UPDATE.value,
 
 
 def _read_as(t: dbz.FieldType) -> Optional[pa.DataType]:
+    """How the reader reads a column's JSON values; None: the table goes one record at a
+    time."""
     if t.oid not in dbz.TYPED:
         return pa.string()  # kept as the JSON string it is (text, uuid, json sent as text)
-    if t.logical is None or t.oid in (DATE, dbz.TIMESTAMPTZ) or \
-            t.logical in _MILLIS or t.logical == _MICROS_LOGICAL:
-        return _READS.get(t.oid)  # (days, a zoned string, milli- or microseconds)
-    return None  # Connect's base64 decimals, nanoseconds, times: one record at a time
+    if _vectorised(t):
+        return _READS[t.oid]
+    return None if t.logical == "io.debezium.data.VariableScaleDecimal" else _BY_VALUE.get(t.oid)
+
+
+def _vectorised(t: dbz.FieldType) -> bool:
+    """Whether a column's text is made in vectorised steps; else by the per-record path's own
+    ``to_text``, a value at a time."""
+    if t.oid not in dbz.TYPED or t.oid in (DATE, dbz.TIMESTAMPTZ):
+        return True  # (dates are days, zoned timestamps strings, whatever the logical type)
+    if t.oid == TIMESTAMP:
+        return t.logical is None or t.logical in _MILLIS or t.logical == _MICROS_LOGICAL
+    return t.logical is None and t.oid in _READS
 
 
 def split_envelope(value: bytes) -> Optional[tuple[bytes, bytes]]:
@@ -256,6 +275,8 @@ def _text(values: pa.Array, t: dbz.FieldType
     n = len(values)
     unavailable = np.zeros(n, np.bool_)
     ok = np.ones(n, np.bool_)
+    if not _vectorised(t):
+        return _by_value(values, t)
     if t.oid == dbz.TIMESTAMPTZ:
         return _zoned(values)
     if pa.types.is_string(values.type):
@@ -281,6 +302,27 @@ def _text(values: pa.Array, t: dbz.FieldType
             else held.cast(pa.timestamp("us"))
         return typed.cast(pa.string()), unavailable, ok
     return values.cast(pa.string()), unavailable, ok
+
+
+def _by_value(values: pa.Array, t: dbz.FieldType
+              ) -> tuple[pa.Array, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """``_text`` by ``to_text`` itself, a value at a time (a value it refuses leaves its
+    record to the per-record path, which says why)."""
+    n = len(values)
+    unavailable = np.zeros(n, np.bool_)
+    ok = np.ones(n, np.bool_)
+    out: list[Optional[bytes]] = []
+    for i, value in enumerate(values.to_pylist()):
+        try:
+            text = dbz.to_text(value, t)
+        except dbz.BadRecord:
+            ok[i] = False
+            text = None
+        if text is UNCHANGED:
+            unavailable[i] = True
+            text = None
+        out.append(text)  # type: ignore[arg-type]
+    return pa.array(out, pa.binary()).cast(pa.string()), unavailable, ok
 
 
 def _zoned(values: pa.Array
