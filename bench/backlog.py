@@ -23,7 +23,9 @@ Then for each table size N, in one run, on one embedded PostgreSQL:
    whatever N is. "Growth" is each size's batch time (stage and commit, from the run's log,
    so two start-ups' noise does not move it) over the smallest size's (the target: under 1.5x
    from 200k to 10M rows).
-   --shape kafka: the same as Debezium events in a Kafka topic (bench/backlog_kafka.py).
+   --shape kafka: the same as Debezium events in a Kafka topic (bench/backlog_kafka.py);
+   --shape kafka-schema: the same with each record's schema part, as Kafka Connect's JSON
+   converter writes them by default, and the numeric as Debezium's default (a Connect decimal).
 5. With --compare-merge: a second backlog of the same kind on the same table, applied by
    MERGE (`sink.apply_by_position: false`), the apply path before key indexes.
 6. With --moved-driver: a further backlog of the same kind, applied with the table's key index
@@ -77,6 +79,7 @@ FAN_IN = ("east", "west")  # the databases (and walberg sources) of the fanin sh
 
 # shape: (key columns, their SQL as a function of the row number {g}, the key's column names,
 # extra columns, their SQL, sink.tables layout)
+KAFKA_SHAPES = ("kafka", "kafka-schema")  # (bench/backlog_kafka.py)
 SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
     "bigint": ("id bigint", "{g}", "id", "", "", {}),
     "uuid": ("id uuid", "md5(({g})::text)::uuid", "id", "", "", {}),
@@ -393,7 +396,7 @@ def main() -> int:
     ap.add_argument("--warehouse", choices=["local", "s3"], default="local",
                     help="the warehouse in a folder on this disk, or on an S3-compatible "
                          "server on this machine (moto)")
-    ap.add_argument("--shape", choices=sorted([*SHAPES, "kafka"]), default="bigint",
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *KAFKA_SHAPES]), default="bigint",
                     help="the table's key and layout (see SHAPES)")
     ap.add_argument("--out", default=None,
                     help="default: bench/results/backlog.json (backlog-<shape>.json for a shape "
@@ -404,7 +407,7 @@ def main() -> int:
         args.out = str(ROOT / "bench" / "results" / f"backlog{suffix}.json")
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="walberg-backlog-"))
-    if args.shape == "kafka":
+    if args.shape in KAFKA_SHAPES:
         import backlog_kafka
 
         tansu, servers = backlog_kafka.broker(work)
@@ -416,12 +419,13 @@ def main() -> int:
                                "class_archive": class_archive()}
     started = time.monotonic()
     try:
-        if args.shape == "kafka":
+        if args.shape in KAFKA_SHAPES:
             if args.compare_merge or args.moved_driver:
                 raise SystemExit("--compare-merge and --moved-driver are for the Postgres shapes")
             for rows in sizes:
                 results["sizes"].append(backlog_kafka.one_size(
-                    servers, work, rows, args.changes, walberg_once, noop_runs, batch_seconds))
+                    servers, work, rows, args.changes, walberg_once, noop_runs, batch_seconds,
+                    schema=args.shape == "kafka-schema"))
                 print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)", flush=True)
         else:
             conn = psycopg2.connect(server.dsn)
@@ -434,7 +438,7 @@ def main() -> int:
                 print(f"  {rows:>11,} rows done ({time.monotonic() - started:.0f} s)",
                       flush=True)
     finally:
-        if args.shape == "kafka":
+        if args.shape in KAFKA_SHAPES:
             tansu.kill()
         else:
             server.stop()
@@ -450,7 +454,7 @@ def main() -> int:
     print(f"\ncold `walberg run --once` backlog of {args.changes:,} random-key changes, "
           f"{args.shape} table, {results['cores']} cores")
     print("(baseline: " + ("a consumer draining the same records from the topic; the copy's, "
-                           "the table's records" if args.shape == "kafka" else
+                           "the table's records" if args.shape in KAFKA_SHAPES else
                            "pg_recvlogical draining the same changes; the copy's, "
                            "COPY ... TO STDOUT") + ")")
     print(f"{'table rows':>12} {'no-op run':>10} {'(3 runs)':>10} {'(no archive)':>12} "

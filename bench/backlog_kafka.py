@@ -19,6 +19,7 @@ batches (fast) and each burst's last record alone, which makes the watermark rig
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 import subprocess
@@ -47,12 +48,54 @@ def _row(g: int, name: str, amount: str, n: int) -> dict[str, Any]:
     return {"id": f"customer-{g}", "name": name, "amount": amount, "n": n}
 
 
-def _event(op: str, before: Optional[dict[str, Any]], after: Optional[dict[str, Any]]
-           ) -> tuple[bytes, bytes]:
+# --shape kafka-schema: the records as Kafka Connect's JSON converter writes them by default
+# (schemas.enable), the numeric as Debezium's default Connect decimal (base64, scale 2).
+_FIELDS = [{"field": "id", "type": "string", "optional": False},
+           {"field": "name", "type": "string", "optional": True},
+           {"field": "amount", "type": "bytes", "optional": True, "version": 1,
+            "name": "org.apache.kafka.connect.data.Decimal",
+            "parameters": {"scale": "2", "connect.decimal.precision": "12"}},
+           {"field": "n", "type": "int32", "optional": True}]
+_ROW = {"type": "struct", "optional": True, "name": "bench.public.t.Value", "fields": _FIELDS}
+_SOURCE = {"type": "struct", "optional": False, "name": "io.debezium.connector.postgresql.Source",
+           "field": "source", "fields": [
+               *({"type": "string", "optional": False, "field": f} for f in
+                 ("version", "connector", "name", "db", "schema", "table")),
+               {"type": "int64", "optional": False, "field": "ts_ms"},
+               {"type": "int64", "optional": True, "field": "lsn"}]}
+VALUE_SCHEMA = json.dumps({"type": "struct", "optional": False, "name": "bench.public.t.Envelope",
+                           "fields": [{**_ROW, "field": "before"}, {**_ROW, "field": "after"},
+                                      _SOURCE, {"type": "string", "optional": False, "field": "op"},
+                                      {"type": "int64", "optional": True, "field": "ts_ms"}]},
+                          separators=(",", ":"))
+KEY_SCHEMA = json.dumps({"type": "struct", "optional": False, "name": "bench.public.t.Key",
+                         "fields": [_FIELDS[0]]}, separators=(",", ":"))
+
+
+def _connect_decimal(row: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    if row is None:
+        return None
+    cents = round(float(row["amount"]) * 100)
+    size = max(1, (cents.bit_length() + 8) // 8)
+    return {**row, "amount": base64.b64encode(cents.to_bytes(size, "big", signed=True)).decode()}
+
+
+def _event(op: str, before: Optional[dict[str, Any]], after: Optional[dict[str, Any]],
+           schema: bool = False) -> tuple[bytes, bytes]:
     key = (after or before or {})["id"]
+    if schema:
+        before, after = _connect_decimal(before), _connect_decimal(after)
+    source: dict[str, Any] = {"connector": "postgresql"}
+    if schema:  # (every field its schema declares)
+        source = {"version": "2.7.0.Final", "connector": "postgresql", "name": "bench",
+                  "db": "bench", "schema": "public", "table": "t", "ts_ms": 1_700_000_000_000,
+                  "lsn": None}
     value = {"op": op, "before": before, "after": after, "ts_ms": 1_700_000_000_000,
-             "source": {"connector": "postgresql"}}
-    return json.dumps({"id": key}).encode(), json.dumps(value).encode()
+             "source": source}
+    if not schema:
+        return json.dumps({"id": key}).encode(), json.dumps(value).encode()
+    return (f'{{"schema":{KEY_SCHEMA},"payload":{json.dumps({"id": key})}}}'.encode(),
+            f'{{"schema":{VALUE_SCHEMA},"payload":{json.dumps(value)}}}'.encode())
 
 
 def produce(servers: str, topic: str, events: Iterator[tuple[bytes, bytes]]) -> int:
@@ -127,14 +170,17 @@ def write_config(servers: str, work: Path, name: str, topic: str) -> Path:
 
 def one_size(servers: str, work: Path, rows: int, changes: int,
              walberg_once: Callable[..., float], noop: Callable[[Path], dict[str, Any]],
-             batch_seconds: Callable[[Path, str], float]) -> dict[str, Any]:
+             batch_seconds: Callable[[Path, str], float], schema: bool = False
+             ) -> dict[str, Any]:
     """One table size: the same record of figures as the Postgres shapes' (its baselines a
-    consumer's drain instead of COPY TO STDOUT and pg_recvlogical)."""
-    name = f"backlog_kafka_{rows}"
+    consumer's drain instead of COPY TO STDOUT and pg_recvlogical). ``schema``: the records
+    carry the envelope's schema part (--shape kafka-schema)."""
+    name = f"backlog_kafka{'_schema' if schema else ''}_{rows}"
     topic = f"bench.public.{name}"
     create_topic(servers, topic)
     produce(servers, topic, (_event("r", None, _row(g, f"customer {g}",
-                                                    f"{(g % 100_000) / 100:.2f}", g % 1000))
+                                                    f"{(g % 100_000) / 100:.2f}", g % 1000),
+                                    schema)
                              for g in range(1, rows + 1)))
     drain_table_s = drain(servers, topic, 0, rows)
     config = write_config(servers, work, name, topic)
@@ -146,14 +192,14 @@ def one_size(servers: str, work: Path, rows: int, changes: int,
 
     def backlog() -> Iterator[tuple[bytes, bytes]]:
         for g in range(rows + 1, rows + inserts + 1):
-            yield _event("c", None, _row(g, f"new {g}", "1.00", 1))
+            yield _event("c", None, _row(g, f"new {g}", "1.00", 1), schema)
         for g in drawn[:updates]:
             old = _row(g, f"customer {g}", f"{(g % 100_000) / 100:.2f}", g % 1000)
             new = dict(old, amount=f"{(g % 100_000) / 100 + 1:.2f}", n=g % 1000 + 1)
-            yield _event("u", old, new)
+            yield _event("u", old, new, schema)
         for g in drawn[updates:]:
             yield _event("d", _row(g, f"customer {g}", f"{(g % 100_000) / 100:.2f}", g % 1000),
-                         None)
+                         None, schema)
 
     made = produce(servers, topic, backlog())
     drain_s = drain(servers, topic, rows, rows + made)
