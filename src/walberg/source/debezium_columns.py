@@ -190,10 +190,12 @@ class Columns:
         image = pc.if_else(is_d, before.is_valid(), after.is_valid())
         fast = _np(known) & _np(image) & self._keys_fit(keys, n)
         olds, news = before.flatten(), after.flatten()
+        # An update with a before image is staged only when that image is fit to stage too
+        # and the key did not change (else a delete and an insert, one record at a time).
+        with_before = _np(is_u) & _np(before.is_valid())
         values_out: list[pa.Array] = []
         unchanged: list[Optional[npt.NDArray[np.bool_]]] = []
-        old_text: list[pa.Array] = []
-        old_ok = np.ones(n, np.bool_)
+        old_fit = np.ones(n, np.bool_)
         for i, t in enumerate(self.types):
             chosen = pc.if_else(is_d, olds[i], news[i])
             text, unavailable, ok = _text(chosen, t)
@@ -202,18 +204,12 @@ class Columns:
             unchanged.append(unavailable if unavailable.any() else None)
             if i in self.keys:
                 fast &= _np(text.is_valid())  # null or unavailable: the message key fills it
-                old, old_unavailable, fit = _text(olds[i], t)
-                old_text.append(old)
-                old_ok &= fit & _np(old.is_valid())
-            else:
-                old_ok &= _text(olds[i], t)[2]
-        # An update with a before image: staged only when that image is fit to stage and
-        # the key did not change (else a delete and an insert, one record at a time).
-        with_before = _np(is_u) & _np(before.is_valid())
-        same_key = np.ones(n, np.bool_)
-        for i, old in zip(self.keys, old_text, strict=True):
-            same_key &= _np(_true(pc.equal(old, values_out[i])))
-        fast &= ~with_before | (old_ok & same_key)
+            if with_before.any():
+                old, _, ok = _text(olds[i], t)
+                old_fit &= ok
+                if i in self.keys:
+                    old_fit &= _np(_true(pc.equal(old, text)))  # (null: unavailable or absent)
+        fast &= ~with_before | old_fit
         ops = np.full(n, Op.UPDATE.value)
         ops[_np(_true(pc.equal(op, "c")))] = Op.INSERT.value
         ops[_np(is_d)] = Op.DELETE.value
