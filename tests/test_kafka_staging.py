@@ -106,6 +106,7 @@ def _stage_all(tmp: Path, records: list[tuple[str, Optional[bytes], Optional[byt
     batch: Optional[Batch] = None
     while (batch := stager.prepare_next(batch)) is not None:
         batches.append(batch)
+        batch.committed.set()  # (as the applier does once its commit is over)
     return batches
 
 

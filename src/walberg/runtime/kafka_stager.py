@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,22 +170,48 @@ class KafkaStager:
             first = after.segments[-1].seq + (0 if after.cut else 1)
             for tp, o in after.offsets.items():
                 floor[tp] = max(floor.get(tp, 0), o)
+        batch = self._sealed_from(first, 0)
+        committed = after.committed if after is not None else None
+        return self._stage(batch, floor, committed) if batch else None
+
+    def _sealed_from(self, first: int, size: int) -> list[SegmentInfo]:
+        """The sealed segments from ``first`` on, no more than reach ``buffer.max_batch_bytes``
+        with ``size`` (at least one)."""
         batch: list[SegmentInfo] = []
-        size = 0
         for info in self.store.sealed():
             if info.seq < first:
                 continue
-            if batch and size + info.size_bytes > self.config.buffer.max_batch_bytes:
+            if (batch or size) and size + info.size_bytes > self.config.buffer.max_batch_bytes:
                 break
             batch.append(info)
             size += info.size_bytes
-        return self._stage(batch, floor) if batch else None
+        return batch
 
-    def _stage(self, segments: list[SegmentInfo], floor: dict[Partition, int]) -> Batch:
+    def _grow(self, read: list[SegmentInfo], committed: Optional[threading.Event]
+              ) -> list[SegmentInfo]:
+        """More sealed segments for a batch that has staged ``read``, while the batch before
+        it commits (``committed`` not set; then one more look): when the topics outpace the
+        commits, batches grow and the lake gets fewer, larger commits."""
+        size = sum(info.size_bytes for info in read)
+        looking = committed is not None
+        while looking and not self.state.stop.is_set() and \
+                size < self.config.buffer.max_batch_bytes:
+            assert committed is not None
+            looking = not committed.is_set()
+            more = self._sealed_from(read[-1].seq + 1, size)
+            if more:
+                return more
+            if looking:
+                committed.wait(0.05)
+        return []
+
+    def _stage(self, segments: list[SegmentInfo], floor: dict[Partition, int],
+               committed: Optional[threading.Event] = None) -> Batch:
         """Turn the segments' records into staged changes per table, the next offset of each
         partition read, and the records that cannot be applied (dead letters). Records below
         ``floor`` (the batch before, not yet committed) are left out. A record that adds
-        columns to a table this batch has rows of ends the batch before it."""
+        columns to a table this batch has rows of ends the batch before it. The batch grows
+        by the segments sealed while the batch before commits (``committed``)."""
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
         builder = BatchBuilder(workdir, prep=lambda name, columns: self.types.prep(
@@ -196,8 +223,9 @@ class KafkaStager:
         below = self.state.lake_offsets()
         for tp, o in floor.items():
             below[tp] = max(below.get(tp, 0), o)
+        segments = list(segments)
         try:
-            for info in segments:
+            for info in segments:  # (grows while read)
                 read.append(info)
                 records: list[kafka.Record] = []
                 for _, kind, payload in self.store.read(info):
@@ -209,6 +237,8 @@ class KafkaStager:
                 if self._stage_records(into, records):
                     cut = True  # the record that adds columns starts the next batch
                     break
+                if info is segments[-1]:
+                    segments += self._grow(read, committed)
             staged = builder.finish()
             into.dead += _refused(staged, into.by_seq)
         except BaseException:
