@@ -10,8 +10,9 @@ records the reader refuses as a whole (a value that is not JSON, a field of anot
 field the table lacks): the run is halved until the records it refuses are found. What is
 left to the per-record path:
 
-- an envelope with its ``schema`` part (the record's own types), a truncate, an unknown op,
-  a create/read/update without ``after``, a delete without ``before``;
+- a truncate, an unknown op, a create/read/update without ``after``, a delete without
+  ``before``, and an envelope with its ``schema`` part (the stager hands over the payloads of
+  those whose schema text it has seen, with that schema's types: ``split_envelope``);
 - a key column that is null or unavailable in the image (the message key fills it), an
   update whose key changed (a delete and an insert), and an update whose ``before`` is not
   fit to stage (the per-record path reads it too);
@@ -47,7 +48,7 @@ from walberg.model import UNCHANGED, Op
 from walberg.source import debezium as dbz
 from walberg.source.debezium import BOOL, DATE, FLOAT8, INT2, INT4, INT8, NUMERIC, TIMESTAMP
 
-# How each column's JSON values are read here (None: only one record at a time).
+# How the reader reads the JSON values of the types made text in vectorised steps.
 _READS: dict[int, pa.DataType] = {INT2: pa.int64(), INT4: pa.int64(), INT8: pa.int64(),
                                   FLOAT8: pa.float64(), BOOL: pa.bool_(), NUMERIC: pa.string(),
                                   DATE: pa.int64(), TIMESTAMP: pa.int64(),
@@ -68,8 +69,7 @@ _SCHEMA_HEAD, _PAYLOAD = b'{"schema":', b',"payload":'
 # of fraction (other forms are read one record at a time).
 _ZONED = r"^(?P<at>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(?P<fraction>\d{1,6}))?Z$"
 SMALLEST = 32  # a refused run is halved down to this many records, then left to the per-record path
-_OP_CODES = {"c": Op.INSERT.value, "r": Op.UPDATE.value, "u": Op.UPDATE.value,
-             "d": Op.DELETE.value}
+_OPS = ("c", "r", "u", "d")  # create and read become an insert and an upsert, see Images
 
 
 def _read_as(t: dbz.FieldType) -> Optional[pa.DataType]:
@@ -186,7 +186,7 @@ class Columns:
         op = parts["op"]
         is_d = _true(pc.equal(op, "d"))
         is_u = _true(pc.equal(op, "u"))
-        known = _true(pc.is_in(op, value_set=pa.array(list(_OP_CODES))))
+        known = _true(pc.is_in(op, value_set=pa.array(_OPS)))
         image = pc.if_else(is_d, before.is_valid(), after.is_valid())
         fast = _np(known) & _np(image) & self._keys_fit(keys, n)
         olds, news = before.flatten(), after.flatten()
