@@ -132,3 +132,15 @@ def test_ops_become_staged_changes() -> None:
         IMAGES.changes(_event("d", None, None), None)
     with pytest.raises(dbz.BadRecord, match="schema mismatch"):
         IMAGES.changes(_event("c", None, {"id": 1, "extra": 2}), None)
+
+
+def test_values_no_column_can_hold_are_dead_letters_not_errors() -> None:
+    images = dbz.Images((Column("id", dbz.INT4, is_key=True), Column("v", dbz.TEXT),
+                         Column("x", dbz.FLOAT8)),
+                        (dbz.FieldType(dbz.INT4), dbz.FieldType(dbz.TEXT), dbz.FieldType(dbz.FLOAT8)))
+    lone = dbz.parse_event(b'{"op": "c", "after": {"id": 1, "v": "\\ud800"}}')
+    with pytest.raises(dbz.BadRecord, match="column v"):
+        images.changes(lone, None)
+    huge = dbz.parse_event(b'{"op": "c", "after": {"id": 1, "x": 1' + b"0" * 400 + b"}}")
+    with pytest.raises(dbz.BadRecord, match="column x"):
+        images.changes(huge, None)

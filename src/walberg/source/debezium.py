@@ -397,6 +397,11 @@ class Images:
                 out.append(to_text(values.get(name), t))
             except BadRecord as exc:
                 raise BadRecord(f"column {name}: {exc}") from None
+            except (ValueError, OverflowError) as exc:
+                # A lone surrogate escape (no UTF-8 text holds it), an integer no double
+                # holds: the record cannot be stored, and must not stop the run.
+                raise BadRecord(f"column {name}: {values.get(name)!r:.60} cannot be stored as "
+                                f"{_type_name(t.oid)}: {exc}") from None
         return tuple(out)
 
     def image(self, values: Optional[Mapping[str, Any]], key: Optional[Mapping[str, Any]]
