@@ -144,3 +144,17 @@ def test_values_no_column_can_hold_are_dead_letters_not_errors() -> None:
     huge = dbz.parse_event(b'{"op": "c", "after": {"id": 1, "x": 1' + b"0" * 400 + b"}}")
     with pytest.raises(dbz.BadRecord, match="column x"):
         images.changes(huge, None)
+
+
+def test_a_numeric_sent_as_a_string_reads_as_the_columns_numeric() -> None:
+    price = Column("price", dbz.NUMERIC, dbz.numeric_modifier(10, 2))
+    own = dbz.FieldType(dbz.NUMERIC, dbz.numeric_modifier(10, 2))
+    assert dbz.as_column(dbz.FieldType(dbz.TEXT), price, own) == own
+    assert dbz.to_text("1e2", own) == b"100"  # (then held to numeric(10,2) like any value)
+    with pytest.raises(dbz.BadRecord):
+        dbz.to_text("lots", own)
+    # Other strings keep their type (and a text column takes a string as it is).
+    note = Column("note", dbz.TEXT)
+    assert dbz.as_column(dbz.FieldType(dbz.TEXT), note, dbz.FieldType(dbz.TEXT)) == \
+        dbz.FieldType(dbz.TEXT)
+    assert dbz.as_column(dbz.FieldType(dbz.INT8), price, own) == dbz.FieldType(dbz.INT8)

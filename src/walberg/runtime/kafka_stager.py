@@ -348,10 +348,12 @@ class KafkaStager:
             shape = self._widened(record.topic, shape, event.fields, builder)
         images = shape.images
         if event.fields is not None:
-            dbz.check_fields(event.fields, shape.columns,
-                             lambda t, c: self._same_type(t, c, target))
+            table = {c.name: (c, t) for c, t in zip(shape.columns, shape.types, strict=True)}
+            fields = tuple((n, dbz.as_column(t, *table[n]) if n in table else t)
+                           for n, t in event.fields)
+            dbz.check_fields(fields, shape.columns, lambda t, c: self._same_type(t, c, target))
             # The record's own encoding (e.g. microseconds or milliseconds) reads its values.
-            given = dict(event.fields)
+            given = dict(fields)
             images = dbz.Images(shape.columns, tuple(
                 given.get(c.name, t) for c, t in zip(shape.columns, shape.types, strict=True)))
         lsn = event.lsn or 0

@@ -358,6 +358,16 @@ def to_text(value: Any, t: FieldType) -> Value:
     return str(value).encode()
 
 
+def as_column(t: FieldType, column: Column, own: FieldType) -> FieldType:
+    """The type a record's field is read as in ``column`` (whose own type is ``own``): the
+    field's type, except a string for a numeric column, which Debezium sends with
+    ``decimal.handling.mode: string``: read as the column's numeric (exact, and checked
+    against its precision and scale like any other)."""
+    if column.type_oid == NUMERIC and t.oid in (TEXT, VARCHAR) and t.logical is None:
+        return own
+    return t
+
+
 def check_fields(fields: Sequence[tuple[str, FieldType]], columns: Sequence[Column],
                  same_type: Any) -> None:
     """Refuse a record whose schema does not fit the table: a field the table lacks, or one
