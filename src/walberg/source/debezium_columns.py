@@ -193,9 +193,11 @@ class Columns:
         # An update with a before image is staged only when that image is fit to stage too
         # and the key did not change (else a delete and an insert, one record at a time).
         with_before = _np(is_u) & _np(before.is_valid())
+        updates = np.flatnonzero(with_before)  # (their before images alone are read)
+        taken = pa.array(updates)
         values_out: list[pa.Array] = []
         unchanged: list[Optional[npt.NDArray[np.bool_]]] = []
-        old_fit = np.ones(n, np.bool_)
+        old_fit = np.ones(len(updates), np.bool_)
         for i, t in enumerate(self.types):
             chosen = pc.if_else(is_d, olds[i], news[i])
             text, unavailable, ok = _text(chosen, t)
@@ -204,12 +206,12 @@ class Columns:
             unchanged.append(unavailable if unavailable.any() else None)
             if i in self.keys:
                 fast &= _np(text.is_valid())  # null or unavailable: the message key fills it
-            if with_before.any():
-                old, _, ok = _text(olds[i], t)
+            if len(updates):
+                old, _, ok = _text(olds[i].take(taken), t)
                 old_fit &= ok
-                if i in self.keys:
-                    old_fit &= _np(_true(pc.equal(old, text)))  # (null: unavailable or absent)
-        fast &= ~with_before | old_fit
+                if i in self.keys:  # (null: unavailable or absent)
+                    old_fit &= _np(_true(pc.equal(old, text.take(taken))))
+        fast[updates[~old_fit]] = False
         ops = np.full(n, Op.UPDATE.value)
         ops[_np(_true(pc.equal(op, "c")))] = Op.INSERT.value
         ops[_np(is_d)] = Op.DELETE.value
@@ -268,13 +270,13 @@ def _text(values: pa.Array, t: dbz.FieldType
           ) -> tuple[pa.Array, npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
     """A column's values as ``to_text`` gives them: (text, null for NULL and unavailable;
     which rows are unavailable; which rows it gives exactly)."""
-    n = len(values)
-    unavailable = np.zeros(n, np.bool_)
-    ok = np.ones(n, np.bool_)
     if not _vectorised(t):
         return _by_value(values, t)
     if t.oid == dbz.TIMESTAMPTZ:
         return _zoned(values)
+    n = len(values)
+    unavailable = np.zeros(n, np.bool_)
+    ok = np.ones(n, np.bool_)
     if pa.types.is_string(values.type):
         flags = _true(pc.equal(values, dbz.UNAVAILABLE))
         unavailable = _np(flags)
