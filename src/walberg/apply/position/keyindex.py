@@ -39,12 +39,12 @@ import numpy as np
 from walberg.apply.position.keycodec import KeyClash
 
 MANIFEST = "manifest.json"
+TOMBSTONE = -1
 
 
 def encoding_of(manifest: Mapping[str, Any]) -> str:
     """The key codec an index's manifest was made for (indexes from before codecs: integers)."""
     return str(manifest.get("encoding", "int"))
-TOMBSTONE = -1
 
 
 @dataclass
