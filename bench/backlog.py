@@ -77,9 +77,9 @@ from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 TXN = 10_000  # changes per source transaction
 FAN_IN = ("east", "west")  # the databases (and walberg sources) of the fanin shape
 
+KAFKA_SHAPES = ("kafka", "kafka-schema")  # (bench/backlog_kafka.py)
 # shape: (key columns, their SQL as a function of the row number {g}, the key's column names,
 # extra columns, their SQL, sink.tables layout)
-KAFKA_SHAPES = ("kafka", "kafka-schema")  # (bench/backlog_kafka.py)
 SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
     "bigint": ("id bigint", "{g}", "id", "", "", {}),
     "uuid": ("id uuid", "md5(({g})::text)::uuid", "id", "", "", {}),
