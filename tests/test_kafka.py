@@ -295,6 +295,44 @@ def test_the_next_batch_is_staged_while_one_commits(
     assert [r["id"] for r in rows] == list(range(1, 601))
 
 
+def test_a_backlog_that_fits_a_batch_is_one_commit_once_and_streaming(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: Any) -> None:
+    """A run's first batch grows while the reader catches up with the topic's end as it was
+    when reading began: a backlog of several segments that fits one batch is one commit (a
+    commit costs the same whether it holds one segment or many), in a --once run and in a
+    streaming run alike."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    _wide_records(p, topic, range(1, 601), "x")  # ~250 KB: four or more segments
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    raw["buffer"]["max_segment_bytes"] = 65536
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert (report.batches, report.records) == (1, 600)
+    segments = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("batch of ")]
+    assert len(segments) == 1 and int(segments[0].split()[2]) >= 4, segments
+    assert [r["id"] for r in iceberg_rows(warehouse, target)] == list(range(1, 601))
+
+    # Streaming, from the lake's offsets: the next 600 records are one batch too.
+    _wide_records(p, topic, range(601, 1201), "y")
+    caplog.clear()
+    pipeline = KafkaPipeline(_config(raw, tmp_path), session=spark)
+    with caplog.at_level(logging.INFO, logger="walberg"), running(pipeline) as failures:
+        deadline = time.monotonic() + 120
+        while len(iceberg_rows(warehouse, target)) < 1200 and not failures:
+            assert time.monotonic() < deadline, "the backlog did not land"
+            time.sleep(0.5)
+    assert not failures, failures
+    applied = [r.getMessage() for r in caplog.records if r.getMessage().startswith("applied ")]
+    assert applied and "600 changes" in applied[0], applied
+    rows = iceberg_rows(warehouse, target)
+    assert [r["id"] for r in rows] == list(range(1, 1201))
+
+
 def test_maintenance_runs_on_schedule_between_kafka_batches(
         kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
     topic = f"srv.public.{unique}"

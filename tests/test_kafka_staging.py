@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -80,8 +81,7 @@ def _records(rng: random.Random) -> list[tuple[str, Optional[bytes], Optional[by
     return out
 
 
-def _stage_all(tmp: Path, records: list[tuple[str, Optional[bytes], Optional[bytes]]]
-               ) -> list[Batch]:
+def _stager(tmp: Path, state: RunState) -> tuple[KafkaStager, SegmentStore]:
     config = parse_config({
         "buffer": {"dir": str(tmp / "segments"), "max_segment_bytes": 300_000,
                    "max_batch_bytes": 1_000_000},
@@ -92,15 +92,27 @@ def _stage_all(tmp: Path, records: list[tuple[str, Optional[bytes], Optional[byt
                                         for t in (BARE, WRAPPED)}}}}, tmp)
     store = SegmentStore(config.segment_dir, config.buffer.max_segment_bytes)
     store.recover()
-    for offset, (topic, key, value) in enumerate(records):
+    stager = KafkaStager(config, store, state, TypeMap(),
+                         {BARE: "lake.shop.orders", WRAPPED: "lake.shop.items"},
+                         lambda: pytest.fail("staging asked the lake"), KafkaReport())
+    return stager, store
+
+
+def _write(store: SegmentStore, records: list[tuple[str, Optional[bytes], Optional[bytes]]],
+           first: int = 0) -> None:
+    """The records as the reader writes them (offsets from ``first``), sealed."""
+    for offset, (topic, key, value) in enumerate(records, first):
         store.append(offset, FRAME_KAFKA, kafka.encode(kafka.Record(topic, 0, offset, 0, key,
                                                                      value)))
         if store.should_seal():
             store.seal()
     store.seal()
-    stager = KafkaStager(config, store, RunState(), TypeMap(),
-                         {BARE: "lake.shop.orders", WRAPPED: "lake.shop.items"},
-                         lambda: pytest.fail("staging asked the lake"), KafkaReport())
+
+
+def _stage_all(tmp: Path, records: list[tuple[str, Optional[bytes], Optional[bytes]]]
+               ) -> list[Batch]:
+    stager, store = _stager(tmp, RunState())
+    _write(store, records)
     batches: list[Batch] = []
     batch: Optional[Batch] = None
     while (batch := stager.prepare_next(batch)) is not None:
@@ -140,3 +152,25 @@ def test_a_batch_in_columns_is_the_batch_one_record_at_a_time(
     prices = items.column("c2").drop_null()
     assert pa.types.is_decimal(prices.type) and len(prices) > 1000
     assert sum(len(b.dead) for b in fast) > 50
+
+
+def test_a_runs_first_batch_grows_while_the_reader_catches_up(tmp_path: Path) -> None:
+    """While the reader is still reading what the topics held when it began
+    (``catching_up``), the run's first batch takes the segments it seals, up to
+    ``buffer.max_batch_bytes``: a backlog that fits one batch is one commit."""
+    state = RunState()
+    stager, store = _stager(tmp_path, state)
+    records = [r for r in _records(random.Random(3)) if r[0] == BARE]
+    _write(store, records[:500])
+    state.catching_up.set()
+    got: list[Optional[Batch]] = []
+    staging = threading.Thread(target=lambda: got.append(stager.prepare_next(None)))
+    staging.start()
+    staging.join(1.0)
+    assert staging.is_alive()  # (staged the first segment; waits for more)
+    _write(store, records[500:2500], 500)
+    state.catching_up.clear()  # (the reader has sealed its last segment)
+    staging.join(30)
+    (batch,) = got
+    assert batch is not None and len(batch.segments) == len(store.sealed()) >= 2
+    assert batch.offsets == {(BARE, 0): 2500}

@@ -35,42 +35,61 @@ class KafkaReader:
     def read(self, once: bool, coming: Callable[[], None] = lambda: None) -> None:
         """Read until stopped; with ``once``, until every partition is read up to its end as
         it was at the start. ``coming``: called when there are records to read (at once when
-        streaming), so the first batch's commit can be readied meanwhile."""
+        streaming), so the first batch's commit can be readied meanwhile. Until the ends as
+        they were at the start are read and sealed, ``state.catching_up`` is set: the run's
+        first batch grows meanwhile."""
         consumer, store, state = self.consumer, self.store, self.state
         applied = state.applied_offsets()
         partitions = consumer.partitions(self.topics)
         start = {tp: applied.get(tp, kafka.BEGINNING) for tp in partitions}
-        ends = {tp: consumer.high_watermark(*tp) for tp in partitions} if once else {}
-        if not once or any(end > max(start[tp], 0) for tp, end in ends.items()):
+        ends = {tp: consumer.high_watermark(*tp) for tp in partitions}
+        behind = any(end > max(start[tp], 0) for tp, end in ends.items())
+        if not once or behind:
             coming()
+        if behind:
+            state.catching_up.set()
         consumer.assign(start)
         log.info("reading %s from the lake's offsets: %s", ", ".join(self.topics),
                  ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
                            for (t, p), o in sorted(start.items())) or "-")
         interval = self.config.buffer.max_interval_seconds
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
-        while not state.stop.is_set() and state.error is None:
-            limit = kafka.POLL_LIMIT
-            if once:
-                left = sum(max(end - self._read.get(tp, applied.get(tp, 0)), 0)
-                           for tp, end in ends.items())
-                if not left:
-                    break
-                # (no more than is left: the consumer waits out its timeout for a fuller batch)
-                limit = min(limit, left)
-            if store.pending_bytes() > backlog_limit:
-                # Spark is behind: stop reading for a moment.
-                state.progress.wait(0.2)
-                state.progress.clear()
-                continue
-            for record in consumer.poll(min(interval, 0.5), limit):
-                store.append(record.offset, FRAME_KAFKA, kafka.encode(record))
-                self._read[(record.topic, record.partition)] = record.offset + 1
-                if store.should_seal():
+        try:
+            while not state.stop.is_set() and state.error is None:
+                limit = kafka.POLL_LIMIT
+                if state.catching_up.is_set() or once:
+                    left = sum(max(end - self._read.get(tp, applied.get(tp, 0)), 0)
+                               for tp, end in ends.items())
+                    if not left:
+                        if once:
+                            break
+                        self.seal()
+                        state.catching_up.clear()
+                    else:
+                        # (no more than is left: the consumer waits out its timeout for a
+                        # fuller batch)
+                        limit = min(limit, left)
+                if store.pending_bytes() > backlog_limit:
+                    # Spark is behind: stop reading for a moment.
+                    state.progress.wait(0.2)
+                    state.progress.clear()
+                    continue
+                records = consumer.poll(min(interval, 0.5), limit)
+                for record in records:
+                    store.append(record.offset, FRAME_KAFKA, kafka.encode(record))
+                    self._read[(record.topic, record.partition)] = record.offset + 1
+                    if store.should_seal():
+                        self.seal()
+                if not records and state.catching_up.is_set():
+                    # Nothing came though the ends lie further (transaction markers, records
+                    # compacted away): the first batch waits no longer.
                     self.seal()
-            if store.active_age_seconds() >= interval:
-                self.seal()
-        self.seal()
+                    state.catching_up.clear()
+                if store.active_age_seconds() >= interval:
+                    self.seal()
+            self.seal()
+        finally:
+            state.catching_up.clear()
 
     def seal(self) -> None:
         if self.store.seal() is not None:

@@ -188,22 +188,31 @@ class KafkaStager:
         return batch
 
     def _grow(self, read: list[SegmentInfo], committed: Optional[threading.Event]
-              ) -> list[SegmentInfo]:
-        """More sealed segments for a batch that has staged ``read``, while the batch before
-        it commits (``committed`` not set; then one more look): when the topics outpace the
-        commits, batches grow and the lake gets fewer, larger commits."""
+              ) -> tuple[list[SegmentInfo], float]:
+        """More sealed segments for a batch that has staged ``read``, and the seconds waited
+        for them: while the batch before it commits (``committed`` not set), or, for a run's
+        first batch (no batch before), while the reader catches up with the topics' ends as
+        they were when it began; then one more look. When the topics outpace the commits,
+        batches grow and the lake gets fewer, larger commits; a backlog that fits one batch is
+        one commit."""
         size = sum(info.size_bytes for info in read)
-        looking = committed is not None
+        started = time.monotonic()
+
+        def waiting() -> bool:
+            if committed is not None:
+                return not committed.is_set()
+            return self.state.catching_up.is_set()
+
+        looking = True
         while looking and not self.state.stop.is_set() and \
                 size < self.config.buffer.max_batch_bytes:
-            assert committed is not None
-            looking = not committed.is_set()
+            looking = waiting()
             more = self._sealed_from(read[-1].seq + 1, size)
             if more:
-                return more
+                return more, time.monotonic() - started
             if looking:
-                committed.wait(0.05)
-        return []
+                (committed or self.state.stop).wait(0.05)
+        return [], time.monotonic() - started
 
     def _stage(self, segments: list[SegmentInfo], floor: dict[Partition, int],
                committed: Optional[threading.Event] = None) -> Batch:
@@ -211,7 +220,8 @@ class KafkaStager:
         partition read, and the records that cannot be applied (dead letters). Records below
         ``floor`` (the batch before, not yet committed) are left out. A record that adds
         columns to a table this batch has rows of ends the batch before it. The batch grows
-        by the segments sealed while the batch before commits (``committed``)."""
+        by the segments sealed while the batch before commits (``committed``), or, the first
+        of a run, while the reader catches up (see ``_grow``)."""
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
         builder = BatchBuilder(workdir, prep=lambda name, columns: self.types.prep(
@@ -224,6 +234,7 @@ class KafkaStager:
         for tp, o in floor.items():
             below[tp] = max(below.get(tp, 0), o)
         segments = list(segments)
+        waited = 0.0  # (for more segments: not staging)
         try:
             for info in segments:  # (grows while read)
                 read.append(info)
@@ -238,7 +249,9 @@ class KafkaStager:
                     cut = True  # the record that adds columns starts the next batch
                     break
                 if info is segments[-1]:
-                    segments += self._grow(read, committed)
+                    more, waited_now = self._grow(read, committed)
+                    segments += more
+                    waited += waited_now
             staged = builder.finish()
             into.dead += _refused(staged, into.by_seq)
         except BaseException:
@@ -247,7 +260,8 @@ class KafkaStager:
         tables = [self.names[t] for t in self.topics
                   if (st := staged.get(self.names[t])) is not None and (st.rows or st.truncates)]
         return Batch(read, builder, staged, tables, into.seq,
-                     sum(st.rows for st in staged.values()), time.monotonic() - started,
+                     sum(st.rows for st in staged.values()),
+                     time.monotonic() - started - waited,
                      offsets=into.upto, dead=into.dead, cut=cut, records=into.positions)
 
     def _stage_records(self, into: _Staging, records: list[kafka.Record]) -> bool:

@@ -42,6 +42,10 @@ class RunState:
         self.staging_early = threading.Event()
         # reader -> stager: a --once run has sealed every change up to where it stops.
         self.read_to_target = threading.Event()
+        # reader -> stager (Kafka): the topics are being read up to their ends as they were
+        # when reading began; a run's first batch grows until then (one commit for a backlog
+        # that fits a batch, not one for each segment sealed before the first was staged).
+        self.catching_up = threading.Event()
         # applier -> reader: another connection to the source could not be made (a server
         # shutting down refuses them, and waits for the replication connection to confirm
         # what it sent, which the blocked applier cannot): let the stream go and reconnect.
