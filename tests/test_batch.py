@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import random
 import threading
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from walberg.apply.batch import (
     BatchBuilder,
+    _last_per_key,
     csv_to_parquet,
     effective_truncate,
     seq_filter,
@@ -90,6 +94,42 @@ def test_staging_keeps_each_keys_last_applied_change(tmp_path: Path, key_type: i
         b.add("public.t", columns, Op.INSERT, seq, 1, (str(key).encode(), b"x", None))
     staged = b.finish((2, []), frozenset({"public.t"}))["public.t"]
     assert staged.unique_keys and pq.read_table(staged.files).num_rows == 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_keys_last_change_is_found_for_composite_keys_with_nulls(seed: int) -> None:
+    """The rows kept by netting are, per key among the live rows, the one with the highest
+    seq, for keys of several columns of other types than one bigint (text, int, NULLs in
+    them), in several arrays per column; nothing when no key repeats."""
+    rnd = random.Random(seed)
+    n = rnd.randrange(1, 400)
+    kinds = [rnd.choice([pa.string(), pa.int32(), pa.int64(), pa.date32()])
+             for _ in range(rnd.randrange(1, 4))]
+    if kinds == [pa.int64()]:
+        kinds.append(pa.string())
+
+    def value(kind: pa.DataType) -> Any:
+        if rnd.random() < 0.1:
+            return None
+        v = rnd.randrange(4)
+        return f"k{v}" if kind == pa.string() else v
+
+    rows = [tuple(value(k) for k in kinds) for _ in range(n)]
+    seq = np.array(rnd.sample(range(10 * n), n), dtype=np.int64)
+    live = np.array([rnd.random() < 0.8 for _ in range(n)]) if seed % 2 else None
+    cut = sorted({0, n, *(rnd.randrange(n) for _ in range(3))})
+    parts = [[pa.array([r[j] for r in rows[a:b]], kinds[j]) for a, b in pairwise(cut)]
+             for j in range(len(kinds))]
+    last: dict[tuple[Any, ...], int] = {}
+    for i, key in enumerate(rows):
+        if (live is None or live[i]) and (key not in last or seq[i] > seq[last[key]]):
+            last[key] = i
+    applied = n if live is None else int(live.sum())
+    found = _last_per_key(parts, seq, live)
+    if len(last) == applied:
+        assert found is None
+    else:
+        assert found is not None and sorted(found.tolist()) == sorted(last.values())
 
 
 def test_csv_copy_keeps_null_and_empty_string_apart(tmp_path: Path) -> None:

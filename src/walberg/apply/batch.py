@@ -284,8 +284,10 @@ def _last_per_key(parts: list[list[pa.Array]], seq: npt.NDArray[np.int64],
     or None when no key repeats among them. ``parts``: per key column, its arrays in row
     order (a single integer key as int64). The parts are let go of as they are joined.
 
-    A single integer key is sorted with numpy (a few int64 arrays, freed at once); other keys
-    are grouped by Arrow, whose hash tables take more memory."""
+    Every key becomes one int64, equal for equal keys (a single integer key is that integer;
+    other keys the codes of Arrow's dictionary encoding, see ``_key_codes``), sorted with
+    numpy: no hash aggregation (Arrow's group-by loads its query engine at first use, 0.1-0.15
+    s of a run's first batch)."""
     columns = []
     for part in parts:
         columns.append(pa.concat_arrays(part))
@@ -293,29 +295,43 @@ def _last_per_key(parts: list[list[pa.Array]], seq: npt.NDArray[np.int64],
     index = np.flatnonzero(live) if live is not None else None
     if len(columns) == 1 and pa.types.is_int64(columns[0].type):
         key = columns[0].to_numpy()
-        del columns
         if index is not None:
-            key, seq = key[index], seq[index]
-        order = np.lexsort((seq, key))  # by key, then seq
-        ordered = key[order]
-        last = np.ones(len(ordered), dtype=np.bool_)
-        np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
-        if last.all():
-            return None
-        winners = order[last]
+            key = key[index]
     else:
-        rows = pa.table({**{f"k{j}": c for j, c in enumerate(columns)},
-                         "_wb_seq": seq, "_wb_row": np.arange(len(seq))})
-        del columns
         if index is not None:
-            rows = rows.take(pa.array(index))
-        last_seq = rows.group_by([f"k{j}" for j in range(len(parts))]).aggregate(
-            [("_wb_seq", "max")]).column("_wb_seq_max")
-        if len(last_seq) == rows.num_rows:
-            return None
-        mask = pc.is_in(rows.column("_wb_seq"), value_set=last_seq)
-        return np.asarray(rows.column("_wb_row").filter(mask).to_numpy(), dtype=np.int64)
+            taken = pa.array(index)
+            columns = [c.take(taken) for c in columns]
+        key = _key_codes(columns)
+    del columns
+    if index is not None:
+        seq = seq[index]
+    order = np.lexsort((seq, key))  # by key, then seq
+    ordered = key[order]
+    last = np.ones(len(ordered), dtype=np.bool_)
+    np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+    if last.all():
+        return None
+    winners = order[last]
     return winners if index is None else index[winners]
+
+
+def _key_codes(columns: list[pa.Array]) -> npt.NDArray[np.int64]:
+    """One int64 per row, equal exactly where the rows' values of all ``columns`` are equal:
+    each column's dictionary code (NULL a value of its own), combined column by column as
+    ``code * len(dictionary) + next code``, made dense again between columns so that the
+    product stays below the square of the row count."""
+    codes: Optional[npt.NDArray[np.int64]] = None
+    for j, column in enumerate(columns):
+        encoded = pc.dictionary_encode(column, null_encoding="encode")
+        indices = np.asarray(encoded.indices.to_numpy(), dtype=np.int64)
+        if codes is None:
+            codes = indices
+        else:
+            codes = codes * len(encoded.dictionary) + indices
+            if j < len(columns) - 1:
+                codes = np.unique(codes, return_inverse=True)[1].astype(np.int64)
+    assert codes is not None
+    return codes
 
 
 class BatchBuilder:
