@@ -4,7 +4,8 @@
                             [--shape bigint|uuid|text|composite|days|bucket|v3|fanin|full|cow]
 
 Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.jvm.classcache),
-as a machine's first walberg run makes it in the background; the time it took is reported.
+as a machine's first walberg run makes it in the background (the time it took is reported),
+and walberg's modules are compiled to bytecode, as installing it does.
 Then for each table size N, in one run, on one embedded PostgreSQL:
 
 1. A table (its key, name text, amount numeric(12,2), n int) of N rows is copied into
@@ -367,6 +368,17 @@ def object_storage(work: Path) -> tuple[Any, dict[str, Any]]:
                                      "secret_access_key": keys["aws_secret_access_key"]}}}
 
 
+def bytecode() -> None:
+    """walberg's modules compiled to bytecode before anything is timed, as installing a package
+    compiles them (pip does): run from a source tree on a machine that sets
+    PYTHONDONTWRITEBYTECODE (this project's machines do), every `walberg` process would compile
+    all of walberg's source as it starts (0.1-0.15 CPU-seconds), which no installed walberg
+    does. Asked of the walberg the timed commands import (the same interpreter and path)."""
+    subprocess.run([sys.executable, "-c", "import compileall, pathlib, walberg; "
+                    "compileall.compile_dir(str(pathlib.Path(walberg.__file__).parent), quiet=1)"],
+                   check=True)
+
+
 def class_archive() -> dict[str, Any]:
     """The driver JVM's class-data archive (walberg.apply.jvm.classcache), made before anything is
     timed, as a machine's first walberg run would have made it in the background."""
@@ -414,6 +426,7 @@ def main() -> int:
     else:
         server = EmbeddedPostgres().start()
     moto, lake = object_storage(work) if args.warehouse == "s3" else (None, None)
+    bytecode()
     results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": [],
                                "shape": args.shape, "warehouse": args.warehouse,
                                "class_archive": class_archive()}

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from backlog import walberg_once, write_config  # noqa: E402
+from backlog import bytecode, walberg_once, write_config  # noqa: E402
 from run import save_results, timed  # noqa: E402
 
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "commands.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="walberg-commands-"))
+    bytecode()  # (as an installed walberg has it)
     server = EmbeddedPostgres().start()
     try:
         conn = psycopg2.connect(server.dsn)

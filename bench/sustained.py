@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from backlog import SHAPES, make_table, recvlogical, walberg_once  # noqa: E402
+from backlog import SHAPES, bytecode, make_table, recvlogical, walberg_once  # noqa: E402
 from run import save_results  # noqa: E402
 
 from walberg.apply.catalog.metadata import read_hadoop_history  # noqa: E402
@@ -302,6 +302,7 @@ def main() -> int:
         suffix = "" if args.shape == "bigint" else f"-{args.shape}"
         args.out = str(ROOT / "bench" / "results" / f"sustained{suffix}.json")
     work = Path(tempfile.mkdtemp(prefix="walberg-sustained-"))
+    bytecode()  # (as an installed walberg has it)
     server = EmbeddedPostgres().start()
     name, port = "sustained", free_port()
     results: dict[str, Any] = {"rows": args.rows, "cores": os.cpu_count(), "shape": args.shape}
