@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from run import _Null, save_results, timed  # noqa: E402
 
 from walberg.apply.jvm import classcache  # noqa: E402
-from walberg.apply.jvm.spark import check_java, find_java  # noqa: E402
+from walberg.apply.jvm.spark import session_archive  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 10_000  # changes per source transaction
@@ -382,8 +382,7 @@ def bytecode() -> None:
 def class_archive() -> dict[str, Any]:
     """The driver JVM's class-data archive (walberg.apply.jvm.classcache), made before anything is
     timed, as a machine's first walberg run would have made it in the background."""
-    java = find_java()
-    archive = classcache.archive_for(java, check_java(java), {})
+    archive = session_archive()
     if archive is None:
         return {"path": None}
     had = classcache.usable(archive)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from walberg.apply.jvm import classcache
-from walberg.apply.jvm.spark import check_java, find_java
+from walberg.apply.jvm.spark import check_java, find_java, session_archive
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,8 @@ pytestmark = pytest.mark.slow
 # given it, and that the JVM answers SQL.
 SESSION = """
 import sys
-from walberg.apply.jvm import classcache
-from walberg.apply.jvm.spark import build_session, check_java, find_java, stop_session
-java = find_java()
-archive = classcache.archive_for(java, check_java(java), {})
+from walberg.apply.jvm.spark import build_session, session_archive, stop_session
+archive = session_archive()
 # With a second argument: a session for a `--once` run, with those options of the user's own.
 short = len(sys.argv) > 2
 own = {"spark.driver.extraJavaOptions": sys.argv[2]} if short else {}
@@ -115,7 +113,7 @@ def test_made_checked_used_and_a_damaged_one_replaced(monkeypatch: pytest.Monkey
     monkeypatch.setenv("WALBERG_CLASS_CACHE", str(cache))
     env = dict(os.environ)
     java = find_java()
-    archive = classcache.archive_for(java, check_java(java), {})
+    archive = session_archive()
     assert archive is not None
 
     # Made in the foreground, as the benchmarks do: in place, and a JVM starts with it.
