@@ -11,11 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from walberg.apply.jvm import classcache
-from walberg.apply.jvm.spark import check_java, find_java, session_archive
+from walberg.apply.jvm.spark import _settings, check_java, find_java, iceberg_jar, session_archive
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +92,31 @@ def test_no_archive_when_turned_off_or_for_an_old_java(monkeypatch: pytest.Monke
     # Another driver class path, another archive.
     assert classcache.archive_for(java, check_java(java),
                                   {"spark.driver.extraClassPath": "/x.jar"}) != here
+
+
+def test_one_archive_whatever_jars_a_catalog_or_storage_adds(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The Iceberg jar is on the driver's class path (in local mode nothing of walberg's is
+    fetched by the executor); the jars a catalog or storage adds go on spark.jars, so that
+    the class path, and with it the archive, is the same for every pipeline (an archive only
+    serves class paths that start with the one it was made with); on a cluster the Iceberg
+    jar is shipped to the executors too."""
+    monkeypatch.setenv("WALBERG_CLASS_CACHE", str(tmp_path))
+    jar = str(iceberg_jar())
+
+    def settings(master: str, jars: list[str], own: dict[str, str]) -> tuple[dict[str, str], Any]:
+        _, conf, _, archive = _settings(master, "lake", "/w", {}, own, jars, class_cache=True,
+                                        short_lived=False)
+        return conf, archive
+
+    plain, archive = settings("local[2]", [], {})
+    assert plain["spark.driver.extraClassPath"] == jar and "spark.jars" not in plain
+    s3, same = settings("local[*]", ["/j/hadoop-aws.jar", "/j/bundle.jar"],
+                        {"spark.jars": "/mine.jar"})
+    assert s3["spark.driver.extraClassPath"] == jar and same == archive is not None
+    assert s3["spark.jars"] == "/j/hadoop-aws.jar,/j/bundle.jar,/mine.jar"
+    cluster, _ = settings("local-cluster[2,1,1024]", ["/j/hadoop-aws.jar"], {})
+    assert cluster["spark.jars"] == f"{jar},/j/hadoop-aws.jar"
 
 
 def test_only_the_archives_used_last_are_kept(tmp_path: Path) -> None:

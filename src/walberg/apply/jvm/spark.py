@@ -273,11 +273,10 @@ def executes_in_driver(master: str) -> bool:
     return re.fullmatch(r"local(\[[^\]]*\])?", master.strip()) is not None
 
 
-def session_archive(master: str = "local[2]", jars: Sequence[str] = ()) -> Optional[Path]:
-    """The class-data archive a session on ``master`` needing ``jars`` (a catalog's, a
-    storage's) is given (None: none for this Java, or turned off): its name follows the
-    driver's class path (see classcache.archive_for)."""
-    return _settings(master, "lake", "", {}, {}, jars, class_cache=True, short_lived=False)[3]
+def session_archive() -> Optional[Path]:
+    """The class-data archive sessions are given (None: none for this Java, or turned off):
+    its name follows the class path it is made with (see classcache.archive_for)."""
+    return _settings("local[2]", "lake", "", {}, {}, (), class_cache=True, short_lived=False)[3]
 
 
 def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
@@ -314,19 +313,19 @@ def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dic
         conf[f"{prefix}.{key}"] = value
     extra = dict(extra_conf)
     own_jars = extra.pop("spark.jars", "")
-    if executes_in_driver(master):
-        # The executor is this JVM: the jars a catalog or storage needs go with the Iceberg
-        # jar on its class path, read in place (and their classes archived, see classcache).
-        # On spark.jars, the executor would fetch each from the driver's file server into a
-        # folder of its own and load it from there: 0.2-0.3 s of every start for the Iceberg
-        # jar alone. The user's own spark.jars (paths or URLs) are left to Spark.
-        conf["spark.driver.extraClassPath"] = os.pathsep.join(
-            [str(jar), *jars, *filter(None, [extra.pop("spark.driver.extraClassPath", "")])])
-        if own_jars:
-            conf["spark.jars"] = own_jars
-    else:
-        # ... on a cluster, they go on spark.jars, so executors get them too.
-        conf["spark.jars"] = ",".join([str(jar), *jars, *filter(None, [own_jars])])
+    # The Iceberg jar goes on the driver's class path: read in place, its classes archived
+    # (see classcache). In local mode the executor is this JVM; on spark.jars it would fetch
+    # the jar from the driver's file server into a folder of its own and load it from there
+    # (0.2-0.3 s of every start). The jars a catalog or storage needs, and the user's own,
+    # stay on spark.jars (on a cluster the Iceberg jar too, for the executors): on the class
+    # path they would come before Spark's own jars, and the one class-data archive, made
+    # without them, would no longer fit the class path (it serves only class paths that
+    # start with the one it was made with).
+    conf["spark.driver.extraClassPath"] = os.pathsep.join(
+        [str(jar), *filter(None, [extra.pop("spark.driver.extraClassPath", "")])])
+    shipped = list(jars) if executes_in_driver(master) else [str(jar), *jars]
+    if shipped or own_jars:
+        conf["spark.jars"] = ",".join([*shipped, *filter(None, [own_jars])])
     own_options = extra.pop("spark.driver.extraJavaOptions", "")
     java_options = " ".join(filter(None, [f"-Dlog4j2.configurationFile=file:{log_conf}",
                                           short_lived_options(own_options) if short_lived
