@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from run import _Null, save_results, timed  # noqa: E402
 
+from walberg.apply.catalog import storage  # noqa: E402
 from walberg.apply.jvm import classcache  # noqa: E402
 from walberg.apply.jvm.spark import session_archive  # noqa: E402
 from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
@@ -379,14 +380,15 @@ def bytecode() -> None:
                    check=True)
 
 
-def class_archive() -> dict[str, Any]:
-    """The driver JVM's class-data archive (walberg.apply.jvm.classcache), made before anything is
-    timed, as a machine's first walberg run would have made it in the background."""
-    archive = session_archive()
+def class_archive(jars: list[str]) -> dict[str, Any]:
+    """The driver JVM's class-data archive (walberg.apply.jvm.classcache) of sessions with
+    ``jars`` (a storage's), made before anything is timed, as a machine's first walberg run
+    would have made it in the background."""
+    archive = session_archive(jars)
     if archive is None:
         return {"path": None}
     had = classcache.usable(archive)
-    seconds, ready = timed(lambda: classcache.make_now(archive))
+    seconds, ready = timed(lambda: classcache.make_now(archive, jars))
     print(f"class-data archive: {archive} ({'there already' if had else f'made in {seconds:.0f} s'})",
           flush=True)
     if not ready:
@@ -428,7 +430,8 @@ def main() -> int:
     bytecode()
     results: dict[str, Any] = {"changes": args.changes, "cores": os.cpu_count(), "sizes": [],
                                "shape": args.shape, "warehouse": args.warehouse,
-                               "class_archive": class_archive()}
+                               "class_archive": class_archive(
+                                   storage.spark_settings(s3={})[1] if lake else [])}
     started = time.monotonic()
     try:
         if args.shape in KAFKA_SHAPES:

@@ -94,13 +94,12 @@ def test_no_archive_when_turned_off_or_for_an_old_java(monkeypatch: pytest.Monke
                                   {"spark.driver.extraClassPath": "/x.jar"}) != here
 
 
-def test_one_archive_whatever_jars_a_catalog_or_storage_adds(
+def test_walberg_s_jars_are_on_the_driver_s_class_path_and_the_archive_follows(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The Iceberg jar is on the driver's class path (in local mode nothing of walberg's is
-    fetched by the executor); the jars a catalog or storage adds go on spark.jars, so that
-    the class path, and with it the archive, is the same for every pipeline (an archive only
-    serves class paths that start with the one it was made with); on a cluster the Iceberg
-    jar is shipped to the executors too."""
+    """walberg's jars (the Iceberg runtime's first, then those a catalog or storage needs) are
+    on the driver's class path, so the executor of local mode fetches none of them; on a
+    cluster they are shipped on spark.jars too. Another set of jars is another class path,
+    so another archive (made with those jars)."""
     monkeypatch.setenv("WALBERG_CLASS_CACHE", str(tmp_path))
     jar = str(iceberg_jar())
 
@@ -111,11 +110,14 @@ def test_one_archive_whatever_jars_a_catalog_or_storage_adds(
 
     plain, archive = settings("local[2]", [], {})
     assert plain["spark.driver.extraClassPath"] == jar and "spark.jars" not in plain
-    s3, same = settings("local[*]", ["/j/hadoop-aws.jar", "/j/bundle.jar"],
-                        {"spark.jars": "/mine.jar"})
-    assert s3["spark.driver.extraClassPath"] == jar and same == archive is not None
-    assert s3["spark.jars"] == "/j/hadoop-aws.jar,/j/bundle.jar,/mine.jar"
+    assert archive == session_archive() is not None
+    s3, other = settings("local[*]", ["/j/hadoop-aws.jar", "/j/bundle.jar"],
+                         {"spark.jars": "/mine.jar", "spark.driver.extraClassPath": "/cp.jar"})
+    assert s3["spark.driver.extraClassPath"] == os.pathsep.join(
+        [jar, "/j/hadoop-aws.jar", "/j/bundle.jar", "/cp.jar"])
+    assert s3["spark.jars"] == "/mine.jar" and other not in (archive, None)
     cluster, _ = settings("local-cluster[2,1,1024]", ["/j/hadoop-aws.jar"], {})
+    assert cluster["spark.driver.extraClassPath"] == os.pathsep.join([jar, "/j/hadoop-aws.jar"])
     assert cluster["spark.jars"] == f"{jar},/j/hadoop-aws.jar"
 
 

@@ -1,8 +1,9 @@
 """Making the driver JVM's class-data archive (see apply.jvm.classcache), in a process of its own:
-``python -m walberg.apply.jvm.classbuild <archive>``. It starts a session whose JVM writes the
-archive to a temporary file as it exits, runs a small workload on a scratch Iceberg table,
-waits for the JVM to exit, checks that a JVM starts with the archive, and only then renames it
-into place. Exit status 0 when the archive is in place."""
+``python -m walberg.apply.jvm.classbuild <archive> [jar ...]`` (the jars its sessions have on the
+class path beside the Iceberg jar: an archive serves only the class path it was made with). It
+starts a session whose JVM writes the archive to a temporary file as it exits, runs a small
+workload on a scratch Iceberg table, waits for the JVM to exit, checks that a JVM starts with
+the archive, and only then renames it into place. Exit status 0 when the archive is in place."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from walberg.apply.jvm.classcache import dump_options, prune, starts_with
 from walberg.apply.jvm.spark import build_session, find_java, temp_folder
@@ -42,7 +43,7 @@ _WORKLOAD = (
 )
 
 
-def make(archive: Path) -> int:
+def make(archive: Path, jars: Sequence[str] = ()) -> int:
     """The background build (see the module docstring); 0 when the archive is in place."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     partial = archive.with_name(f"{archive.stem}.{os.getpid()}.partial")
@@ -54,7 +55,8 @@ def make(archive: Path) -> int:
         with tempfile.TemporaryDirectory(prefix="walberg-warm-") as scratch:
             session = build_session("local[2]", "lake", str(Path(scratch) / "warehouse"), {},
                                     {"spark.driver.extraJavaOptions": dump_options(partial)},
-                                    app_name="walberg-class-archive", class_cache=False)
+                                    app_name="walberg-class-archive", jars=jars,
+                                    class_cache=False)
             for statement in _WORKLOAD:
                 session.sql(statement).collect()
             df = session.read.parquet(_parquet(session, Path(scratch)))
@@ -93,4 +95,4 @@ def _stop_and_wait(session: Any) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(make(Path(sys.argv[1])))
+    sys.exit(make(Path(sys.argv[1]), sys.argv[2:]))

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 log = logging.getLogger("walberg")
 
@@ -129,9 +129,10 @@ def discard(archive: Path) -> None:
         pass
 
 
-def build_later(archive: Path) -> None:
+def build_later(archive: Path, jars: Sequence[str] = ()) -> None:
     """Have the archive made by a background process of its own, unless it is there already
-    (another process made it meanwhile) or one is at it."""
+    (another process made it meanwhile) or one is at it. ``jars``: those the sessions it
+    serves have on their class path beside the Iceberg jar (it is made with them)."""
     if usable(archive):
         return
     lock = archive.with_suffix(".building")
@@ -149,7 +150,7 @@ def build_later(archive: Path) -> None:
     logfile = archive.with_suffix(".log")
     try:
         with open(logfile, "w") as out:
-            subprocess.Popen([sys.executable, "-m", BUILDER, str(archive)],
+            subprocess.Popen([sys.executable, "-m", BUILDER, str(archive), *jars],
                              stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True, close_fds=True)
     except OSError:
@@ -159,12 +160,12 @@ def build_later(archive: Path) -> None:
              "(its log: %s)", archive, logfile)
 
 
-def make_now(archive: Path, timeout: float = 900.0) -> bool:
+def make_now(archive: Path, jars: Sequence[str] = (), timeout: float = 900.0) -> bool:
     """Make the archive in the foreground (the benchmarks do, so that no build runs beside what
     they time). True when it is in place."""
     if usable(archive):
         return True
     archive.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", BUILDER, str(archive)],
+    proc = subprocess.run([sys.executable, "-m", BUILDER, str(archive), *jars],
                           capture_output=True, text=True, timeout=timeout)
     return proc.returncode == 0 and usable(archive)

@@ -212,7 +212,8 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
         raise EnvironmentProblem("pyspark is not installed: `pip install pyspark==3.5.9`.") from None
     if archive is not None and not (classcache.usable(archive) and _archive_starts(java, archive)):
         classcache.discard(archive)
-        _archive_wanted, archive = archive, None  # made after this session (stop_session)
+        # (made after this session, with its jars: see stop_session)
+        _archive_wanted, archive = (archive, tuple(jars)), None
     try:
         return _start(master, app_name, conf, java_options, archive)
     except Exception as exc:  # the JVM failed to start: say why in one paragraph
@@ -225,7 +226,7 @@ def build_session(master: str, catalog: str, warehouse: str, catalog_properties:
             pass
         else:
             classcache.discard(archive)
-            _archive_wanted = archive
+            _archive_wanted = (archive, tuple(jars))
             return session
     raise EnvironmentProblem(f"Spark did not start (master {master}): {java_message(failure)}. "
                              f"Check spark.master and spark.conf, and that {java} is Java 11 "
@@ -273,10 +274,11 @@ def executes_in_driver(master: str) -> bool:
     return re.fullmatch(r"local(\[[^\]]*\])?", master.strip()) is not None
 
 
-def session_archive() -> Optional[Path]:
-    """The class-data archive sessions are given (None: none for this Java, or turned off):
-    its name follows the class path it is made with (see classcache.archive_for)."""
-    return _settings("local[2]", "lake", "", {}, {}, (), class_cache=True, short_lived=False)[3]
+def session_archive(jars: Sequence[str] = ()) -> Optional[Path]:
+    """The class-data archive of sessions that need ``jars`` (a catalog's, a storage's) beside
+    the Iceberg jar (None: none for this Java, or turned off): its name follows the driver's
+    class path, and it is made with those jars (see classcache)."""
+    return _settings("local[2]", "lake", "", {}, {}, jars, class_cache=True, short_lived=False)[3]
 
 
 def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
@@ -313,17 +315,17 @@ def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dic
         conf[f"{prefix}.{key}"] = value
     extra = dict(extra_conf)
     own_jars = extra.pop("spark.jars", "")
-    # The Iceberg jar goes on the driver's class path: read in place, its classes archived
-    # (see classcache). In local mode the executor is this JVM; on spark.jars it would fetch
-    # the jar from the driver's file server into a folder of its own and load it from there
-    # (0.2-0.3 s of every start). The jars a catalog or storage needs, and the user's own,
-    # stay on spark.jars (on a cluster the Iceberg jar too, for the executors): on the class
-    # path they would come before Spark's own jars, and the one class-data archive, made
-    # without them, would no longer fit the class path (it serves only class paths that
-    # start with the one it was made with).
+    # walberg's jars (the Iceberg runtime, and those a catalog or storage needs) go on the
+    # driver's class path: read in place, and their classes archived (see classcache; the
+    # archive is made with the same jars). In local mode the executor is this JVM; on
+    # spark.jars it would fetch each jar from the driver's file server into a folder of its
+    # own and load it from there (0.2-0.3 s of every start for the Iceberg jar alone), and a
+    # JDBC driver loaded there is one Iceberg's JDBC catalog cannot see. On a cluster
+    # (local-cluster too) they go on spark.jars as well, for the executors. The user's own
+    # spark.jars (paths or URLs) are passed on as they are.
     conf["spark.driver.extraClassPath"] = os.pathsep.join(
-        [str(jar), *filter(None, [extra.pop("spark.driver.extraClassPath", "")])])
-    shipped = list(jars) if executes_in_driver(master) else [str(jar), *jars]
+        [str(jar), *jars, *filter(None, [extra.pop("spark.driver.extraClassPath", "")])])
+    shipped = [] if executes_in_driver(master) else [str(jar), *jars]
     if shipped or own_jars:
         conf["spark.jars"] = ",".join([*shipped, *filter(None, [own_jars])])
     own_options = extra.pop("spark.driver.extraJavaOptions", "")
@@ -396,7 +398,7 @@ class _Refused(Exception):
 
 
 # A class-data archive this process's session started without: made once it stops.
-_archive_wanted: Optional[Path] = None
+_archive_wanted: Optional[tuple[Path, tuple[str, ...]]] = None  # (and the jars it is made with)
 
 
 def _with_archive(conf: dict[str, str], java_options: str,
@@ -703,5 +705,5 @@ def stop_session(session: Optional[Any], exiting: bool = False) -> None:
         except Exception:
             pass
         if _archive_wanted is not None:
-            classcache.build_later(_archive_wanted)
+            classcache.build_later(*_archive_wanted)
             _archive_wanted = None
