@@ -63,8 +63,7 @@ class KafkaReader:
                     if not left:
                         if once:
                             break
-                        self.seal()
-                        state.catching_up.clear()
+                        self._caught_up()
                     else:
                         # (no more than is left: the consumer waits out its timeout for a
                         # fuller batch)
@@ -83,13 +82,18 @@ class KafkaReader:
                 if not records and state.catching_up.is_set():
                     # Nothing came though the ends lie further (transaction markers, records
                     # compacted away): the first batch waits no longer.
-                    self.seal()
-                    state.catching_up.clear()
+                    self._caught_up()
                 if store.active_age_seconds() >= interval:
                     self.seal()
             self.seal()
         finally:
             state.catching_up.clear()
+
+    def _caught_up(self) -> None:
+        """Reading has caught up with the topics' ends as they were at the start: what was
+        read is sealed before the run's first batch is told to stop growing, so it takes it."""
+        self.seal()
+        self.state.catching_up.clear()
 
     def seal(self) -> None:
         if self.store.seal() is not None:
