@@ -270,7 +270,8 @@ def start_jvm_for_file(path: Path, once: bool) -> Optional[Path]:
 
 def executes_in_driver(master: str) -> bool:
     """Whether tasks run in the driver's JVM: local mode (not local-cluster, whose executors
-    are JVMs of their own)."""
+    are JVMs of their own; ``staging.is_local_master`` asks another question, whether they
+    share the driver's disk, and says yes to both)."""
     return re.fullmatch(r"local(\[[^\]]*\])?", master.strip()) is not None
 
 
