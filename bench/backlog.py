@@ -1,7 +1,8 @@
 """The user's situation, cold: `walberg run --once` as a command, on tables of growing size.
 
     python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
-                            [--shape bigint|uuid|text|composite|days|bucket|v3|fanin|full|cow]
+                            [--shape bigint|uuid|text|composite|days|bucket|identity|truncate|
+                             months|hours|evolved|v3|fanin|full|cow]
 
 Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.jvm.classcache),
 as a machine's first walberg run makes it in the background (the time it took is reported),
@@ -40,7 +41,9 @@ the s3a jars as tests/test_storage.py finds them), instead of a folder on this d
 
 --shape picks the table's key and layout (SHAPES): a bigint key (the default), a uuid, a text
 key, a composite (tenant int, id bigint) key, a bigint key with the Iceberg table partitioned
-by days(ts) over a year (or bucket(16, id)), a bigint key in a format-version 3 table, or a
+by days(ts) over a year (or bucket(16, id), identity of a text column of 16 values,
+truncate(100000, id), months(ts) or hours(ts) over a year, or days(ts) evolved to
+bucket(16, id) after the copy: `evolved`), a bigint key in a format-version 3 table, or a
 table fanned in from two databases (`fanin`: two sources, east and west, each with half the
 rows and half the changes, into one Iceberg table; pg_recvlogical drains both slots at once, as
 walberg reads both sources at once); and two that keep the MERGE: no key (REPLICA IDENTITY
@@ -80,6 +83,9 @@ TXN = 10_000  # changes per source transaction
 FAN_IN = ("east", "west")  # the databases (and walberg sources) of the fanin shape
 
 KAFKA_SHAPES = ("kafka", "kafka-schema")  # (bench/backlog_kafka.py)
+# A timestamp spread over a year's days and a day's seconds, from the row number {g}.
+_OVER_A_YEAR = (", timestamptz '2024-01-01 00:00:00+00' + (({g}) % 365) * interval '1 day' "
+                "+ (({g}) % 86400) * interval '1 second'")
 # shape: (key columns, their SQL as a function of the row number {g}, the key's column names,
 # extra columns, their SQL, sink.tables layout)
 SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
@@ -87,10 +93,23 @@ SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
     "uuid": ("id uuid", "md5(({g})::text)::uuid", "id", "", "", {}),
     "text": ("id text", "'customer-' || ({g})", "id", "", "", {}),
     "composite": ("tenant int, id bigint", "({g}) % 64, {g}", "tenant, id", "", "", {}),
-    "days": ("id bigint", "{g}", "id", ", ts timestamptz",
-             ", timestamptz '2024-01-01 00:00:00+00' + (({g}) % 365) * interval '1 day' "
-             "+ (({g}) % 86400) * interval '1 second'", {"partition_by": ["days(ts)"]}),
+    "days": ("id bigint", "{g}", "id", ", ts timestamptz", _OVER_A_YEAR,
+             {"partition_by": ["days(ts)"]}),
     "bucket": ("id bigint", "{g}", "id", "", "", {"partition_by": ["bucket(16, id)"]}),
+    # The other transforms: identity of a text column of 16 values, truncate of the key (a
+    # partition per 100,000 ids: 2 at 200k rows, 100 at 10M), months and hours of a timestamp
+    # over a year (12 and 8,760 partitions; a batch's random keys touch most of them).
+    "identity": ("id bigint", "{g}", "id", ", region text", ", 'region-' || (({g}) % 16)",
+                 {"partition_by": ["region"]}),
+    "truncate": ("id bigint", "{g}", "id", "", "", {"partition_by": ["truncate(100000, id)"]}),
+    "months": ("id bigint", "{g}", "id", ", ts timestamptz", _OVER_A_YEAR,
+               {"partition_by": ["months(ts)"]}),
+    "hours": ("id bigint", "{g}", "id", ", ts timestamptz", _OVER_A_YEAR,
+              {"partition_by": ["hours(ts)"]}),
+    # Copied partitioned by days(ts); the spec then evolves to bucket(16, id) (EVOLVED) before
+    # anything is timed: new rows go by the new spec, deletes reach rows of both.
+    "evolved": ("id bigint", "{g}", "id", ", ts timestamptz", _OVER_A_YEAR,
+                {"partition_by": ["days(ts)"]}),
     "v3": ("id bigint", "{g}", "id", "", "", {"format_version": 3}),
     # Two sources (FAN_IN) whose tables of the same name land in one Iceberg table.
     "fanin": ("id bigint", "{g}", "id", "", "", {}),
@@ -98,6 +117,8 @@ SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
     "full": ("id bigint", "{g}", "id", "", "", {}),
     "cow": ("id bigint", "{g}", "id", "", "", {"write_mode": "copy-on-write"}),
 }
+# Shapes whose table layout changes after the copy: the layout the pipeline file then gives.
+EVOLVED = {"evolved": {"partition_by": ["bucket(16, id)"]}}
 
 
 def walberg_once(config: Path, step: str, env: Optional[dict[str, str]] = None) -> float:
@@ -122,11 +143,12 @@ def batch_seconds(config: Path, step: str) -> float:
 
 
 def write_config(dsns: dict[str, str], work: Path, name: str, by_position: bool = True,
-                 shape: str = "bigint", lake: Optional[dict[str, Any]] = None) -> Path:
+                 shape: str = "bigint", lake: Optional[dict[str, Any]] = None,
+                 evolved: bool = False) -> Path:
     """The pipeline file: one source, or with several ``dsns`` (the fanin shape) a source each,
     fanned in to one table. ``lake``: the warehouse and storage sections for object storage
-    (None: a folder in ``work``)."""
-    layout = SHAPES[shape][5]
+    (None: a folder in ``work``). ``evolved``: the shape's layout after the copy (EVOLVED)."""
+    layout = EVOLVED[shape] if evolved and shape in EVOLVED else SHAPES[shape][5]
 
     def source(dsn: str, slot: str) -> dict[str, Any]:
         return {"postgres": {"dsn": dsn, "slot": slot, "publication": f"pub_{name}",
@@ -265,6 +287,10 @@ def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Pa
     copy_to_stdout_s = sum(make_table(c, name, share_rows, shape) for c in curs)
     config = write_config(dsns, work, name, shape=shape, lake=lake)
     copy_s = walberg_once(config, "copy")
+    if shape in EVOLVED:
+        # The pipeline file's new layout: the next run evolves the table's partition spec.
+        config = write_config(dsns, work, name, shape=shape, lake=lake, evolved=True)
+        walberg_once(config, "evolve")
     fixed = noop_runs(config)
     noop_s = fixed["noop_run_once_s"]
     # (slot names are the server's: one each)
@@ -292,7 +318,7 @@ def one_size(dbs: dict[str, tuple[str, Any]], server: EmbeddedPostgres, work: Pa
         # MERGE (sink.apply_by_position: false): what the apply cost before, in this run.
         more = backlog(2 * rows + 1)
         merge_s = walberg_once(write_config(dsns, work, name, by_position=False,
-                                            shape=shape, lake=lake), "merge")
+                                            shape=shape, lake=lake, evolved=True), "merge")
         merge = {"merge_run_once_s": merge_s, "merge_changes": more,
                  "merge_net_s": max(merge_s - noop_s, 1e-3),
                  "merge_batch_s": batch_seconds(config.with_name(f"{name}-merge.yaml"), "merge")}
