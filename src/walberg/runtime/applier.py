@@ -122,6 +122,15 @@ class Stager(Protocol):
         """The segments the lake now holds whole: removed."""
 
 
+def let_go(store: SegmentStore, state: RunState, segments: list[SegmentInfo]) -> None:
+    """Remove sealed segments whose changes the lake holds, from the disk and from the run's
+    account, then tell a reader waiting for room (after they are gone: a reader woken before
+    would see them still pending and wait once more)."""
+    store.remove(segments)
+    state.forget_segments([info.seq for info in segments])
+    state.progress.set()
+
+
 class Applier:
     """Applies sealed segments to Iceberg, batch after batch, in its own thread."""
 
@@ -214,11 +223,7 @@ class Applier:
         self.batches += 1
         self.changes += batch.changes
         done_with = self.stager.done_with(batch)
-        self.store.remove(done_with)
-        self.state.forget_segments([info.seq for info in done_with])
-        # (after the segments are gone: a reader woken before would see them still pending
-        # and wait once more)
-        self.state.progress.set()
+        let_go(self.store, self.state, done_with)
         metrics.BATCHES.inc()
         metrics.SEGMENTS_APPLIED.inc(len(done_with))
         metrics.BATCH_CHANGES.observe(batch.changes)

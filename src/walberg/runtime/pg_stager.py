@@ -19,7 +19,7 @@ from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point
 from walberg.model import Begin, Commit, Lsn, Relation, Truncate
-from walberg.runtime.applier import Batch
+from walberg.runtime.applier import Batch, let_go
 from walberg.runtime.pg_decode import Chunk, Chunks
 from walberg.runtime.state import RunState, SegmentMeta
 from walberg.runtime.tables import PgTables, count_dead
@@ -155,9 +155,7 @@ class PgStager:
         if spent:
             log.info("%d segment(s) up to LSN %s hold only what the lake holds (sent again "
                      "after a stop the slot was not told of): removed", len(spent), floor)
-            self.store.remove(spent)
-            self.state.forget_segments([info.seq for info in spent])
-            self.state.progress.set()
+            let_go(self.store, self.state, spent)
 
     def _grow(self, staged: list[SegmentInfo], wait: Callable[[], bool]
               ) -> Optional[tuple[list[SegmentInfo], Lsn]]:
