@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from walberg import metrics
 from walberg.apply.batch import BatchBuilder, StagedTable
@@ -33,6 +33,7 @@ from walberg.runtime.state import RunState
 from walberg.runtime.tables import SchemaStop, Tables
 
 log = logging.getLogger("walberg")
+T = TypeVar("T")
 
 Partition = tuple[str, int]
 
@@ -120,6 +121,24 @@ class Stager(Protocol):
 
     def done_with(self, batch: Batch) -> list[SegmentInfo]:
         """The segments the lake now holds whole: removed."""
+
+
+def grow_batch(size: int, limit: int, stop: threading.Event,
+               look: Callable[[int], Optional[T]], wait: Callable[[], bool]) -> Optional[T]:
+    """More for a batch of ``size`` bytes, as long as it is under ``limit``: ``look(size)``
+    finds what was sealed since (None or empty: nothing yet); ``wait`` waits a moment for more,
+    or says (False) that the batch ends here, after one more look (at a segment sealed as the
+    wait ended). When a source outpaces the commits, batches grow and the lake gets fewer,
+    larger commits."""
+    waiting = True
+    while not stop.is_set() and size < limit:
+        found = look(size)
+        if found:
+            return found
+        if not waiting:
+            return None
+        waiting = wait()
+    return None
 
 
 def let_go(store: SegmentStore, state: RunState, segments: list[SegmentInfo]) -> None:

@@ -26,7 +26,7 @@ from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config, KafkaTopic
 from walberg.errors import ConfigError
 from walberg.model import Column, Layout, Lsn
-from walberg.runtime.applier import Batch, Partition
+from walberg.runtime.applier import Batch, Partition, grow_batch
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
 from walberg.source import kafka
@@ -195,24 +195,19 @@ class KafkaStager:
         they were when it began; then one more look. When the topics outpace the commits,
         batches grow and the lake gets fewer, larger commits; a backlog that fits one batch is
         one commit."""
-        size = sum(info.size_bytes for info in read)
         started = time.monotonic()
 
-        def waiting() -> bool:
-            if committed is not None:
-                return not committed.is_set()
-            return self.state.catching_up.is_set()
-
-        looking = True
-        while looking and not self.state.stop.is_set() and \
-                size < self.config.buffer.max_batch_bytes:
-            looking = waiting()
-            more = self._sealed_from(read[-1].seq + 1, size)
-            if more:
-                return more, time.monotonic() - started
-            if looking:
+        def wait() -> bool:
+            more_to_come = (not committed.is_set() if committed is not None
+                            else self.state.catching_up.is_set())
+            if more_to_come:
                 (committed or self.state.stop).wait(0.05)
-        return [], time.monotonic() - started
+            return more_to_come
+
+        more = grow_batch(sum(info.size_bytes for info in read), self.config.buffer.max_batch_bytes,
+                          self.state.stop, lambda size: self._sealed_from(read[-1].seq + 1, size),
+                          wait)
+        return more or [], time.monotonic() - started
 
     def _stage(self, segments: list[SegmentInfo], floor: dict[Partition, int],
                committed: Optional[threading.Event] = None) -> Batch:

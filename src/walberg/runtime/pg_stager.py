@@ -19,7 +19,7 @@ from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point
 from walberg.model import Begin, Commit, Lsn, Relation, Truncate
-from walberg.runtime.applier import Batch, let_go
+from walberg.runtime.applier import Batch, grow_batch, let_go
 from walberg.runtime.pg_decode import Chunk, Chunks
 from walberg.runtime.state import RunState, SegmentMeta
 from walberg.runtime.tables import PgTables, count_dead
@@ -162,16 +162,12 @@ class PgStager:
         """More sealed segments for a batch that reached its end, and their end; ``wait``
         waits a moment for more to be sealed, or says (False) that the batch ends here. Up to
         ``buffer.max_batch_bytes`` in all."""
-        size = sum(info.size_bytes for info in staged)
-        waiting = True
-        while not self.state.stop.is_set() and size < self.config.buffer.max_batch_bytes:
+        def look(size: int) -> Optional[tuple[list[SegmentInfo], Lsn]]:
             more, more_end = self._segments_after(staged[-1].seq, size)
-            if more and more_end is not None:
-                return more, more_end
-            if not waiting:
-                return None
-            waiting = wait()  # (then one more look: a segment sealed as the wait ended)
-        return None
+            return (more, more_end) if more and more_end is not None else None
+
+        return grow_batch(sum(info.size_bytes for info in staged),
+                          self.config.buffer.max_batch_bytes, self.state.stop, look, wait)
 
     def _segments_after(self, seq: int, size: int) -> tuple[list[SegmentInfo], Optional[Lsn]]:
         """The sealed segments after ``seq`` up to the last one that ends a transaction, and that
