@@ -7,10 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from lake import duckdb_rows, hadoop_table, iceberg_rows
-from walberg.apply.position.rowdelta import commit_row_delta, java_table, warm
+from walberg.apply.position.rowdelta import (
+    commit_row_delta,
+    java_table,
+    position_delete_files,
+    warm,
+)
 from walberg.errors import ApplyError
 
 ROWS = 2000
@@ -190,3 +197,31 @@ def test_another_writers_rows_outside_the_batch_keys_do_not_conflict(
     assert len(rows) == ROWS + 1 and len({r["id"] for r in rows}) == ROWS + 1
     values = {r["id"]: r["v"] for r in rows}
     assert (values[6], values[ROWS + 500], values[7]) == ("ours", "theirs", "v7")
+
+
+def test_position_deletes_are_one_file_per_partition_sorted_by_file_and_position(
+        tmp_path: Path) -> None:
+    """A batch's deletes over many partitions: each delete file holds exactly the rows of
+    its partition's data files, sorted by path then position (as the spec requires), and
+    says which data files it points into and whose partition it takes."""
+    rng = np.random.default_rng(7)
+    data = [f"file:/w/t/data/p={g % 9}/f-{g:03d}.parquet" for g in range(40)]
+    files = [data[i] for i in rng.integers(0, len(data), 5000)]
+    positions = rng.integers(0, 300, len(files))
+    partition = {path: path.split("/")[-2] for path in data}
+    found = position_delete_files(files, positions, tmp_path, partition.__getitem__)
+    seen = 0
+    for each in found:
+        rows = pq.read_table(each.local).to_pylist()
+        assert rows == sorted(rows, key=lambda r: (r["file_path"], r["pos"]))
+        assert each.rows == len(rows)
+        assert each.data_files == sorted({r["file_path"] for r in rows})
+        assert {partition[p] for p in each.data_files} == {partition[each.partition_of]}
+        want = sorted((f, int(p)) for f, p in zip(files, positions, strict=True)
+                      if partition[f] == partition[each.partition_of])
+        assert [(r["file_path"], r["pos"]) for r in rows] == want
+        seen += len(rows)
+    assert seen == len(files) and len(found) == len(set(partition[f] for f in files))
+    (one,) = position_delete_files(files, positions, tmp_path)  # unpartitioned: one file
+    assert one.partition_of is None and one.rows == len(files)
+    assert one.data_files == sorted(set(files))

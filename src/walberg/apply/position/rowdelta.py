@@ -150,30 +150,35 @@ def position_delete_files(files: Sequence[str], positions: np.ndarray, scratch: 
     partition): ``partition_of`` tells each data file's (None: one file for all)."""
     if not len(files):
         return []
-    # Sorted by the rank of each row's path among the few distinct ones, not by the strings.
+    # Sorted by the rank of each row's path among the few distinct ones, not by the strings,
+    # and first by the partition's group: each file's rows are then one slice (a scan of all
+    # rows per partition cost 5 s for a batch over 8,760 partitions).
     distinct, ranks = _ranked(files)
-    order = np.lexsort((positions, ranks))
+    groups: dict[Hashable, int] = {}
+    group_of = np.array([groups.setdefault(None if partition_of is None else partition_of(path),
+                                           len(groups)) for path in distinct], np.int32)
+    row_groups = group_of[ranks]
+    order = np.lexsort((positions, ranks, row_groups))
     ranks, positions = ranks[order], np.asarray(positions)[order]
-    groups: dict[Hashable, list[int]] = {}
-    for i, path in enumerate(distinct):
-        groups.setdefault(None if partition_of is None else partition_of(path), []).append(i)
+    bounds = np.searchsorted(row_groups[order], np.arange(len(groups) + 1))
+    members = np.argsort(group_of, kind="stable")  # each group's files, in order
+    member_bounds = np.searchsorted(group_of[members], np.arange(len(groups) + 1))
     schema = pa.schema([
         pa.field("file_path", pa.string(), nullable=False,
                  metadata=field_id_metadata(FILE_PATH_ID)),
         pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
     paths = pa.array(distinct, pa.string())
     out = []
-    for members in groups.values():
-        if len(groups) == 1:
-            rows = np.arange(len(ranks))
-        else:
-            rows = np.flatnonzero(np.isin(ranks, np.asarray(members, np.int32)))
+    for g in range(len(groups)):
+        start, end = int(bounds[g]), int(bounds[g + 1])
         local = scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
-        pq.write_table(pa.table([paths.take(pa.array(ranks[rows])),
-                                 pa.array(positions[rows], pa.int64())], schema=schema),
-                       local, compression="snappy")
-        out.append(Positions(local, len(rows), [distinct[i] for i in members],
-                             None if partition_of is None else distinct[members[0]]))
+        with pa.OSFile(str(local), "wb") as sink:  # (no file system to resolve, per file)
+            pq.write_table(pa.table([paths.take(pa.array(ranks[start:end])),
+                                     pa.array(positions[start:end], pa.int64())],
+                                    schema=schema), sink, compression="snappy")
+        files_of = [distinct[i] for i in members[member_bounds[g]:member_bounds[g + 1]]]
+        out.append(Positions(local, end - start, files_of,
+                             None if partition_of is None else files_of[0]))
     return out
 
 
