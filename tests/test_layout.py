@@ -100,6 +100,8 @@ def test_partitioned_copy_on_write_table_and_partition_evolution(
     props = lake.properties
     assert props["write.merge.mode"] == "copy-on-write"
     assert props["write.parquet.compression-codec"] == "gzip"
+    # Spark's writes sorted by partition, a file open at a time (not one per partition).
+    assert props["write.spark.fanout.enabled"] == "false"
     files = lake.inspect.files().to_pylist()
     assert files and all(f["content"] == 0 for f in files), "copy-on-write: no delete files"
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)

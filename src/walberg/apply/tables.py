@@ -59,6 +59,11 @@ def table_properties(layout: Optional[Layout]) -> dict[str, str]:
             props[f"write.{op}.distribution-mode"] = "hash"
     if layout.partition_by:
         props["write.distribution-mode"] = "hash"
+        # Spark's writers sorted by partition within each task, one file open at a time.
+        # Iceberg's default for an unsorted table is a file open per partition a task meets
+        # (its "fanout" writer): with a megabyte or more of buffers each, a copy into a table
+        # of thousands of partitions (hours over a year) ran the JVM out of memory.
+        props["write.spark.fanout.enabled"] = "false"
     props.update(layout.properties)
     return props
 
