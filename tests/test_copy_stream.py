@@ -12,6 +12,7 @@ import pytest
 
 from conftest import make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
+from walberg.apply import batch
 from walberg.apply.position import datafiles
 from walberg.config import parse_config
 from walberg.errors import SourceError
@@ -58,14 +59,16 @@ def test_a_copy_is_written_as_it_is_read(pg_conn: Any, postgres: Any, spark: Any
     assert len(_copies(warehouse, target)) == 1
 
 
-def test_a_copy_into_too_many_partitions_is_staged_again(
+def test_a_copy_into_more_partitions_than_it_keeps_files_open_is_written_on_the_driver(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the files a copy may keep open the rows are Spark's: the files begun are removed,
-    the stream stops, and the table is copied again in the same snapshot, staged."""
+    """Past the files a copy may keep open, each partition's held rows become a file of their
+    own as they are let go: more, smaller files, the table exact, read by every reader."""
     table = f"public.{unique}"
     _table(pg_conn, table, 50_000)
     monkeypatch.setattr(datafiles, "MAX_OPEN_PARTITIONS", 3)
+    monkeypatch.setattr(datafiles, "FANOUT_BUDGET_BYTES", 256 * 1024)  # rows let go often
+    monkeypatch.setattr(batch, "CSV_BLOCK_BYTES", 256 * 1024)  # (in many parts)
     raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
                       [table]).model_dump(mode="json", exclude={"base_dir"})
     raw["sink"]["tables"] = {table: {"partition_by": ["part"]}}
@@ -73,9 +76,40 @@ def test_a_copy_into_too_many_partitions_is_staged_again(
     target = config.target_for(table)
     with caplog.at_level(logging.INFO, logger="walberg"):
         report = run_once(config, spark)
-    assert "staged for Spark after all, because it has over 3 partitions" in caplog.text
+    assert "over 3 partitions" in caplog.text
+    assert "staged for Spark" not in caplog.text
+    assert report.copied[table] == 50_001
+    expected = [r for r in postgres_rows(pg_conn, table) if r["id"] != -1]
+    assert iceberg_rows(warehouse, target) == expected
+    assert duckdb_rows(warehouse, target) == expected
+    files = hadoop_table(warehouse, target).inspect.files().to_pylist()
+    assert len(files) == len(_copies(warehouse, target)) > 5  # several a partition
+    assert {f["partition"]["part"] for f in files} == set(range(5))
+
+
+def test_a_copy_whose_rows_turn_out_to_need_spark_is_staged_again(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A partition value the driver cannot give Iceberg (the text Iceberg reads as a null
+    partition) met midway: the files begun are removed, the stream stops, and the table is
+    copied again in the same snapshot, staged, by Spark."""
+    table = f"public.{unique}"
+    _table(pg_conn, table, 50_000)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN region text")
+        cur.execute(f"UPDATE {table} SET region = 'r' || (id % 3)")
+        cur.execute(f"UPDATE {table} SET region = '__HIVE_DEFAULT_PARTITION__' WHERE id = 40000")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      [table]).model_dump(mode="json", exclude={"base_dir"})
+    raw["sink"]["tables"] = {table: {"partition_by": ["region"]}}
+    config = parse_config(raw, tmp_path)
+    target = config.target_for(table)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        report = run_once(config, spark)
+    assert "staged for Spark after all, because a partition value is the text " \
+        "__HIVE_DEFAULT_PARTITION__" in caplog.text
     # (said once: the staged copy goes to Spark without a second try on the driver)
-    assert caplog.text.count("because it has over 3 partitions") == 1, caplog.text
+    assert caplog.text.count("because a partition value is the text") == 1, caplog.text
     assert report.copied[table] == 50_001
     expected = [r for r in postgres_rows(pg_conn, table) if r["id"] != -1]
     assert iceberg_rows(warehouse, target) == expected

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import itertools
 import threading
 from pathlib import Path
 from typing import Any
@@ -193,8 +194,22 @@ def test_a_copy_into_too_many_partitions_leaves_nothing_written(
     assert sorted(tuple(w.partition) for w in written) == [(str(i),) for i in range(5)]
     for each in written:  # a partition's rows in one file, one row group: held, then written
         assert pq.ParquetFile(each.path).metadata.num_row_groups == 1
+    # Past the files it may keep open, a file each time a partition's held rows are let go:
+    # every row once, in its partition, in order, at the position ``on_rows`` was told.
     monkeypatch.setattr(datafiles, "MAX_OPEN_PARTITIONS", 3)
-    with pytest.raises(NotHere, match="over 3 partitions"):
-        datafiles.write(spark, table, schema, parts, tmp_path, "many", partitioner, fanout=True)
-    data = Path(str(datafiles.local_folder(spark, datafiles.data_folder(table))))
-    assert not list(data.rglob("many-*.parquet"))
+    monkeypatch.setattr(datafiles, "FANOUT_BUDGET_BYTES", 300)
+    told: dict[str, list[tuple[int, list[int]]]] = {}
+    written = datafiles.write(
+        spark, table, schema, parts, tmp_path, "many", partitioner, fanout=True,
+        on_rows=lambda location, first, part: told.setdefault(location, []).append(
+            (first, part.column("id").to_pylist())))
+    assert len(written) > 5
+    by_partition: dict[str, list[int]] = {}
+    for each in written:
+        ids = pq.read_table(each.path).column("id").to_pylist()
+        assert [first for first, _ in told[each.location]] == \
+            list(itertools.accumulate([0] + [len(i) for _, i in told[each.location]][:-1]))
+        assert [i for _, got in told[each.location] for i in got] == ids
+        by_partition.setdefault(each.partition[0], []).extend(ids)
+    source = pa.concat_tables(parts).to_pylist()
+    assert by_partition == {str(i): [r["id"] for r in source if r["i"] == i] for i in range(5)}

@@ -40,6 +40,7 @@ _KEY_TRACK_LIMIT = 5_000_000
 # (no compression, no dictionaries), which costs a third of the CPU of snappy with dictionaries.
 _BATCH_FILES = {"compression": "none", "use_dictionary": False}
 DLQ_REASON = "_dlq_reason"
+CSV_BLOCK_BYTES = 16 << 20  # a copy's CSV is parsed this much at a time
 
 
 # A staged row's ``_wb_op`` (Op's code) as its name (Op.label), in Spark SQL.
@@ -448,7 +449,8 @@ def csv_tables(csv_path: Path, ncols: int, prep: Optional[TextPrep] = None,
         try:
             reader = pacsv.open_csv(
                 pa.PythonFile(raw, mode="r"),
-                read_options=pacsv.ReadOptions(column_names=names, block_size=16 << 20),
+                read_options=pacsv.ReadOptions(column_names=names,
+                                               block_size=CSV_BLOCK_BYTES),
                 parse_options=pacsv.ParseOptions(newlines_in_values=True, double_quote=True),
                 convert_options=pacsv.ConvertOptions(
                     column_types={n: pa.string() for n in names}, null_values=[""],

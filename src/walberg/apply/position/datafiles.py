@@ -22,6 +22,7 @@ and through Hadoop's file system (the session's storage settings) elsewhere.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.jvm.helper import JavaFiles, batch_helper
-from walberg.apply.position.partitions import NotHere, Partitioner
+from walberg.apply.position.partitions import Partitioner
 from walberg.apply.session import (
     LSN_COLUMN,
     SOURCE_COLUMN,
@@ -41,6 +42,8 @@ from walberg.apply.session import (
 from walberg.apply.tables import Tables
 from walberg.apply.types import SparkType
 from walberg.model import Column
+
+log = logging.getLogger("walberg")
 
 # Iceberg's write.parquet.compression-codec values this writer makes, as pyarrow names them.
 CODECS = {"zstd": "zstd", "snappy": "snappy", "gzip": "gzip", "uncompressed": "none"}
@@ -145,7 +148,9 @@ class Written:
     partition: list[Optional[str]] = field(default_factory=list)
 
 
-MAX_OPEN_PARTITIONS = 1000  # files a copy keeps open at once, one a partition
+# Files a copy keeps open at once, one a partition; past it, a partition's file is closed
+# once its held rows are written, and its next rows start another (more, smaller files).
+MAX_OPEN_PARTITIONS = 1000
 FANOUT_BUDGET_BYTES = 256 * 1024 * 1024  # a copy's rows held back, over all its partitions
 
 
@@ -157,9 +162,9 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     to upload. With a ``partitioner``, each partition's rows go to files of their own, under a
     folder named for it: gathered first and written a partition at a time (a batch's new
     rows), or with ``fanout`` (a copy, too large to gather) as they come, a file open per
-    partition; over ``MAX_OPEN_PARTITIONS`` of them, ``NotHere`` (and nothing stays
-    written). ``on_rows`` is told each part as it is written: its data file's location and
-    the position of its first row there."""
+    partition; over ``MAX_OPEN_PARTITIONS`` of them, none is kept open (each write of a
+    partition's held rows is a file of its own). ``on_rows`` is told each part as it is
+    written: its data file's location and the position of its first row there."""
     props = java_properties(spark, table)
     codec = CODECS[props.get("write.parquet.compression-codec", "zstd").lower()]
     level = props.get("write.parquet.compression-level")
@@ -170,12 +175,20 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     target = _Target(folder, local_folder(spark, folder) or scratch, options,
                      int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES)))
     outs: dict[tuple[Optional[str], ...], _Files] = {}
+    many = False  # over MAX_OPEN_PARTITIONS partitions: no file is kept open
 
     def out(values: list[Optional[str]]) -> _Files:
+        nonlocal many
         found = outs.get(tuple(values))
         if found is None:
-            if fanout and len(outs) >= MAX_OPEN_PARTITIONS:
-                raise NotHere(f"it has over {MAX_OPEN_PARTITIONS} partitions")
+            if fanout and not many and len(outs) >= MAX_OPEN_PARTITIONS:
+                many = True
+                log.info("%s: over %d partitions, so no file is kept open for each: a "
+                         "partition's rows held back are written as a file of their own each "
+                         "time (more, smaller files; walberg maintain compacts them)",
+                         table.name(), MAX_OPEN_PARTITIONS)
+                for each in outs.values():
+                    each.close()
             found = outs[tuple(values)] = _Files(
                 target, schema, prefix, partitioner.folder(values) if partitioner else "",
                 values, on_rows)
@@ -195,6 +208,8 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
             def flush(key: tuple[Optional[str], ...]) -> None:
                 outs[key].add(pa.concat_tables(held.pop(key)))
                 sizes.pop(key)
+                if many:
+                    outs[key].close()
 
             for part in parts:
                 for values, members in partitioner.split(part):
