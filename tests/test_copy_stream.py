@@ -28,6 +28,18 @@ def _table(pg_conn: Any, name: str, rows: int) -> None:
         cur.execute(f"INSERT INTO {name} VALUES (-1, 0, 'NaN', 'not a decimal')")
 
 
+def _copy_partitioned(postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+                      table: str, by: str, caplog: pytest.LogCaptureFixture) -> tuple[str, Any]:
+    """Copy ``table`` partitioned by ``by`` in a --once run, its log captured: the target and
+    the run's report."""
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      [table]).model_dump(mode="json", exclude={"base_dir"})
+    raw["sink"]["tables"] = {table: {"partition_by": [by]}}
+    config = parse_config(raw, tmp_path)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        return config.target_for(table), run_once(config, spark)
+
+
 def _copies(warehouse: Path, target: str) -> list[Path]:
     """The data files under the table's folder that a copy on the driver names."""
     folder = warehouse.joinpath(*target.split(".")[1:]) / "data"
@@ -69,13 +81,8 @@ def test_a_copy_into_more_partitions_than_it_keeps_files_open_is_written_on_the_
     monkeypatch.setattr(datafiles, "MAX_OPEN_PARTITIONS", 3)
     monkeypatch.setattr(datafiles, "FANOUT_BUDGET_BYTES", 256 * 1024)  # rows let go often
     monkeypatch.setattr(batch, "CSV_BLOCK_BYTES", 256 * 1024)  # (in many parts)
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      [table]).model_dump(mode="json", exclude={"base_dir"})
-    raw["sink"]["tables"] = {table: {"partition_by": ["part"]}}
-    config = parse_config(raw, tmp_path)
-    target = config.target_for(table)
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        report = run_once(config, spark)
+    target, report = _copy_partitioned(postgres, spark, warehouse, tmp_path, unique, table,
+                                       "part", caplog)
     assert "over 3 partitions" in caplog.text
     assert "staged for Spark" not in caplog.text
     assert report.copied[table] == 50_001
@@ -99,13 +106,8 @@ def test_a_copy_whose_rows_turn_out_to_need_spark_is_staged_again(
         cur.execute(f"ALTER TABLE {table} ADD COLUMN region text")
         cur.execute(f"UPDATE {table} SET region = 'r' || (id % 3)")
         cur.execute(f"UPDATE {table} SET region = '__HIVE_DEFAULT_PARTITION__' WHERE id = 40000")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      [table]).model_dump(mode="json", exclude={"base_dir"})
-    raw["sink"]["tables"] = {table: {"partition_by": ["region"]}}
-    config = parse_config(raw, tmp_path)
-    target = config.target_for(table)
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        report = run_once(config, spark)
+    target, report = _copy_partitioned(postgres, spark, warehouse, tmp_path, unique, table,
+                                       "region", caplog)
     assert "staged for Spark after all, because a partition value is the text " \
         "__HIVE_DEFAULT_PARTITION__" in caplog.text
     # (said once: the staged copy goes to Spark without a second try on the driver)
