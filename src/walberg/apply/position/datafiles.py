@@ -175,14 +175,15 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
     target = _Target(folder, local_folder(spark, folder) or scratch, options,
                      int(props.get("write.target-file-size-bytes", DEFAULT_TARGET_BYTES)))
     outs: dict[tuple[Optional[str], ...], _Files] = {}
-    many = False  # over MAX_OPEN_PARTITIONS partitions: no file is kept open
+
+    def many() -> bool:
+        """Over MAX_OPEN_PARTITIONS partitions: no file is kept open."""
+        return len(outs) > MAX_OPEN_PARTITIONS
 
     def out(values: list[Optional[str]]) -> _Files:
-        nonlocal many
         found = outs.get(tuple(values))
         if found is None:
-            if fanout and not many and len(outs) >= MAX_OPEN_PARTITIONS:
-                many = True
+            if fanout and len(outs) == MAX_OPEN_PARTITIONS:  # (the one partition too many)
                 log.info("%s: over %d partitions, so no file is kept open for each: a "
                          "partition's rows held back are written as a file of their own each "
                          "time (more, smaller files; walberg maintain compacts them)",
@@ -208,7 +209,7 @@ def write(spark: Any, table: Any, schema: pa.Schema, parts: Iterable[pa.Table],
             def flush(key: tuple[Optional[str], ...]) -> None:
                 outs[key].add(pa.concat_tables(held.pop(key)))
                 sizes.pop(key)
-                if many:
+                if many():
                     outs[key].close()
 
             for part in parts:
