@@ -7,10 +7,17 @@ is sorted and searched by) and ``check`` (compared on every hit).
 - Two integer-like columns (integers, dates, timestamps), e.g. (tenant_id, id): ``check`` is
   the second value, ``key`` a bijective mix of the first xor a mix of the second. Exact: from
   (key, check) both values come back, so two different keys never share an entry.
-- Anything else (uuid, text, varchar, composites with text, more than two columns): the
-  128-bit BLAKE2b digest of the key's values (each length-prefixed, so ("ab", "c") and ("a",
-  "bc") differ), split in two. Two different keys share both halves with a chance of about
-  n^2 / 2^129: 10^-24 for ten million keys, far below a disk's undetected error rate.
+- One text column: a value of at most 16 bytes and no NUL is its own bytes, zero-padded to
+  16 (exact: text holds no NUL, so the padding cannot be part of it), taken as two words and
+  mixed as a pair is; a longer value (or one holding a NUL) is its 128-bit BLAKE2b digest
+  with byte 14 set to zero and byte 15 made non-zero, a pattern no padded value has (a zero
+  before a non-zero byte), so the two forms never meet, and two long values share an entry
+  with a chance of about n^2 / 2^120. Short keys, the common case (codes, slugs, numbers as
+  text), are encoded in columns; only long ones are hashed one by one.
+- Anything else (composites with text, more than two columns): the 128-bit BLAKE2b digest
+  of the key's values (each length-prefixed, so ("ab", "c") and ("a", "bc") differ), split
+  in two. Two different keys share both halves with a chance of about n^2 / 2^129: 10^-24
+  for ten million keys, far below a disk's undetected error rate.
 
 ``key`` alone may repeat for different keys (a 64-bit clash: about one table in 400,000 at
 ten million keys); the index detects it by ``check`` and raises ``KeyClash``, and the table
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -83,6 +90,8 @@ class KeyCodec:
             return "int"
         if self.single:
             return f"one:{self.kinds[0]}"
+        if self.kinds == ("str",):
+            return "short16+blake2b:str"
         return ("pair:" if self.exact else "blake2b-128:") + ",".join(self.kinds)
 
     @property
@@ -120,6 +129,8 @@ class KeyCodec:
         """(key, check) of each row of the key columns, as two int64 arrays."""
         if len(columns) != len(self.kinds):
             raise ValueError(f"a key of {len(self.kinds)} column(s) was given {len(columns)}")
+        if self.kinds == ("str",):
+            return _pair(*_short_text_words(columns[0]))
         canonical = [word for kind, column in zip(self.kinds, columns, strict=True)
                      for word in _canonical(kind, column)]
         n = len(columns[0])
@@ -130,10 +141,7 @@ class KeyCodec:
         if self.exact:
             first, second = canonical
             assert isinstance(first, np.ndarray) and isinstance(second, np.ndarray)
-            with np.errstate(over="ignore"):
-                key = _mix(first.view(np.uint64)) ^ _mix(second.view(np.uint64) ^ np.uint64(
-                    0x9E3779B97F4A7C15))
-            return key.view(np.int64), second.copy()
+            return _pair(first, second)
         return _digests(canonical, n)
 
 
@@ -199,6 +207,68 @@ def _uuid_words(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return words[:, 0].copy(), words[:, 1].copy()
 
 
+def _pair(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(key, check) of two int64 words: ``check`` the second, ``key`` a bijective mix of both
+    (so the pair comes back from the entry, and ``key`` spreads even where words repeat)."""
+    with np.errstate(over="ignore"):
+        key = _mix(first.view(np.uint64)) ^ _mix(second.view(np.uint64) ^ np.uint64(
+            0x9E3779B97F4A7C15))
+    return key.view(np.int64), second.copy()
+
+
+def _short_text_words(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """The two words of each value of one text key column (see the module docstring): a value
+    of at most 16 bytes without NUL, zero-padded; else its marked BLAKE2b digest."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise KeyEncodingError("a key column holds NULL")
+    if pa.types.is_integer(column.type):
+        raise KeyEncodingError(f"a text key column arrived as {column.type}")
+    text = column if pa.types.is_string(column.type) else column.cast(pa.string())
+    raw = text.cast(pa.binary())
+    short = pc.and_(pc.less_equal(pc.binary_length(raw), 16),
+                    pc.invert(pc.match_substring(raw, "\x00")))
+    if len(raw) == 0 or pc.all(short).as_py():
+        words = _padded(text)
+    elif not pc.any(short).as_py():
+        words = _marked(_blake(raw.to_pylist()))
+    else:
+        mask = short.to_numpy(zero_copy_only=False)
+        words = np.empty((len(raw), 2), "<u8")
+        words[mask] = _padded(text.filter(short))
+        words[~mask] = _marked(_blake(raw.filter(pc.invert(short)).to_pylist()))
+    return words[:, 0].view(np.int64), words[:, 1].view(np.int64)
+
+
+def _padded(text: pa.Array) -> np.ndarray:
+    """Values of at most 16 bytes, zero-padded to 16, as (n, 2) little-endian words. Arrow pads
+    by bytes (``ascii_rpad`` counts bytes, whatever the text holds); every value is then
+    exactly 16 bytes, read as fixed-size binary without a copy."""
+    padded = pc.ascii_rpad(text, width=16, padding="\x00")
+    fixed = padded.cast(pa.binary()).cast(pa.binary(16))
+    if len(fixed) == 0:
+        return np.empty((0, 2), "<u8")
+    return np.frombuffer(fixed.buffers()[1], "<u8", 2 * len(fixed),
+                         16 * fixed.offset).reshape(-1, 2)
+
+
+def _marked(digests: np.ndarray) -> np.ndarray:
+    """Digests as words no padded value has: byte 14 zero, byte 15 not."""
+    out = digests.copy()
+    raw = out.view(np.uint8).reshape(-1, 16)
+    raw[:, 14] = 0
+    raw[:, 15] |= 1
+    return out
+
+
+def _blake(values: Iterable[bytes]) -> np.ndarray:
+    """The 128-bit BLAKE2b digest of each value, as (n, 2) little-endian words."""
+    blake = hashlib.blake2b
+    out = b"".join([blake(v, digest_size=16).digest() for v in values])
+    return np.frombuffer(out, "<u8").reshape(-1, 2)
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """A bijection of uint64 that spreads every input bit over the output (murmur3's
     finalizer)."""
@@ -211,20 +281,14 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def _digests(canonical: Sequence[np.ndarray | list[bytes]], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(key, check): the halves of each row's 128-bit BLAKE2b digest."""
-    blake = hashlib.blake2b
-    if len(canonical) == 1 and isinstance(canonical[0], list):
-        # One text column: its bytes are the key's whole encoding.
-        out = b"".join([blake(v, digest_size=16).digest() for v in canonical[0]])
-    else:
-        parts: list[list[bytes]] = []
-        for values in canonical:
-            if isinstance(values, np.ndarray):
-                raw = values.astype("<i8").tobytes()
-                parts.append([raw[i:i + 8] for i in range(0, 8 * n, 8)])
-            else:
-                parts.append([len(v).to_bytes(4, "little") + v for v in values])
-        out = b"".join([blake(b"".join(row), digest_size=16).digest()
-                        for row in zip(*parts, strict=True)])
-    both = np.frombuffer(out, dtype="<i8").reshape(-1, 2) if n else np.empty((0, 2), np.int64)
+    """(key, check): the halves of the 128-bit BLAKE2b digest of each row's values, each
+    length-prefixed (integers as 8 bytes)."""
+    parts: list[list[bytes]] = []
+    for values in canonical:
+        if isinstance(values, np.ndarray):
+            raw = values.astype("<i8").tobytes()
+            parts.append([raw[i:i + 8] for i in range(0, 8 * n, 8)])
+        else:
+            parts.append([len(v).to_bytes(4, "little") + v for v in values])
+    both = _blake(b"".join(row) for row in zip(*parts, strict=True))
     return both[:, 0].astype(np.int64), both[:, 1].astype(np.int64)
