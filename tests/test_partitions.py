@@ -12,13 +12,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import mmh3
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from walberg.apply.jvm.helper import batch_helper
 from walberg.apply.position import datafiles
-from walberg.apply.position.partitions import HIVE_NULL, NotHere, Partitioner
+from walberg.apply.position.partitions import HIVE_NULL, NotHere, Partitioner, _murmur3_longs
 from walberg.apply.session import java_items, java_table
 
 UTC = datetime.timezone.utc
@@ -213,3 +217,14 @@ def test_a_copy_into_too_many_partitions_leaves_nothing_written(
         by_partition.setdefault(each.partition[0], []).extend(ids)
     source = pa.concat_tables(parts).to_pylist()
     assert by_partition == {str(i): [r["id"] for r in source if r["i"] == i] for i in range(5)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-2**63, 2**63 - 1), max_size=200))
+def test_bucket_hash_in_columns_is_murmur3(values: list[int]) -> None:
+    """The columnar hash of ints, longs, dates and timestamps is murmur3's, value by value
+    (the spec's example: 34 hashes to 2017239379)."""
+    got = _murmur3_longs(np.array([*values, 34], np.int64)).tolist()
+    assert got == [mmh3.hash(v.to_bytes(8, "little", signed=True), 0, signed=True)
+                   for v in [*values, 34]]
+    assert got[-1] == 2017239379
