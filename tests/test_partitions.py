@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from walberg.apply.jvm.helper import batch_helper
 from walberg.apply.position import datafiles
-from walberg.apply.position.partitions import HIVE_NULL, NotHere, Partitioner, _murmur3_longs
+from walberg.apply.position.partitions import HIVE_NULL, NotHere, Partitioner, _murmur3_longs, _murmur3_text
 from walberg.apply.session import java_items, java_table
 
 UTC = datetime.timezone.utc
@@ -228,3 +228,21 @@ def test_bucket_hash_in_columns_is_murmur3(values: list[int]) -> None:
     assert got == [mmh3.hash(v.to_bytes(8, "little", signed=True), 0, signed=True)
                    for v in [*values, 34]]
     assert got[-1] == 2017239379
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.text(max_size=40)),
+                max_size=120))
+def test_bucket_hash_of_text_in_columns_is_murmur3(values: list[str | None]) -> None:
+    """Text of every length (each tail of 0-3 bytes, beyond ASCII) hashes as murmur3 of its
+    UTF-8 bytes; a null's bucket stays null."""
+    from walberg.apply.position.partitions import _Field, _transform
+
+    got = _murmur3_text(pa.array(values, pa.string()).slice(0)).tolist()
+    want = [mmh3.hash((v or "").encode(), 0, signed=True) for v in values]
+    assert got == want
+    field = _Field(name="b", column="s", transform="bucket", argument=7, source_type="STRING",
+                   dated=False)
+    buckets = _transform(field, pa.array(values, pa.string())).to_pylist()
+    assert buckets == [None if v is None else (h & 0x7FFFFFFF) % 7
+                       for v, h in zip(values, want, strict=True)]

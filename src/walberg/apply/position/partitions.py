@@ -159,16 +159,13 @@ def _transform(field: _Field, column: pa.Array) -> pa.Array:
     if kind == "void":
         return pa.nulls(len(column), pa.int32())
     valid = np.asarray(column.is_valid().to_numpy(zero_copy_only=False), dtype=np.bool_)
-    if kind == "bucket" and field.source_type != "STRING":
-        hashes = _murmur3_longs(_numbers(column, field.source_type))
-        return pa.array(((hashes & _INT_MAX) % field.argument).astype(np.int32), mask=~valid)
     if kind == "bucket":
-        return pa.array([None if v is None else (_hash(v, field.source_type) & _INT_MAX)
-                         % field.argument for v in _hashable(column, field.source_type)],
-                        pa.int32())
+        hashes = _murmur3_text(column) if field.source_type == "STRING" else \
+            _murmur3_longs(_numbers(column, field.source_type))
+        return pa.array(((hashes & _INT_MAX) % field.argument).astype(np.int32), mask=~valid)
     if kind == "truncate" and field.source_type == "STRING":
-        return pa.array([None if v is None else v[:field.argument] for v in column.to_pylist()],
-                        pa.string())
+        # Iceberg truncates text to a number of code points, as Arrow's slice counts them.
+        return pc.utf8_slice_codeunits(column.cast(pa.string()), 0, field.argument)
     numbers = _numbers(column, field.source_type)
     if kind == "truncate":
         out: np.ndarray = numbers - np.mod(numbers, field.argument)
@@ -190,44 +187,41 @@ def _numbers(column: pa.Array, source_type: str) -> np.ndarray:
     return np.asarray(pc.fill_null(column, 0).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
+# Murmur3 x86 32 (seed 0), as Iceberg's bucket transform hashes a value's bytes, in numpy
+# columns of uint32 (whose arithmetic wraps as the algorithm's does).
+_C1, _C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
+
+
+def _rotl(x: np.ndarray, r: int) -> np.ndarray:
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def _mix_block(h: np.ndarray, k: np.ndarray) -> np.ndarray:
+    return _rotl(h ^ (_rotl(k * _C1, 15) * _C2), 13) * np.uint32(5) + np.uint32(0xE6546B64)
+
+
 def _murmur3_longs(values: np.ndarray) -> np.ndarray:
-    """Murmur3 x86 32 (seed 0) of each int64's 8 little-endian bytes, as Iceberg's bucket
-    transform hashes ints, longs, dates and timestamps, in columns: two 4-byte blocks, the
-    length, the finalizer (as int64, the signed 32-bit result)."""
+    """The hash of each int64's 8 little-endian bytes (ints, longs, dates as days, timestamps
+    as microseconds: Iceberg hashes them all as longs), as int64 (the signed 32-bit result):
+    two 4-byte blocks, the length, the finalizer."""
     words = np.ascontiguousarray(values, "<i8").view("<u4").reshape(-1, 2)
     h = np.zeros(len(words), np.uint32)
     for i in (0, 1):
-        k = words[:, i] * np.uint32(0xCC9E2D51)
-        k = (k << np.uint32(15)) | (k >> np.uint32(17))
-        k *= np.uint32(0x1B873593)
-        h ^= k
-        h = (h << np.uint32(13)) | (h >> np.uint32(19))
-        h = h * np.uint32(5) + np.uint32(0xE6546B64)
-    h ^= np.uint32(8)
-    h ^= h >> np.uint32(16)
-    h *= np.uint32(0x85EBCA6B)
-    h ^= h >> np.uint32(13)
-    h *= np.uint32(0xC2B2AE35)
-    h ^= h >> np.uint32(16)
+        h = _mix_block(h, words[:, i])
+    h = h ^ np.uint32(8)
+    h = (h ^ (h >> np.uint32(16))) * np.uint32(0x85EBCA6B)
+    h = (h ^ (h >> np.uint32(13))) * np.uint32(0xC2B2AE35)
+    h = h ^ (h >> np.uint32(16))
     return h.view(np.int32).astype(np.int64)
 
 
-def _hashable(column: pa.Array, source_type: str) -> list[Any]:
-    """The values a bucket hashes: strings, or ints (dates as days, timestamps as
-    microseconds)."""
-    if source_type == "DATE":
-        column = column.cast(pa.int32())
-    elif source_type == "TIMESTAMP":
-        column = column.cast(pa.int64())
-    values: list[Any] = column.to_pylist()
-    return values
-
-
-def _hash(value: Any, source_type: str) -> int:
-    """Murmur3 x86 32 of a value's bytes as Iceberg's bucket transform takes them."""
-    data = value.encode("utf-8") if source_type == "STRING" else \
-        int(value).to_bytes(8, "little", signed=True)
-    return int(mmh3.hash(data, 0, signed=True))
+def _murmur3_text(column: pa.Array) -> np.ndarray:
+    """The hash of each value's UTF-8 bytes (nulls as the empty text: the caller masks them),
+    value by value: mmh3 takes 0.1 microseconds a value, faster than numpy's steps over 4-byte
+    blocks (five times slower for uuids' text, measured)."""
+    raw = pc.fill_null(column.cast(pa.string()), "").cast(pa.binary())
+    hash32 = mmh3.hash
+    return np.fromiter((hash32(v, 0, True) for v in raw.to_pylist()), np.int64, len(raw))
 
 
 def _as_text(value: Any, field: _Field) -> Optional[str]:
