@@ -145,9 +145,9 @@ class KeyCodec:
         return _digests(canonical, n)
 
 
-def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | list[bytes]]:
+def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | pa.Array]:
     """A key column in its canonical form: int64 words (one a value; a uuid's 128 bits are
-    two), or the UTF-8 bytes of text."""
+    two), or the UTF-8 bytes of text (an Arrow binary array)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     if column.null_count:
@@ -155,7 +155,7 @@ def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> list[np.ndarray
     if kind == "str":
         if pa.types.is_integer(column.type):
             raise KeyEncodingError(f"a text key column arrived as {column.type}")
-        return [column.cast(pa.binary()).to_pylist()]
+        return [column.cast(pa.binary())]
     if kind == "uuid":
         return list(_uuid_words(column))
     if kind == "ts" and pa.types.is_timestamp(column.type):
@@ -280,15 +280,23 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _digests(canonical: Sequence[np.ndarray | list[bytes]], n: int) -> tuple[np.ndarray, np.ndarray]:
+def _digests(canonical: Sequence[np.ndarray | pa.Array], n: int) -> tuple[np.ndarray, np.ndarray]:
     """(key, check): the halves of the 128-bit BLAKE2b digest of each row's values, each
-    length-prefixed (integers as 8 bytes)."""
-    parts: list[list[bytes]] = []
+    length-prefixed (4 bytes, little-endian) if text, 8 little-endian bytes if an integer.
+    Each row's bytes are joined by Arrow; only the digest is taken a row at a time."""
+    pieces: list[pa.Array] = []
     for values in canonical:
         if isinstance(values, np.ndarray):
-            raw = values.astype("<i8").tobytes()
-            parts.append([raw[i:i + 8] for i in range(0, 8 * n, 8)])
+            pieces.append(_fixed(values.astype("<i8"), 8))
         else:
-            parts.append([len(v).to_bytes(4, "little") + v for v in values])
-    both = _blake(b"".join(row) for row in zip(*parts, strict=True))
+            pieces += [_fixed(pc.binary_length(values).to_numpy().astype("<i4"), 4), values]
+    rows = pc.binary_join_element_wise(*pieces, b"")
+    both = _blake(rows.to_pylist())
     return both[:, 0].astype(np.int64), both[:, 1].astype(np.int64)
+
+
+def _fixed(words: np.ndarray, width: int) -> pa.Array:
+    """Each value's bytes (``width`` of them) as an Arrow binary array."""
+    fixed = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(words),
+                                                 [None, pa.py_buffer(words.tobytes())])
+    return fixed.cast(pa.binary())
