@@ -33,7 +33,9 @@ def postgres_rows(conn: Any, table: str, key: str = "id") -> list[dict[str, Any]
     with conn.cursor() as cur:
         cur.execute(f"SELECT * FROM {table} ORDER BY {key}")
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=False)) for row in cur.fetchall()]
+        # (bytea as bytes: psycopg2's memoryview need not compare equal once its row is gone)
+        return [{n: bytes(v) if isinstance(v, memoryview) else v
+                 for n, v in zip(names, row, strict=False)} for row in cur.fetchall()]
 
 
 def snapshot_lsns(warehouse: Path, target: str) -> list[str]:

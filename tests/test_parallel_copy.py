@@ -74,17 +74,17 @@ def test_parallel_copy_stays_consistent_with_the_stream_under_writes(
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, v int, amount numeric(8,2), "
-                    "at timestamptz, note text)")
+                    "at timestamptz, note text, raw bytea)")
         cur.execute(f"INSERT INTO {table} SELECT g, 0, g / 100.0, "
                     "'2024-03-01 12:00:00+00'::timestamptz + g * interval '1 minute', "
-                    f"'row ' || g FROM generate_series(1, 6000) g")
+                    f"'row ' || g, int4send(g) FROM generate_series(1, 6000) g")
         cur.execute(f"UPDATE {table} SET amount = 'NaN' WHERE id = 4321")  # no decimal holds it
         cur.execute(f"ANALYZE {table}")
     config = _jdbc_config(postgres, warehouse, tmp_path, unique, table)
     target = config.target_for(table)
 
     def step(cur: Any, i: int) -> None:
-        cur.execute(f"INSERT INTO {table} VALUES ({10000 + i}, 1, 1.5, now(), 'new')")
+        cur.execute(f"INSERT INTO {table} VALUES ({10000 + i}, 1, 1.5, now(), 'new', '\\x00')")
         cur.execute(f"UPDATE {table} SET v = v + 1 WHERE id = {(i * 7) % 6000 + 1}")
         cur.execute(f"DELETE FROM {table} WHERE id = {(i * 13) % 6000 + 1}")
 

@@ -155,13 +155,18 @@ class LakeSession:
         return writer
 
     def typed(self, df: Any, target: str, columns: Sequence[Column], lsn_expr: str,
-              keep: Sequence[str] = ()) -> Any:
-        """The staged (or JDBC-read) ``c0..cN`` as the table's columns. Each goes through its
-        type's ``convert``: a cast of text, and a no-op for a column staged typed already."""
-        exprs = [f"{self.types.spark_type(c, target).convert.format(value_column(i))} "
+              keep: Sequence[str] = (), text: bool = False) -> Any:
+        """The staged ``c0..cN`` as the table's columns. Each goes through its type's
+        ``convert``: a cast of text, and a no-op for a column staged typed already. ``text``:
+        the columns are Postgres's text, not staged (a copy read over JDBC)."""
+        exprs = [f"{self._convert(c, target, text).format(value_column(i))} "
                  f"AS {quote(c.name)}" for i, c in enumerate(columns)]
         exprs.append(f"{lsn_expr} AS {quote(LSN_COLUMN)}")
         if self.source is not None:
             exprs.append(f"'{self.source}' AS {quote(SOURCE_COLUMN)}")
         exprs.extend(keep)
         return df.selectExpr(*exprs)
+
+    def _convert(self, column: Column, target: str, text: bool) -> str:
+        t = self.types.spark_type(column, target)
+        return t.from_text if text else t.convert

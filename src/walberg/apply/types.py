@@ -71,6 +71,15 @@ class SparkType:
     # The Arrow type staging parses the text into; it reads back in Spark as exactly ``sql``.
     # None: staged as text, cast by ``convert`` in Spark.
     staged: Optional[pa.DataType] = None
+    # Where ``convert`` of the staged column cannot take Postgres's text as well (bytea: its
+    # hex form is decoded while staging), the expression that does: for text read without
+    # staging (a copy read over JDBC, a column's default).
+    text_convert: Optional[str] = None
+
+    @property
+    def from_text(self) -> str:
+        """The expression template that makes Postgres's text of a value the column's type."""
+        return self.text_convert or self.convert
 
     def describe(self) -> str:
         return self.sql.lower()
@@ -130,7 +139,7 @@ _SCALARS: dict[int, SparkType] = {
                            staged=pa.timestamp("us", "UTC")),
     # bytea_output=hex renders '\x0a0b...'; decoded while staging (``_unhex``)
     BYTEA: SparkType("BINARY", "{}", r"^\\x([0-9a-fA-F]{2})*$", "is not bytea's hex form",
-                     staged=pa.binary()),
+                     staged=pa.binary(), text_convert="unhex(substring({}, 3))"),
 }
 
 

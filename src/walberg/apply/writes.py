@@ -261,7 +261,7 @@ class Writes:
             df = df.selectExpr("*", f"{reason} AS {DLQ_REASON}").persist(StorageLevel.MEMORY_AND_DISK)
             dead = self._chunk_dead_letters(target, columns, df, lsn, first, dead_span)
             df = df.where(f"{DLQ_REASON} IS NULL")
-        typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)")
+        typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)", text=True)
         writer = self.lake.writer(typed, target, lsn,
                                   {**marks, self.lake.lsn_property: str(lsn)} if done else marks)
         try:

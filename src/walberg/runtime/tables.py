@@ -203,7 +203,7 @@ class PgTables(Tables):
             if not parsed or isinstance(parsed[0], list) or parsed[0] is None:
                 return
             col = next(c for c in columns if c.name == name)
-            expr = self.types.spark_type(col, target).convert.format(sql_string(parsed[0]))
+            expr = self.types.spark_type(col, target).from_text.format(sql_string(parsed[0]))
             self.sink.set_property(target, FILL_PROPERTY + name, expr)
 
     def finish_fills(self, source: str) -> None:
