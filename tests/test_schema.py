@@ -103,6 +103,10 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
         # the default's text is decoded in Spark (its values, while staging)
         f"ALTER TABLE {table} ADD COLUMN h bytea DEFAULT '\\x00ff'",
         f"UPDATE {table} SET h = '\\x0a' WHERE id = 53",
+        # an array's default is the array, element by element
+        f"ALTER TABLE {table} ADD COLUMN k int[] DEFAULT '{{1,NULL,3}}', "
+        "ADD COLUMN m text[] DEFAULT '{}'",
+        f"UPDATE {table} SET k = '{{7}}', m = '{{\"a b\"}}' WHERE id = 52",
     ]
     with pg_conn.cursor() as cur:
         for statement in steps:
@@ -113,7 +117,8 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
     schema = {f.name: str(f.field_type) for f in hadoop_table(warehouse, target).schema().fields}
     assert schema == {"id": "int", "a": "long", "c2": "double", "d": "decimal(9, 2)",
                       "v": "string", "e": "int", "f": "string", "g": "timestamptz",
-                      "h": "binary", "_walberg_lsn": "long"}
+                      "h": "binary", "k": "list<int>", "m": "list<string>",
+                      "_walberg_lsn": "long"}
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     # DuckDB reads the evolved table too (columns by field id: renamed, dropped, promoted).
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)

@@ -4,13 +4,14 @@ a value becomes the typed value.
 This is the one type path: the initial copy and the stream both hand over Postgres text (rendered
 with the same session settings, see ``source.postgres.SESSION_OPTIONS``), and both go through here:
 
-1. in Python, while staging (``TextPrep``): array literals become JSON, and values that cannot be
-   written exactly (NaN in a decimal column, a number too wide for its decimal, 'infinity' in a
-   timestamp) are picked out for the dead-letter table instead of being rounded or nulled.
-   Numbers, booleans, dates and timestamps are then parsed into their Arrow type
-   (``SparkType.staged``) by Arrow's vectorised casts, a tenth of what Spark's per-row CAST of
-   text costs, and bytea's hex form into bytes (``_unhex``); a value that does not parse goes
-   to the dead-letter table too;
+1. in Python, while staging (``TextPrep``): values that cannot be written exactly (NaN in a
+   decimal column, a number too wide for its decimal, 'infinity' in a timestamp) are picked
+   out for the dead-letter table instead of being rounded or nulled. Numbers, booleans, dates
+   and timestamps are then parsed into their Arrow type (``SparkType.staged``) by Arrow's
+   vectorised casts, a tenth of what Spark's per-row CAST of text costs, bytea's hex form into
+   bytes (``_unhex``), and array literals into Arrow lists of their elements' type (the
+   literals read a value at a time, the elements parsed in one cast); a value that does not
+   parse goes to the dead-letter table too;
 2. in Spark (``SparkType.convert``): what is still text is cast to the column's type (the same
    CAST over a column staged typed is a no-op).
 
@@ -31,7 +32,6 @@ The mapping (also in docs/types.md):
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -66,7 +66,7 @@ class SparkType:
     convert: str  # expression template over the staged column, `{}` stands for the column
     valid: Optional[str] = None  # a regex every non-NULL text value must match to be written
     why_invalid: str = ""  # what an unmatched value is, for the dead-letter reason
-    array_dims: int = 0  # >0: an array literal, turned into JSON while staging
+    array_dims: int = 0  # >0: an array literal, made an Arrow list while staging
     element: Optional["SparkType"] = None
     # The Arrow type staging parses the text into; it reads back in Spark as exactly ``sql``.
     # None: staged as text, cast by ``convert`` in Spark.
@@ -78,8 +78,28 @@ class SparkType:
 
     @property
     def from_text(self) -> str:
-        """The expression template that makes Postgres's text of a value the column's type."""
+        """The expression template that makes Postgres's text of a value the column's type
+        (not for arrays: see ``literal``)."""
         return self.text_convert or self.convert
+
+    def literal(self, text: str) -> str:
+        """A Spark SQL expression of the column's type for Postgres's text of one value (an
+        array literal as nested ``array(...)`` of its elements). BadArray if an array's text
+        is not one of the column's dimensions."""
+        if not self.array_dims:
+            return self.from_text.format(sql_string(text))
+        assert self.element is not None
+        element = self.element
+        value = parse_array(text)
+        if not _depth_ok(value, self.array_dims, None):
+            raise BadArray(f"not a {self.array_dims}-dimensional array")
+
+        def spell(v: Any) -> str:
+            if isinstance(v, list):
+                return f"array({', '.join(spell(x) for x in v)})"
+            return "NULL" if v is None else element.from_text.format(sql_string(v))
+
+        return f"CAST({spell(value)} AS {self.sql})"
 
     def describe(self) -> str:
         return self.sql.lower()
@@ -184,8 +204,8 @@ class TypeMap:
             sql = element.sql
             for _ in range(dims):
                 sql = f"ARRAY<{sql}>"
-            return SparkType(sql, _array_convert(element, dims), array_dims=max(dims, 1),
-                             element=element)
+            return SparkType(sql, "{}", array_dims=max(dims, 1), element=element,
+                             staged=list_type(element, max(dims, 1)))
         if oid == NUMERIC:
             ps = numeric_precision(modifier)
             if ps is None or ps[0] > 38:
@@ -209,18 +229,13 @@ class TypeMap:
         return TextPrep(columns, [self.spark_type(c, table) for c in columns])
 
 
-def _array_convert(element: SparkType, dims: int) -> str:
-    """from_json gives nested lists of element text; each element then takes its own cast."""
-    var = "x"
-    body = element.convert.format(var)
-    for d in range(dims - 1):
-        inner = f"y{d}"
-        body = f"transform({inner}, {var} -> {body})"
-        var = inner
-    strings = "STRING"
+def list_type(element: SparkType, dims: int) -> pa.DataType:
+    """The Arrow type an array column is staged in: lists (nested for each further dimension)
+    of the element's staged type (text for text-like elements)."""
+    out = element.staged or pa.string()
     for _ in range(dims):
-        strings = f"ARRAY<{strings}>"
-    return f"transform(from_json({{}}, '{strings}'), {var} -> {body})"
+        out = pa.list_(pa.field("element", out))
+    return out
 
 
 class BadArray(ValueError):
@@ -327,7 +342,7 @@ class TextPrep:
                 continue
             reasons = self._blame(reasons, bad, arr, self.names[i], why)
         for i, (arr, t) in enumerate(zip(arrays, self.types, strict=True)):
-            if t.staged is None:
+            if t.staged is None or t.array_dims:  # (arrays: made lists above)
                 continue
             if reasons is not None and reasons.null_count < len(reasons):
                 # Rows already bound for the dead-letter table are not parsed (nor staged).
@@ -356,26 +371,52 @@ class TextPrep:
 
     @staticmethod
     def _arrays(arr: pa.Array, t: SparkType) -> tuple[pa.Array, pa.Array]:
-        check = re.compile(t.element.valid) if t.element and t.element.valid else None
-        converted: list[Optional[str]] = []
+        """An array column's literals as Arrow lists of the element's type, and which values
+        cannot be written (not an array of the column's dimensions, an element that does not
+        fit its type)."""
+        assert t.element is not None
+        check = re.compile(t.element.valid) if t.element.valid else None
+        values: list[Optional[list[Any]]] = []
         bad: list[bool] = []
         for text in arr.to_pylist():
-            if text is None:
-                converted.append(None)
-                bad.append(False)
-                continue
+            value = None
+            if text is not None:
+                try:
+                    value = parse_array(text)
+                except BadArray:
+                    pass
+                if value is not None and not _depth_ok(value, t.array_dims, check):
+                    value = None
+            values.append(value)
+            bad.append(text is not None and value is None)
+        # Level by level, outermost first: each level's offsets and which of its values are
+        # NULL; then the elements, parsed in one cast.
+        levels: list[tuple[np.ndarray, np.ndarray]] = []
+        level: list[Any] = values
+        for _ in range(t.array_dims):
+            lengths = np.fromiter((0 if v is None else len(v) for v in level), np.int32,
+                                  len(level))
+            offsets = np.zeros(len(level) + 1, np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            levels.append((offsets, np.fromiter((v is None for v in level), np.bool_, len(level))))
+            level = [x for v in level if v is not None for x in v]
+        elements = pa.array(level, pa.string())
+        if t.element.staged is not None:
             try:
-                value = parse_array(text)
-            except BadArray:
-                value = None
-            if value is None or not _depth_ok(value, t.array_dims, check):
-                converted.append(None)
-                bad.append(True)
-            else:
-                converted.append(json.dumps(value, ensure_ascii=False))
-                bad.append(False)
-        return pa.array(converted, pa.string()), pa.array(bad, pa.bool_())
-
+                elements = _parse(elements, t.element.staged)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                elements, wrong = _parse_each(elements, t.element.staged)
+                rows = np.arange(len(values))
+                for offsets, _ in levels:  # the row each element belongs to
+                    rows = np.repeat(rows, np.diff(offsets))
+                for row in np.unique(rows[wrong.to_numpy(zero_copy_only=False)]).tolist():
+                    bad[row] = True
+        out: pa.Array = elements
+        for offsets, null in reversed(levels):
+            out = pa.ListArray.from_arrays(pa.array(offsets), out,
+                                           pa.list_(pa.field("element", out.type)),
+                                           mask=pa.array(null))
+        return out, pa.array(bad, pa.bool_())
 
 
 def _parse(arr: pa.Array, to: pa.DataType) -> pa.Array:

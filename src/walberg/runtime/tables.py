@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 from walberg import metrics
 from walberg.apply import evolution
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.types import TextPrep, TypeMap, parse_array, sql_string
+from walberg.apply.types import BadArray, TextPrep, TypeMap, parse_array
 from walberg.config import Config
 from walberg.errors import Terminal, WalbergError
 from walberg.model import Column, Lsn, Relation
@@ -203,7 +203,14 @@ class PgTables(Tables):
             if not parsed or isinstance(parsed[0], list) or parsed[0] is None:
                 return
             col = next(c for c in columns if c.name == name)
-            expr = self.types.spark_type(col, target).from_text.format(sql_string(parsed[0]))
+            try:
+                expr = self.types.spark_type(col, target).literal(parsed[0])
+            except BadArray:
+                log.warning("column %s of %s was added with a default walberg cannot read "
+                            "(%r): the lake's existing rows have NULL there. To get the "
+                            "values, copy the table again (walberg resync -c <pipeline file> "
+                            "%s).", name, source, parsed[0][:60], source)
+                return
             self.sink.set_property(target, FILL_PROPERTY + name, expr)
 
     def finish_fills(self, source: str) -> None:

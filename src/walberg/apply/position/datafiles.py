@@ -114,7 +114,7 @@ def arrow_schema(table: Any, columns: Sequence[Column], lake: LakeSession,
                  target: str) -> pa.Schema:
     """The data files' schema: the table's column names and field ids, the staged types."""
     iceberg = table.schema()
-    fields = [pa.field(c.name, t, metadata=field_id_metadata(iceberg.findField(c.name).fieldId()))
+    fields = [_with_ids(c.name, t, iceberg.findField(c.name))
               for c, t in zip(columns, staged_types(lake, target, columns), strict=True)]
     fields.append(pa.field(LSN_COLUMN, pa.int64(),
                            metadata=field_id_metadata(iceberg.findField(LSN_COLUMN).fieldId())))
@@ -122,6 +122,15 @@ def arrow_schema(table: Any, columns: Sequence[Column], lake: LakeSession,
         fields.append(pa.field(SOURCE_COLUMN, pa.string(), metadata=field_id_metadata(
             iceberg.findField(SOURCE_COLUMN).fieldId())))
     return pa.schema(fields)
+
+
+def _with_ids(name: str, staged: pa.DataType, field: Any) -> pa.Field:
+    """An Arrow field of ``staged`` type for the Iceberg (Java) ``field``: its id, and a list's
+    element (at each depth) the element's id, as Iceberg reads nested columns by them."""
+    if pa.types.is_list(staged):
+        element = field.type().asListType().fields().get(0)
+        staged = pa.list_(_with_ids("element", staged.value_type, element))
+    return pa.field(name, staged, metadata=field_id_metadata(field.fieldId()))
 
 
 def local_folder(spark: Any, location: str) -> Optional[Path]:
