@@ -2,7 +2,7 @@
 
     python bench/backlog.py [--sizes 200000,2000000,10000000] [--changes 200000]
                             [--shape bigint|uuid|text|composite|days|bucket|identity|truncate|
-                             months|hours|evolved|v3|bytea|fanin|full|cow]
+                             months|hours|evolved|v3|bytea|array|fanin|full|cow]
 
 Before anything is timed, the driver JVM's class-data archive is made (walberg.apply.jvm.classcache),
 as a machine's first walberg run makes it in the background (the time it took is reported),
@@ -44,7 +44,8 @@ key, a composite (tenant int, id bigint) key, a bigint key with the Iceberg tabl
 by days(ts) over a year (or bucket(16, id), identity of a text column of 16 values,
 truncate(100000, id), months(ts) or hours(ts) over a year, or days(ts) evolved to
 bucket(16, id) after the copy: `evolved`), a bigint key in a format-version 3 table, a
-bigint key with a bytea column (16 bytes a row), or a table fanned in from two databases
+bigint key with a bytea column (16 bytes a row) or with array columns (int[] of 3, text[] of
+2, one element quoted), or a table fanned in from two databases
 (`fanin`: two sources, east and west, each with half the rows and half the changes, into one
 Iceberg table; pg_recvlogical drains both slots at once, as walberg reads both sources at
 once); and two that keep the MERGE: no key (REPLICA IDENTITY
@@ -114,6 +115,9 @@ SHAPES: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
     "v3": ("id bigint", "{g}", "id", "", "", {"format_version": 3}),
     # A bytea column (16 bytes a row): decoded while staging, written on the driver.
     "bytea": ("id bigint", "{g}", "id", ", digest bytea", ", decode(md5(({g})::text), 'hex')", {}),
+    # Array columns (int[] of 3, text[] of 2): read into lists while staging.
+    "array": ("id bigint", "{g}", "id", ", scores int[], tags text[]",
+              ", ARRAY[({g}) % 100, ({g}) % 7, -1], ARRAY['tag-' || (({g}) % 10), 'x y']", {}),
     # Two sources (FAN_IN) whose tables of the same name land in one Iceberg table.
     "fanin": ("id bigint", "{g}", "id", "", "", {}),
     # No key: REPLICA IDENTITY FULL (updates and deletes find rows by their whole value).

@@ -103,9 +103,9 @@ def _copy_stream_crash_and_restart(pg_conn: Any, postgres: Any, tmp_path: Path, 
     s3.create_bucket(Bucket=bucket)
     table, other = f"public.{unique}", f"public.{unique}_jdbc"
     with pg_conn.cursor() as cur:
-        # An array column is converted by Spark: that table's copy and new rows are staged
-        # for the executors (through the bucket). The other's new rows are written by the
-        # driver straight into the bucket (apply.position.datafiles).
+        # A partition the driver does not compute (a bucket of a decimal): that table's copy
+        # and new rows are staged for the executors (through the bucket). The other's new rows
+        # are written by the driver straight into the bucket (apply.position.datafiles).
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text, n numeric(9,2), "
                     "a int[])")
         cur.execute(f"CREATE TABLE {other} (id int PRIMARY KEY, v text, n numeric(9,2))")
@@ -133,6 +133,7 @@ def _copy_stream_crash_and_restart(pg_conn: Any, postgres: Any, tmp_path: Path, 
     # Each source's table its own (no fan-in): the tables are applied by position, so the key
     # index is built and followed through the cluster's executors too (see apply.position.keyed).
     raw["sink"]["fan_in"] = False
+    raw["sink"]["tables"] = {table: {"partition_by": ["bucket(4, n)"]}}
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
     loaded = load_config(path)

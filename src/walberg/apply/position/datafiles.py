@@ -13,11 +13,10 @@ row delta.
 
 Which tables: of one source (not a fan-in table), unpartitioned, without a sort order, whose
 Iceberg columns are the source's plus ``_walberg_lsn``, with columns staged in their final
-type (integers, floats, numeric, boolean, date, timestamps, and text-like types held as
-strings, bytea decoded from its hex form) and a compression this writer makes. Arrays are
-converted by Spark, so tables with them keep Spark's path. Files go straight into a warehouse
-on this machine's disk, and through Hadoop's file system (the session's storage settings)
-elsewhere.
+type (every Postgres type is: integers, floats, numeric, boolean, date, timestamps, bytea
+decoded from its hex form, arrays as lists, and text-like types held as strings) and a
+compression this writer makes. Files go straight into a warehouse on this machine's disk, and
+through Hadoop's file system (the session's storage settings) elsewhere.
 """
 
 from __future__ import annotations
