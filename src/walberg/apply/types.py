@@ -205,7 +205,7 @@ class TypeMap:
             for _ in range(dims):
                 sql = f"ARRAY<{sql}>"
             return SparkType(sql, "{}", array_dims=max(dims, 1), element=element,
-                             staged=list_type(element, max(dims, 1)))
+                             staged=_list_type(element, max(dims, 1)))
         if oid == NUMERIC:
             ps = numeric_precision(modifier)
             if ps is None or ps[0] > 38:
@@ -229,7 +229,7 @@ class TypeMap:
         return TextPrep(columns, [self.spark_type(c, table) for c in columns])
 
 
-def list_type(element: SparkType, dims: int) -> pa.DataType:
+def _list_type(element: SparkType, dims: int) -> pa.DataType:
     """The Arrow type an array column is staged in: lists (nested for each further dimension)
     of the element's staged type (text for text-like elements)."""
     out = element.staged or pa.string()

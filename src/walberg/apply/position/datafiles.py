@@ -53,7 +53,7 @@ DEFAULT_TARGET_BYTES = 512 * 1024 * 1024  # Iceberg's write.target-file-size-byt
 def final_when_staged(t: SparkType) -> bool:
     """Whether staging leaves a column of this type as the table holds it (Spark's convert
     would be a no-op): parsed into its Arrow type, or text kept as text."""
-    return t.staged is not None or (t.convert == "{}" and not t.array_dims and t.sql == "STRING")
+    return t.staged is not None or (t.convert == "{}" and t.sql == "STRING")
 
 
 def why_not(lake: LakeSession, tables: Tables, target: str, columns: Sequence[Column],
