@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import make_config
 from lake import duckdb_rows, hadoop_table
@@ -201,6 +203,35 @@ def test_array_prep_checks_dimensions_and_elements() -> None:
     assert arrays[1].to_pylist() == [["a,b", 'c"d', None, ""], [], ["z"], ["😀"]]
     assert reasons is not None
     assert [r is not None for r in reasons.to_pylist()] == [False, False, True, False]
+
+
+def _pg_literal(values: list[str | None]) -> str:
+    """A one-dimensional text[] as Postgres prints it: an element quoted (quotes and
+    backslashes escaped) when empty, spelled NULL, or holding a delimiter, a brace, a quote,
+    a backslash or white space."""
+    def element(v: str | None) -> str:
+        if v is None:
+            return "NULL"
+        if v == "" or v.upper() == "NULL" or any(c in v for c in '{},"\\') or \
+                any(c.isspace() for c in v):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return v
+    return "{" + ",".join(element(v) for v in values) + "}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.text(max_size=6)),
+                                               max_size=5)), max_size=30))
+def test_array_literals_split_by_arrow_or_read_one_by_one_alike(rows: list[Any]) -> None:
+    """Literals without quotes are split by Arrow, the others read a value at a time: either
+    way each row is the array Postgres printed."""
+    types = TypeMap()
+    types.learn({90010: PgType(90010, "_text", "b", element=TEXT)}, "t", {"a": 1})
+    prep = types.prep([Column("a", 90010)], "t")
+    literals = [None if r is None else _pg_literal(r) for r in rows]
+    arrays, reasons = prep.apply([pa.array(literals, pa.string())])
+    assert reasons is None or reasons.null_count == len(rows)
+    assert arrays[0].to_pylist() == rows
 
 
 # ---- integration: the type matrix through copy and stream ------------------------------------

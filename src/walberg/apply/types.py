@@ -375,48 +375,91 @@ class TextPrep:
         cannot be written (not an array of the column's dimensions, an element that does not
         fit its type)."""
         assert t.element is not None
-        check = re.compile(t.element.valid) if t.element.valid else None
-        values: list[Optional[list[Any]]] = []
-        bad: list[bool] = []
-        for text in arr.to_pylist():
-            value = None
-            if text is not None:
-                try:
-                    value = parse_array(text)
-                except BadArray:
-                    pass
-                if value is not None and not _depth_ok(value, t.array_dims, check):
-                    value = None
-            values.append(value)
-            bad.append(text is not None and value is None)
-        # Level by level, outermost first: each level's offsets and which of its values are
-        # NULL; then the elements, parsed in one cast.
-        levels: list[tuple[np.ndarray, np.ndarray]] = []
-        level: list[Any] = values
+        lists, bad = _literal_lists(arr.cast(pa.string()), t.array_dims)
+        # Down the levels, outermost first: each level's offsets and NULLs, and the row each
+        # element comes from; then the elements, checked and parsed at once.
+        levels: list[tuple[np.ndarray, pa.Array]] = []
+        rows = np.arange(len(lists))
+        level: pa.Array = lists
         for _ in range(t.array_dims):
-            lengths = np.fromiter((0 if v is None else len(v) for v in level), np.int32,
-                                  len(level))
-            offsets = np.zeros(len(level) + 1, np.int32)
-            np.cumsum(lengths, out=offsets[1:])
-            levels.append((offsets, np.fromiter((v is None for v in level), np.bool_, len(level))))
-            level = [x for v in level if v is not None for x in v]
-        elements = pa.array(level, pa.string())
+            offsets = level.offsets.to_numpy(zero_copy_only=False)
+            levels.append((offsets - offsets[0], level.is_null()))
+            rows = np.repeat(rows, np.diff(offsets))
+            level = level.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        elements, wrong = level, np.zeros(len(level), np.bool_)
+        if t.element.valid:
+            wrong |= pc.fill_null(pc.invert(pc.match_substring_regex(elements, t.element.valid)),
+                                  False).to_numpy(zero_copy_only=False)
         if t.element.staged is not None:
+            fit = pc.if_else(pa.array(wrong), pa.nulls(len(elements), pa.string()), elements)
             try:
-                elements = _parse(elements, t.element.staged)
+                elements = _parse(fit, t.element.staged)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                elements, wrong = _parse_each(elements, t.element.staged)
-                rows = np.arange(len(values))
-                for offsets, _ in levels:  # the row each element belongs to
-                    rows = np.repeat(rows, np.diff(offsets))
-                for row in np.unique(rows[wrong.to_numpy(zero_copy_only=False)]).tolist():
-                    bad[row] = True
+                elements, unparsed = _parse_each(fit, t.element.staged)
+                wrong |= unparsed.to_numpy(zero_copy_only=False)
+        bad[rows[wrong]] = True
         out: pa.Array = elements
         for offsets, null in reversed(levels):
-            out = pa.ListArray.from_arrays(pa.array(offsets), out,
-                                           pa.list_(pa.field("element", out.type)),
-                                           mask=pa.array(null))
+            out = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), out,
+                                           pa.list_(pa.field("element", out.type)), mask=null)
+        if bad.any():  # (rows bound for the dead-letter table stage nothing)
+            out = pc.if_else(pa.array(bad), pa.nulls(len(out), out.type), out)
         return out, pa.array(bad, pa.bool_())
+
+
+def _literal_lists(text: pa.Array, dims: int) -> tuple[pa.Array, np.ndarray]:
+    """Each array literal as ``dims``-deep lists of its elements' text, and which literals are
+    not arrays of that many dimensions (NULL there). One-dimensional literals without a quote,
+    a backslash or an inner brace, as Postgres writes most (it quotes any element holding a
+    delimiter, a brace, a quote, a backslash or white space, or spelled NULL), are split by
+    Arrow; the others are read a value at a time."""
+    n = len(text)
+    strings = _list_type(_STRING, dims)
+    plain = np.zeros(n, np.bool_)
+    if dims == 1 and n:
+        simple = pc.and_(pc.starts_with(text, "{"), pc.ends_with(text, "}"))
+        for mark in ('"', "\\"):
+            simple = pc.and_(simple, pc.invert(pc.match_substring(text, mark)))
+        for brace in ("{", "}"):
+            simple = pc.and_(simple, pc.equal(pc.count_substring(text, brace), 1))
+        plain = pc.fill_null(simple, False).to_numpy(zero_copy_only=False)
+    others = np.flatnonzero(~plain)
+    values: list[Optional[list[Any]]] = []
+    bad = np.zeros(n, np.bool_)
+    for row, literal in zip(others.tolist(), text.take(pa.array(others)).to_pylist(),
+                            strict=True):
+        value = None
+        if literal is not None:
+            try:
+                value = parse_array(literal)
+            except BadArray:
+                pass
+            if value is not None and not _depth_ok(value, dims, None):
+                value = None
+            bad[row] = value is None
+        values.append(value)
+    parts = [pa.array(values, strings)]
+    placed = [others]
+    if plain.any():
+        inner = pc.utf8_slice_codeunits(text.filter(plain), 1, -1)
+        split = pc.split_pattern(inner, ",")
+        # '{}' splits into one empty text: no elements there
+        empty = np.flatnonzero(pc.equal(inner, "").to_numpy(zero_copy_only=False))
+        offsets = split.offsets.to_numpy(zero_copy_only=False)
+        keep = np.ones(int(offsets[-1]), np.bool_)
+        keep[offsets[empty]] = False
+        lengths = np.diff(offsets)
+        lengths[empty] = 0
+        flat = split.values.filter(pa.array(keep))
+        flat = pc.if_else(pc.equal(flat, "NULL"), pa.nulls(len(flat), pa.string()), flat)
+        starts = np.zeros(len(lengths) + 1, np.int32)
+        np.cumsum(lengths, out=starts[1:])
+        parts.append(pa.ListArray.from_arrays(pa.array(starts), flat, strings))
+        placed.append(np.flatnonzero(plain))
+    # back in the rows' order
+    where = np.empty(n, np.int64)
+    where[np.concatenate(placed)] = np.arange(n)
+    return pa.concat_arrays(parts).take(pa.array(where)), bad
 
 
 def _parse(arr: pa.Array, to: pa.DataType) -> pa.Array:
