@@ -219,12 +219,15 @@ def _pg_literal(values: list[str | None]) -> str:
     return "{" + ",".join(element(v) for v in values) + "}"
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.one_of(st.none(), st.lists(st.one_of(st.none(), st.text(max_size=6)),
-                                               max_size=5)), max_size=30))
+_ELEMENT = st.one_of(st.none(), st.text(max_size=6),
+                    st.sampled_from(["NULL", "null", "", " ", "a,b", '"', "\\", "{x}", "\r\n"]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.lists(_ELEMENT, max_size=5)), max_size=30))
 def test_array_literals_split_by_arrow_or_read_one_by_one_alike(rows: list[Any]) -> None:
-    """Literals without quotes are split by Arrow, the others read a value at a time: either
-    way each row is the array Postgres printed."""
+    """Literals without quotes are split by Arrow, the others read as CSV or, with a quoted
+    NULL text, by the literal parser: every way each row is the array Postgres printed."""
     types = TypeMap()
     types.learn({90010: PgType(90010, "_text", "b", element=TEXT)}, "t", {"a": 1})
     prep = types.prep([Column("a", 90010)], "t")
