@@ -142,7 +142,7 @@ class KeyCodec:
             first, second = canonical
             assert isinstance(first, np.ndarray) and isinstance(second, np.ndarray)
             return _pair(first, second)
-        return _digests(canonical, n)
+        return _digests(canonical)
 
 
 def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | pa.Array]:
@@ -219,14 +219,9 @@ def _pair(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray
 def _short_text_words(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """The two words of each value of one text key column (see the module docstring): a value
     of at most 16 bytes without NUL, zero-padded; else its marked BLAKE2b digest."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    if column.null_count:
-        raise KeyEncodingError("a key column holds NULL")
-    if pa.types.is_integer(column.type):
-        raise KeyEncodingError(f"a text key column arrived as {column.type}")
-    text = column if pa.types.is_string(column.type) else column.cast(pa.string())
-    raw = text.cast(pa.binary())
+    (raw,) = _canonical("str", column)
+    assert isinstance(raw, pa.Array)
+    text = raw.cast(pa.string())
     short = pc.and_(pc.less_equal(pc.binary_length(raw), 16),
                     pc.invert(pc.match_substring(raw, "\x00")))
     if len(raw) == 0 or pc.all(short).as_py():
@@ -280,7 +275,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _digests(canonical: Sequence[np.ndarray | pa.Array], n: int) -> tuple[np.ndarray, np.ndarray]:
+def _digests(canonical: Sequence[np.ndarray | pa.Array]) -> tuple[np.ndarray, np.ndarray]:
     """(key, check): the halves of the 128-bit BLAKE2b digest of each row's values, each
     length-prefixed (4 bytes, little-endian) if text, 8 little-endian bytes if an integer.
     Each row's bytes are joined by Arrow; only the digest is taken a row at a time."""
