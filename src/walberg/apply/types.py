@@ -502,10 +502,11 @@ def _parse(arr: pa.Array, to: pa.DataType) -> pa.Array:
     return pc.cast(arr, to)
 
 
-def _hex_byte_table() -> np.ndarray:
-    """The byte each two hex digits spell (either case), by the two characters read as one
-    little-endian uint16; 0xFFFF for any other two characters."""
-    digit = {c: int(c, 16) for c in "0123456789abcdefABCDEF"}
+def hex_byte_table(digits: str) -> np.ndarray:
+    """The byte each two of ``digits`` (hex digits) spell, by the two characters read as one
+    little-endian uint16 (65536 entries: a column's digit pairs are looked up at once);
+    0xFFFF for any other two characters."""
+    digit = {c: int(c, 16) for c in digits}
     table = np.full(1 << 16, 0xFFFF, np.uint16)
     for hi, high in digit.items():
         for lo, low in digit.items():
@@ -513,7 +514,7 @@ def _hex_byte_table() -> np.ndarray:
     return table
 
 
-_HEX_BYTE = _hex_byte_table()
+_HEX_BYTE = hex_byte_table("0123456789abcdefABCDEF")  # bytea's hex form, either case
 
 
 def _unhex(arr: pa.Array) -> pa.Array:

@@ -39,6 +39,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from walberg.apply.types import hex_byte_table
+
 # The Spark SQL types a key column may have, by kind.
 _KINDS = {"TINYINT": "int", "SMALLINT": "int", "INT": "int", "BIGINT": "int", "DATE": "date",
           "TIMESTAMP": "ts", "TIMESTAMP_NTZ": "ts", "STRING": "str"}
@@ -167,18 +169,7 @@ def _canonical(kind: str, column: pa.Array | pa.ChunkedArray) -> list[np.ndarray
     return [np.asarray(column.cast(pa.int64()).to_numpy(zero_copy_only=False), dtype=np.int64)]
 
 
-def _hex_pairs() -> np.ndarray:
-    """The byte each two lowercase hex digits spell, by the two characters read as one native
-    uint16 (65536 entries); 0xFFFF for any other two characters."""
-    digits = b"0123456789abcdef"
-    pairs = np.frombuffer(bytes(c for hi in digits for lo in digits for c in (hi, lo)),
-                          np.uint16)
-    table = np.full(1 << 16, 0xFFFF, np.uint16)
-    table[pairs] = np.arange(256, dtype=np.uint16)
-    return table
-
-
-_HEX_PAIRS = _hex_pairs()
+_HEX_PAIRS = hex_byte_table("0123456789abcdef")  # a uuid's canonical text: lowercase only
 
 
 def _uuid_words(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +190,7 @@ def _uuid_words(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     # two, looked up at once (a third faster than a digit at a time, then shifts).
     digits = np.concatenate([data[:, 0:8], data[:, 9:13], data[:, 14:18], data[:, 19:23],
                              data[:, 24:36]], axis=1)
-    values = _HEX_PAIRS[digits.view(np.uint16)]
+    values = _HEX_PAIRS[digits.view("<u2")]
     if int(values.max()) == 0xFFFF:
         raise KeyEncodingError("a uuid key not in lowercase hex")
     raw = values.astype(np.uint8)
