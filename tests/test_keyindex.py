@@ -175,6 +175,10 @@ def test_a_hit_counts_only_when_its_check_matches(tmp_path: Path) -> None:
         index.lookup(np.array([4]), np.array([41]))
     with pytest.raises(KeyClash):  # two keys of one batch
         index.lookup(np.array([5, 5]), np.array([1, 2]))
+    with pytest.raises(KeyClash):  # ... whose pairs do not come together
+        index.lookup(np.array([5, 3, 5, 5]), np.array([1, 30, 2, 1]))
+    # One key asked twice is one hit.
+    assert index.lookup(np.array([3, 2, 3]), np.array([30, 20, 30])).keys.tolist() == [2, 3]
     # A key deleted (a tombstone in a delta run, which keeps no check) and looked up again,
     # as a later batch inserting it again does: not there, and no clash.
     assert index.lookup(np.array([1]), np.array([10])).keys.tolist() == []
