@@ -32,7 +32,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional
 
 import numpy as np
 
@@ -479,12 +479,12 @@ def _external_sort(entries: Iterator[Entry], scratch: Path, run: int) -> Iterato
     yield from _merge(runs, max(1 << 16, run // len(runs)))
 
 
-def _by_key(parts: list[Columns], kind: str = "stable") -> Columns:
+def _by_key(parts: list[Columns], kind: Literal["stable", "quicksort"] = "stable") -> Columns:
     """The columns of ``parts`` together, sorted by key. ``kind``: numpy's sort; the default
     (timsort) finds the runs of parts sorted already and merges them, four times faster than
     a quicksort of the same entries; quicksort is faster for entries in no order."""
     keys = np.concatenate([p[0] for p in parts])
-    order = np.argsort(keys, kind=kind)  # type: ignore[call-overload]
+    order = np.argsort(keys, kind=kind)
     return (keys[order], *(np.concatenate([p[i] for p in parts])[order]  # type: ignore[return-value]
                            for i in (1, 2, 3)))
 
