@@ -173,3 +173,45 @@ def test_format_version_3_table(pg_conn: Any, postgres: Any, spark: Any, warehou
             p.run(once=True)
         finally:
             p.close()
+
+
+def test_an_lz4_table_warns_of_what_it_costs_its_readers(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """lz4 is a codec Iceberg takes, but Spark writes it with Hadoop's framing, which DuckDB
+    refuses (and pyarrow fails on some files of): Spark reads the table back, and each run says
+    so once for the table."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, note text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 'n' || g FROM generate_series(1, 200) g")
+    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
+        mode="json", exclude={"base_dir"})
+    raw["sink"]["tables"] = {table: {"properties": {"write.parquet.compression-codec": "LZ4"}}}
+    config = parse_config(raw, tmp_path)
+    target = config.target_for(table)
+
+    def run() -> list[str]:
+        caplog.clear()
+        p = Pipeline(config, session=spark)
+        try:
+            p.run(once=True)
+        finally:
+            p.close()
+        return [r.getMessage() for r in caplog.records
+                if r.levelname == "WARNING" and "lz4" in r.getMessage()]
+
+    with caplog.at_level("INFO", logger="walberg"):
+        said = run()
+        with pg_conn.cursor() as cur:
+            cur.execute(f"UPDATE {table} SET note = 'u' WHERE id % 10 = 0")
+            cur.execute(f"INSERT INTO {table} VALUES (500, 'new')")
+        said_again = run()
+    assert len(said) == 1 and said[0].startswith(f"{target}: ") and "DuckDB" in said[0]
+    assert len(said_again) == 1  # once for each run, not for each batch
+    assert hadoop_table(warehouse, target).properties["write.parquet.compression-codec"] == "lz4"
+    lake = sorted((r["id"], r["note"]) for r in spark.table(target).select("id", "note").collect())
+    assert lake == sorted((r["id"], r["note"]) for r in postgres_rows(pg_conn, table))
+    # What the warning says of DuckDB: true of this table.
+    with pytest.raises(Exception, match="(?i)unsupported compression codec .?lz4"):
+        duckdb_rows(warehouse, target)

@@ -5,6 +5,7 @@ layout, and evolving the schema with the source's."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -24,6 +25,8 @@ from walberg.apply.session import (
 from walberg.apply.types import quote, sql_string
 from walberg.errors import ApplyError, StorageUnavailable
 from walberg.model import Column, Layout
+
+log = logging.getLogger("walberg")
 
 # A changelog table's columns after the source's (and _walberg_lsn, the change's commit LSN).
 CHANGELOG_COLUMNS = [(LSN_COLUMN, "BIGINT"), (OP_COLUMN, "STRING"), ("_walberg_seq", "BIGINT"),
@@ -140,6 +143,20 @@ class Tables:
     def __init__(self, lake: LakeSession) -> None:
         self.lake = lake
         self._facts: dict[str, TableFacts] = {}
+        self._told: set[str] = set()  # tables whose codec's caveat was said
+
+    def _codec_caveat(self, target: str, layout: Optional[Layout]) -> None:
+        """Say once per table and process what an lz4 table costs its readers and writes."""
+        if layout is None or target in self._told or \
+                layout.properties.get("write.parquet.compression-codec") != "lz4":
+            return
+        self._told.add(target)
+        log.warning("%s: write.parquet.compression-codec is lz4. Spark writes lz4 Parquet with "
+                    "Hadoop's framing, which DuckDB refuses and pyarrow (and so PyIceberg) "
+                    "fails on for some files (\"Corrupt Lz4 compressed data\"); and walberg's "
+                    "driver does not write lz4, so Spark writes every batch's new rows "
+                    "(slower). Unless only Spark reads this table, set zstd (the default) or "
+                    "snappy in the pipeline file (files already written keep theirs).", target)
 
     def describe(self, target: str) -> Optional[TableFacts]:
         """The table's facts, as last read (None: the table does not exist)."""
@@ -160,6 +177,7 @@ class Tables:
     def ensure_table(self, target: str, columns: Sequence[Column],
                      layout: Optional[Layout] = None) -> bool:
         """Create the Iceberg table for these source columns if it does not exist; True if made."""
+        self._codec_caveat(target, layout)
         self.forget(target)  # read afresh: someone else may have changed it since
         if self.exists(target):
             return False
@@ -229,6 +247,7 @@ class Tables:
     def ensure_changelog(self, target: str, columns: Sequence[Column],
                          layout: Optional[Layout] = None) -> bool:
         """Create a changelog table (one row per change) if it does not exist; True if made."""
+        self._codec_caveat(target, layout)
         self.forget(target)
         if self.exists(target):
             return False
