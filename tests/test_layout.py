@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import make_config
+from conftest import make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.iceberg import IcebergSink, normal_transform, spark_transform
 from walberg.config import parse_config
@@ -193,11 +193,7 @@ def test_an_lz4_table_warns_of_what_it_costs_its_readers(
 
     def run() -> list[str]:
         caplog.clear()
-        p = Pipeline(config, session=spark)
-        try:
-            p.run(once=True)
-        finally:
-            p.close()
+        run_once(config, spark)
         return [r.getMessage() for r in caplog.records
                 if r.levelname == "WARNING" and "lz4" in r.getMessage()]
 
