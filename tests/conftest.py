@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import psycopg2
 import pytest
+import yaml
 
 from walberg.apply.jdbc import driver_jar
 from walberg.apply.jvm.spark import build_session, stop_session
@@ -81,6 +82,18 @@ def pg_conn(postgres: EmbeddedPostgres) -> Iterator[Any]:
 def unique() -> str:
     """A name no other test uses: for tables, slots, publications and namespaces."""
     return f"t{os.getpid() % 1000}_{next(_names)}"
+
+
+def as_file(config: Config) -> dict[str, Any]:
+    """``config`` as its pipeline file holds it: a dict to change, then to give to
+    ``parse_config`` or ``write_pipeline``."""
+    return config.model_dump(mode="json", exclude={"base_dir"})
+
+
+def write_pipeline(config: Config | dict[str, Any], path: Path) -> Path:
+    """``config`` (or what ``as_file`` gave, changed) written as a pipeline file at ``path``."""
+    path.write_text(yaml.safe_dump(as_file(config) if isinstance(config, Config) else config))
+    return path
 
 
 def make_config(postgres: EmbeddedPostgres, warehouse: Path, segments: Path, name: str,

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from conftest import jdbc_catalog, make_config, walberg_ok
+from conftest import as_file, jdbc_catalog, make_config, walberg_ok, write_pipeline
 from lake import postgres_rows
 from walberg.apply.catalog import catalog_reads, catalogs
 from walberg.config import parse_config
@@ -86,12 +85,11 @@ def test_jdbc_catalog_end_to_end(pg_conn: Any, postgres: Any, warehouse: Path, t
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text, n numeric(8,2))")
         cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g, g / 4.0 "
                     "FROM generate_series(1, 50) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     wh = tmp_path / "jdbc-warehouse"
     raw["sink"]["catalog"] = jdbc_catalog(postgres, str(wh))
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    write_pipeline(raw, path)
 
     def walberg(*args: str) -> str:
         return walberg_ok("-q", *args, "-c", str(path))
@@ -128,8 +126,7 @@ def test_jdbc_fan_in_first_run_and_status(pg_conn: Any, postgres: Any, warehouse
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
         cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 30) g")
-    one = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    one = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     source = one.pop("source")
     sources = {}
     for name in ("east", "west"):
@@ -140,7 +137,7 @@ def test_jdbc_fan_in_first_run_and_status(pg_conn: Any, postgres: Any, warehouse
     wh = tmp_path / "jdbc-warehouse"
     raw["sink"]["catalog"] = jdbc_catalog(postgres, str(wh))
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    write_pipeline(raw, path)
 
     walberg_ok("-q", "run", "--once", "-c", str(path))
 

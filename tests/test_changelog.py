@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import make_config
+from conftest import as_file, make_config
 from lake import hadoop_table, iceberg_rows, postgres_rows
 from walberg.config import parse_config
 from walberg.errors import ApplyError
@@ -30,8 +30,8 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
                     "FROM generate_series(1, 500) g)), (2, 'b', 'small')")  # 16 kB: TOASTed
         cur.execute(f"CREATE TABLE {alone} (id int PRIMARY KEY, v text)")
         cur.execute(f"INSERT INTO {alone} VALUES (1, 'a')")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      [both, alone]).model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      [both, alone]))
     raw["sink"]["tables"] = {both: {"mode": "both"}, alone: {"mode": "append"}}
     config = parse_config(raw, tmp_path)
     mirror, changelog, log_only = (config.target_for(both), config.changelog_for(both),

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
-import yaml
 
-from conftest import free_port, make_config, wait_port, walberg_cli, walberg_ok
+from conftest import as_file, free_port, make_config, wait_port, walberg_cli, walberg_ok, write_pipeline
 from lake import postgres_rows
 from s3server import client, keys, lake_rows, lake_table, moto_server, storage_section
 from walberg.apply.catalog import storage
@@ -121,7 +120,7 @@ def _copy_stream_crash_and_restart(pg_conn: Any, postgres: Any, tmp_path: Path, 
     config = make_config(postgres, tmp_path / "unused", buffers / "pipeline", unique, [table])
     jdbc = make_config(postgres, tmp_path / "unused", buffers / "pipeline", f"{unique}_jdbc",
                        [other])
-    raw = config.model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(config)
     del raw["source"]
     raw["sources"] = {"copied": config.source.model_dump(mode="json"),
                       "chunked": jdbc.source.model_dump(mode="json")}
@@ -135,7 +134,7 @@ def _copy_stream_crash_and_restart(pg_conn: Any, postgres: Any, tmp_path: Path, 
     raw["sink"]["fan_in"] = False
     raw["sink"]["tables"] = {table: {"partition_by": ["bucket(4, n)"]}}
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    write_pipeline(raw, path)
     loaded = load_config(path)
     prefixes = {name: "warehouse/" + loaded.for_source(source).target_for(name)
                 .split(".", 1)[1].replace(".", "/")

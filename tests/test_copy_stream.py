@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conftest import make_config, run_once
+from conftest import as_file, make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply import batch
 from walberg.apply.position import datafiles
@@ -32,8 +32,8 @@ def _copy_partitioned(postgres: Any, spark: Any, warehouse: Path, tmp_path: Path
                       table: str, by: str, caplog: pytest.LogCaptureFixture) -> tuple[str, Any]:
     """Copy ``table`` partitioned by ``by`` in a --once run, its log captured: the target and
     the run's report."""
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      [table]).model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
+                      [table]))
     raw["sink"]["tables"] = {table: {"partition_by": [by]}}
     config = parse_config(raw, tmp_path)
     with caplog.at_level(logging.INFO, logger="walberg"):

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from conftest import make_config, run_once, writing
+from conftest import as_file, make_config, run_once, write_pipeline, writing
 from lake import iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.config import parse_config
 from walberg.model import Lsn
@@ -63,13 +62,13 @@ def test_kill_9_at_21_moments_loses_and_duplicates_nothing(
             cur.execute(f"CREATE TABLE {others[shape]} ({columns})")
             cur.execute(f"INSERT INTO {others[shape]} SELECT {rows[shape].format(g='g')} "
                         "FROM generate_series(1, 2000) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
                       [table, *others.values()], max_segment_bytes=65536
-                      ).model_dump(mode="json", exclude={"base_dir"})
+                      ))
     raw["sink"]["tables"] = {others[shape]: layout for shape, (_, layout) in SHAPES.items()}
     config = parse_config(raw, tmp_path)
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    write_pipeline(raw, path)
 
     # A steady writer (about a hundred row changes a transaction, a few dozen transactions a
     # second): every crash meets changes in flight, and each run's backlog stays small.
@@ -215,7 +214,7 @@ def _copied(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: 
         cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 2000) g")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    write_pipeline(config, path)
     run_once(config, spark)
     return table, config, path
 

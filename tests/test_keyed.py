@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import make_config, run_once
+from conftest import as_file, make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.position import datafiles, keyed
 from walberg.apply.position.keycodec import KeyCodec
@@ -402,7 +402,7 @@ def test_partitioned_tables_apply_by_position(pg_conn: Any, postgres: Any, spark
     base = make_config(postgres, warehouse, tmp_path / "segments", unique, list(tables.values()))
 
     def configured(partitionings: dict[str, list[str]]) -> Any:
-        raw = base.model_dump(mode="json", exclude={"base_dir"})
+        raw = as_file(base)
         raw["sink"]["tables"] = {tables[n]: {"partition_by": p} for n, p in partitionings.items()}
         return parse_config(raw, tmp_path)
 
@@ -495,8 +495,8 @@ def test_format_3_tables_get_deletion_vectors_by_position(
             cur.execute(f"INSERT INTO {table} SELECT md5(g::text)::uuid, timestamptz "
                         "'2024-01-01 00:00:00+00' + (g % 20) * interval '1 day', g "
                         "FROM generate_series(1, 3000) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      list(tables.values())).model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
+                              list(tables.values())))
     raw["sink"]["format_version"] = 3
     raw["sink"]["tables"] = {tables["days"]: {"partition_by": ["days(at)"]}}
     config = parse_config(raw, tmp_path)
@@ -550,8 +550,7 @@ def test_a_driver_on_another_machine_fetches_the_index_kept_in_the_warehouse(
         cur.execute(f"CREATE TABLE {table} (id uuid PRIMARY KEY, v int)")
         cur.execute(f"INSERT INTO {table} SELECT md5(g::text)::uuid, g "
                     "FROM generate_series(1, 3000) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["maintenance"] = {"orphan_retention": "1h"}
     config = parse_config(raw, tmp_path)
     target = config.target_for(table)

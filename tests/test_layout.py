@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import make_config, run_once
+from conftest import as_file, make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.iceberg import IcebergSink, normal_transform, spark_transform
 from walberg.config import parse_config
@@ -73,7 +73,7 @@ def test_partitioned_copy_on_write_table_and_partition_evolution(
     base = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
 
     def with_layout(**layout: Any) -> Any:
-        raw = base.model_dump(mode="json", exclude={"base_dir"})
+        raw = as_file(base)
         raw["sink"]["tables"] = {table: {"target": f"{base.sink.namespace}.{unique}_v", **layout}}
         return parse_config(raw, tmp_path)
 
@@ -144,8 +144,7 @@ def test_format_version_3_table(pg_conn: Any, postgres: Any, spark: Any, warehou
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
         cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 100) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["sink"]["format_version"] = 3
     config = parse_config(raw, tmp_path)
     target = config.target_for(table)
@@ -185,8 +184,7 @@ def test_an_lz4_table_warns_of_what_it_costs_its_readers(
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, note text)")
         cur.execute(f"INSERT INTO {table} SELECT g, 'n' || g FROM generate_series(1, 200) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["sink"]["tables"] = {table: {"properties": {"write.parquet.compression-codec": "LZ4"}}}
     config = parse_config(raw, tmp_path)
     target = config.target_for(table)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import insert_lsn, make_config, running
+from conftest import as_file, insert_lsn, make_config, running
 from lake import iceberg_rows
 from walberg.apply.batch import BatchBuilder
 from walberg.apply.iceberg import IcebergSink
@@ -48,7 +48,7 @@ def test_maintenance_after_many_small_commits(postgres: Any, spark: Any, warehou
     before = sink.files(target)
     assert before["data_files"] >= COMMITS * 4 // 5 and before["delete_files"] >= (COMMITS - 1) // 5
 
-    raw = config.model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(config)
     raw["maintenance"] = {"snapshot_retention": "0s", "retain_last": 3}
     lake = Lake(parse_config(raw, tmp_path, "test"), session=spark)
     (report,) = maintain(lake)
@@ -68,8 +68,7 @@ def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, 
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["maintenance"] = {"every": "2s", "snapshot_retention": "0s", "retain_last": 2}
     config = parse_config(raw, tmp_path, "test")
     pipeline = Pipeline(config, session=spark)

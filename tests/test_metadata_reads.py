@@ -52,9 +52,7 @@ def test_history_needs_no_jvm_and_query_pipes_json_and_csv(
     import json
     import os
 
-    import yaml
-
-    from conftest import make_config, run_once, walberg_cli
+    from conftest import make_config, run_once, walberg_cli, write_pipeline
 
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
@@ -63,7 +61,7 @@ def test_history_needs_no_jvm_and_query_pipes_json_and_csv(
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     run_once(config, spark)
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    write_pipeline(config, path)
 
     no_java = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
     no_java["PATH"] = ""

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import make_config, run_once, writing
+from conftest import as_file, make_config, run_once, write_pipeline, writing
 from lake import iceberg_rows, postgres_rows
 from walberg.config import Config, parse_config
 from walberg.source.chunks import Span, jdbc_target, plan_chunks, remaining, session_init
@@ -57,7 +56,7 @@ def test_jdbc_settings_come_from_the_dsn() -> None:
 def _jdbc_config(postgres: Any, warehouse: Path, tmp_path: Path, name: str, table: str,
                  **copy: Any) -> Config:
     base = make_config(postgres, warehouse, tmp_path / "segments", name, [table])
-    raw = base.model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(base)
     raw["source"]["postgres"]["initial_copy"] = {"method": "jdbc", "chunk_rows": 1000,
                                                  "parallelism": 2, **copy}
     return parse_config(raw, tmp_path, "test config")
@@ -120,7 +119,7 @@ def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committ
     config = _jdbc_config(postgres, warehouse, tmp_path, unique, table)
     target = config.target_for(table)
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    write_pipeline(config, path)
 
     # kill -9 right after the third chunk's commit.
     env = dict(os.environ, WALBERG_CRASH_AT="chunk:3", PYTHONUNBUFFERED="1")

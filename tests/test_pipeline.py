@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from conftest import insert_lsn, make_config, run_once, running
+from conftest import as_file, insert_lsn, make_config, run_once, running, write_pipeline
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.config import Config
 from walberg.errors import Terminal
@@ -171,12 +170,6 @@ def test_idle_slot_advances_while_unpublished_tables_change(pg_conn: Any, postgr
     assert slot_flush(pg_conn, config.source.postgres.slot) >= busy_end > start
 
 
-def _write_config(config: Any, path: Path) -> Path:
-    raw = config.model_dump(mode="json", exclude={"base_dir"})
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
 def _walberg(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "walberg.cli", *args], env=env, text=True,
@@ -315,7 +308,7 @@ def test_sigterm_stops_cleanly_with_exit_0(pg_conn: Any, postgres: Any, spark: A
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
         cur.execute(f"INSERT INTO {table} SELECT g, 'x' FROM generate_series(1, 1000) g")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    cfg_path = _write_config(config, tmp_path / "pipeline.yaml")
+    cfg_path = write_pipeline(config, tmp_path / "pipeline.yaml")
     proc = _walberg(["run", "-c", str(cfg_path)])
     assert proc.stdout is not None
     watchdog = threading.Timer(180, proc.kill)
@@ -350,8 +343,7 @@ def test_prometheus_metrics_count_what_was_written(pg_conn: Any, postgres: Any, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["metrics"] = {"port": port}
     from walberg.config import parse_config
 
@@ -398,8 +390,7 @@ def test_a_table_added_to_the_publication_while_running_gets_its_own_copy(
         cur.execute(f"CREATE TABLE {first} (id int PRIMARY KEY, v text)")
         cur.execute(f"CREATE TABLE {later} (id int PRIMARY KEY, v text)")
         cur.execute(f"INSERT INTO {later} SELECT g, 'before' FROM generate_series(1, 50) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [first]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [first]))
     raw["source"]["postgres"]["follow_publication"] = True
     from walberg.config import parse_config
 

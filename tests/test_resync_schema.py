@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from conftest import make_config, run_once, walberg_cli, walberg_ok
+from conftest import as_file, make_config, run_once, walberg_cli, walberg_ok, write_pipeline
 from lake import hadoop_table, iceberg_rows, postgres_rows
 from walberg.config import Config, parse_config
 from walberg.errors import Terminal
@@ -52,7 +51,7 @@ def test_resync_repairs_a_table_an_alter_amid_its_changes_stopped(
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     target = config.target_for(table)
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    write_pipeline(config, path)
     walberg_ok("-q", "run", "--once", "-c", str(path))
 
     _stop_mid_transaction(pg_conn, table, f"ALTER TABLE {table} ADD c int",
@@ -135,7 +134,7 @@ def test_resync_brings_the_lake_to_the_source_columns(
 
 def _both(config: Config, table: str) -> Config:
     """The pipeline with the table in mode both: a changelog beside the mirror."""
-    raw = config.model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(config)
     raw["sink"]["tables"] = {table: {"mode": "both"}}
     return parse_config(raw, config.base_dir, "test config")
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from conftest import make_config, run_once
+from conftest import as_file, make_config, run_once
 from lake import iceberg_rows, postgres_rows
 from walberg.config import parse_config
 from walberg.errors import WalbergError
@@ -28,7 +28,7 @@ SECRET = "S3cr3t-Pa55-do-not-print"
 
 
 def _with_dsn(config: Any, dsn: str) -> Any:
-    raw = config.model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(config)
     raw["source"]["postgres"]["dsn"] = dsn
     return parse_config(raw, config.base_dir)
 
@@ -50,7 +50,7 @@ def test_least_privilege_role_and_secrets_never_leak(
         cur.execute("SELECT rolsuper FROM pg_roles WHERE rolname = %s", (role,))
         assert cur.fetchone()[0] is False
     monkeypatch.setenv("WALBERG_TEST_PASSWORD", SECRET)
-    raw = config.model_dump(mode="json", exclude={"base_dir"})
+    raw = as_file(config)
     raw["source"]["postgres"]["dsn"] = (f"postgresql://{role}:${{WALBERG_TEST_PASSWORD}}"
                                         f"@127.0.0.1:{postgres.port}/{postgres.database}")
     config = parse_config(raw, tmp_path)

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from conftest import make_config, run_once, running, walberg_cli
+from conftest import make_config, run_once, running, walberg_cli, write_pipeline
 from lake import iceberg_rows, postgres_rows
 from walberg.errors import WalbergError
 from walberg.lake.services import Lake
@@ -136,7 +135,7 @@ def test_slot_commands(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: P
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude={"base_dir"})))
+    write_pipeline(config, path)
     slot = config.source.postgres.slot
 
     done = walberg_cli("slot", "create", "-c", str(path))

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import yaml
 
-from conftest import make_config, walberg_cli, walberg_ok
+from conftest import as_file, make_config, walberg_cli, walberg_ok, write_pipeline
 from lake import postgres_rows
 from s3server import client, keys, lake_rows, moto_server, storage_section
 from walberg.apply.catalog import storage
@@ -60,12 +59,11 @@ def test_warehouse_on_s3(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text, ts timestamptz)")
         cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g, now() "
                     "FROM generate_series(1, 500) g")
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["sink"]["catalog"]["warehouse"] = f"s3a://{bucket}/warehouse"
     raw["storage"] = storage_section(s3_server)
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    write_pipeline(raw, path)
 
     def walberg(*args: str) -> str:
         return walberg_ok(*args, "-c", str(path))

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
-import yaml
 
-from conftest import free_port, jdbc_catalog, make_config, walberg_cli
+from conftest import as_file, free_port, jdbc_catalog, make_config, walberg_cli, write_pipeline
 from lake import postgres_rows
 from s3server import KEYS, moto_server, storage_section
 from walberg.apply.catalog import storage
@@ -140,14 +139,13 @@ def _close(sock: socket.socket) -> None:
 
 def _pipeline(postgres: Any, warehouse: Path, tmp_path: Path, unique: str, endpoint: str,
               bucket: str, table: str, **s3: Any) -> Path:
-    raw = make_config(postgres, warehouse, tmp_path / "segments", unique, [table]).model_dump(
-        mode="json", exclude={"base_dir"})
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["sink"]["catalog"] = jdbc_catalog(postgres, f"s3a://{bucket}/warehouse")
     raw["sink"]["commit_max_backoff_seconds"] = 1
     section = storage_section(endpoint)
     raw["storage"] = {"timeout_seconds": 5, "s3": {**section["s3"], **s3}}
     path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    write_pipeline(raw, path)
     return path
 
 
