@@ -212,7 +212,7 @@ def _short_text_words(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, n
     of at most 16 bytes without NUL, zero-padded; else its marked BLAKE2b digest."""
     (raw,) = _canonical("str", column)
     assert isinstance(raw, pa.Array)
-    text = raw.cast(pa.string())
+    text = raw.view(pa.string())  # (text's own bytes: a cast would check them as UTF-8 again)
     short = pc.and_(pc.less_equal(pc.binary_length(raw), 16),
                     pc.invert(pc.match_substring(raw, "\x00")))
     if len(raw) == 0 or pc.all(short).as_py():
