@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-import yaml
 from prometheus_client import REGISTRY
 
-from conftest import CATALOG, run_once, running, walberg_cli
+from conftest import CATALOG, run_once, running, walberg_cli, write_pipeline
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import hadoop_table, iceberg_rows
 from walberg.config import Config, parse_config
@@ -172,8 +171,7 @@ def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
     raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
     # Small segments: several batches, so the crash comes with some of the topic committed.
     raw["buffer"]["max_segment_bytes"] = 65536
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path = write_pipeline(raw, tmp_path / "pipeline.yaml")
     target = f"{CATALOG}.ns_{unique}.{unique}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
 
@@ -259,8 +257,7 @@ def test_lake_commands_on_a_kafka_pipeline_file(
     # The same through the command line, which opens the lake for a Kafka pipeline file as for
     # a Postgres one (status needs no Spark; `query` through the command line is
     # test_reading's: one JVM fewer to start here).
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path = write_pipeline(raw, tmp_path / "pipeline.yaml")
     done = walberg_cli("status", "-c", str(path), "--json", timeout=120)
     assert done.returncode == 0, done.stderr
     said = json.loads(done.stdout)

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
-import yaml
 from prometheus_client import REGISTRY
 
-from conftest import walberg_cli
+from conftest import walberg_cli, write_pipeline
 from lake import duckdb_rows, hadoop_table
 from walberg.config import parse_config
 from walberg.lake.services import Lake
@@ -119,8 +118,7 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
     for conn in conns.values():
         conn.close()
     # status (and check) go through every source, without Spark.
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path = write_pipeline(raw, tmp_path / "pipeline.yaml")
     done = walberg_cli("status", "-c", str(path), "--json", timeout=120)
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
@@ -191,8 +189,7 @@ def test_maintain_resync_and_slot_go_through_every_source(
     for table, (data_files, delete_files) in before.items():
         assert data_files >= 4 and delete_files >= 1, (table, data_files, delete_files)
 
-    path = tmp_path / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path = write_pipeline(raw, tmp_path / "pipeline.yaml")
     done = walberg_cli("maintain", "-c", str(path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     maintained = [line.split()[0] for line in done.stdout.splitlines()[2:-1]]
