@@ -174,3 +174,30 @@ def test_a_runs_first_batch_grows_while_the_reader_catches_up(tmp_path: Path) ->
     (batch,) = got
     assert batch is not None and len(batch.segments) == len(store.sealed()) >= 2
     assert batch.offsets == {(BARE, 0): 2500}
+
+
+def test_a_first_batch_with_no_room_for_the_next_segment_goes_without_the_catch_up(
+        tmp_path: Path) -> None:
+    """The reader pauses while four batches' worth of segments wait, and a paused reader never
+    finishes catching up: a first batch that waited for the catch-up once it had no room for
+    the next sealed segment waited for ever (a 10M-record topic in the benchmark). A batch
+    with no room for the next sealed segment is full: it goes, and the catch-up goes on."""
+    state = RunState()
+    stager, store = _stager(tmp_path, state)
+    records = [r for r in _records(random.Random(3)) if r[0] == BARE]
+    _write(store, records)  # past max_batch_bytes (1 MB), in segments of ~300 KB
+    sizes = [info.size_bytes for info in store.sealed()]
+    fit = next(n for n in range(len(sizes)) if sum(sizes[:n + 1]) > 1_000_000)
+    assert 0 < fit < len(sizes)
+    state.catching_up.set()  # (and it stays set: the reader is paused)
+    got: list[Optional[Batch]] = []
+    staging = threading.Thread(target=lambda: got.append(stager.prepare_next(None)),
+                               daemon=True)
+    staging.start()
+    staging.join(30)
+    if staging.is_alive():
+        state.stop.set()  # (lets the thread go)
+        pytest.fail("the first batch waited for a catch-up that a paused reader never ends")
+    (batch,) = got
+    assert batch is not None and len(batch.segments) == fit
+    assert batch.segments == store.sealed()[:fit]

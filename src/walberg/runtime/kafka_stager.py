@@ -196,8 +196,13 @@ class KafkaStager:
         batches grow and the lake gets fewer, larger commits; a backlog that fits one batch is
         one commit."""
         started = time.monotonic()
+        last = read[-1].seq
 
         def wait() -> bool:
+            if any(info.seq > last for info in self.store.sealed()):
+                # Sealed, and not taken: no room for it, the batch is full. (Waiting on would
+                # wait for ever once the reader pauses for the backlog it leaves pending.)
+                return False
             more_to_come = (not committed.is_set() if committed is not None
                             else self.state.catching_up.is_set())
             if more_to_come:
@@ -205,8 +210,7 @@ class KafkaStager:
             return more_to_come
 
         more = grow_batch(sum(info.size_bytes for info in read), self.config.buffer.max_batch_bytes,
-                          self.state.stop, lambda size: self._sealed_from(read[-1].seq + 1, size),
-                          wait)
+                          self.state.stop, lambda size: self._sealed_from(last + 1, size), wait)
         return more or [], time.monotonic() - started
 
     def _stage(self, segments: list[SegmentInfo], floor: dict[Partition, int],
