@@ -31,7 +31,7 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
         cur.execute(f"CREATE TABLE {alone} (id int PRIMARY KEY, v text)")
         cur.execute(f"INSERT INTO {alone} VALUES (1, 'a')")
     raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      [both, alone]))
+                              [both, alone]))
     raw["sink"]["tables"] = {both: {"mode": "both"}, alone: {"mode": "append"}}
     config = parse_config(raw, tmp_path)
     mirror, changelog, log_only = (config.target_for(both), config.changelog_for(both),

@@ -32,8 +32,7 @@ def _copy_partitioned(postgres: Any, spark: Any, warehouse: Path, tmp_path: Path
                       table: str, by: str, caplog: pytest.LogCaptureFixture) -> tuple[str, Any]:
     """Copy ``table`` partitioned by ``by`` in a --once run, its log captured: the target and
     the run's report."""
-    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      [table]))
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
     raw["sink"]["tables"] = {table: {"partition_by": [by]}}
     config = parse_config(raw, tmp_path)
     with caplog.at_level(logging.INFO, logger="walberg"):

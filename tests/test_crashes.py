@@ -63,8 +63,7 @@ def test_kill_9_at_21_moments_loses_and_duplicates_nothing(
             cur.execute(f"INSERT INTO {others[shape]} SELECT {rows[shape].format(g='g')} "
                         "FROM generate_series(1, 2000) g")
     raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
-                      [table, *others.values()], max_segment_bytes=65536
-                      ))
+                              [table, *others.values()], max_segment_bytes=65536))
     raw["sink"]["tables"] = {others[shape]: layout for shape, (_, layout) in SHAPES.items()}
     config = parse_config(raw, tmp_path)
     path = tmp_path / "pipeline.yaml"
