@@ -12,20 +12,19 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import pytest
 
-from conftest import as_file, free_port, jdbc_catalog, make_config, walberg_cli, write_pipeline
+from conftest import as_file, jdbc_catalog, make_config, walberg_cli, write_pipeline
 from lake import postgres_rows
 from s3server import KEYS, moto_server, storage_section
+from tcp_proxy import Proxy
 from walberg.apply.catalog import storage
 from walberg.errors import EnvironmentProblem
 
@@ -51,90 +50,6 @@ def moto(tmp_path: Path) -> Iterator[Callable[..., str]]:
         pytest.skip(str(exc))
     with ExitStack() as servers:
         yield lambda env=None: servers.enter_context(moto_server(tmp_path / "moto.log", env))
-
-
-class Proxy:
-    """TCP between walberg and the S3 server, cut and restored by the test. ``arm(pattern)``
-    cuts it when a request matching ``pattern`` goes through (that request is dropped)."""
-
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
-        self.port = free_port()
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._trigger: Optional[re.Pattern[bytes]] = None
-        self.cuts = 0
-        self.cut_at = 0.0
-        self._listener: Optional[socket.socket] = None
-        self.restore()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def restore(self) -> None:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
-        self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def arm(self, pattern: bytes) -> None:
-        self._trigger = re.compile(pattern)
-
-    def cut(self) -> None:
-        with self._lock:
-            self._trigger = None
-            if self._listener is not None:
-                self.cuts += 1
-                self.cut_at = time.monotonic()
-                _close(self._listener)
-                self._listener = None
-            for conn in list(self._conns):
-                _close(conn)
-            self._conns.clear()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(("127.0.0.1", self.upstream))
-            except OSError:
-                _close(client)
-                continue
-            with self._lock:
-                self._conns.update((client, server))
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                trigger = self._trigger
-                if outbound and trigger is not None and trigger.search(data):
-                    self.cut()
-                    return
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            _close(src)
-            _close(dst)
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
 
 
 def _pipeline(postgres: Any, warehouse: Path, tmp_path: Path, unique: str, endpoint: str,
