@@ -4,13 +4,15 @@ aborted streamed transaction leaving none either."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import psycopg2
 
-from conftest import insert_lsn, make_config, running
+from conftest import insert_lsn, make_config, run_once, running
 from lake import iceberg_rows, postgres_rows
+from tcp_proxy import Proxy
 from walberg.pipeline import Pipeline
 
 
@@ -66,3 +68,52 @@ def test_streamed_in_progress_transactions(pg_conn: Any, postgres: Any, spark: A
         assert iceberg_rows(warehouse, config.target_for(t)) == postgres_rows(pg_conn, t)
     assert len(postgres_rows(pg_conn, table)) == 19900
     assert not list((config.segment_dir / "spill").glob("*.spill"))
+
+
+def test_a_transaction_larger_than_the_reader_holds_back_for_is_applied_whole(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Not streamed in progress (protocol 1, as before PostgreSQL 14): the server sends a
+    transaction whole after its commit. One larger than the reader's hold-back (four batches'
+    worth of segments pending) must still reach the lake: a batch can only end at a commit, so
+    a reader that stopped reading inside the transaction would wait for a batch that cannot
+    come. Over a slow link (as to a server on another machine) the reader finds the socket
+    empty inside the transaction, and looks at its hold-back there."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} VALUES (0, 'first')")
+    link = Proxy(postgres.port, pace=0.002)
+    small = 64 * 1024  # the smallest segment and batch: the hold-back is 256 kB
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table],
+                         max_segment_bytes=small, max_batch_bytes=small)
+    config = config.model_copy(update={"source": config.source.model_copy(update={
+        "postgres": config.postgres.model_copy(update={
+            "stream_in_progress": False,
+            "dsn": postgres.dsn.replace(f":{postgres.port}/", f":{link.port}/")})})})
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:  # about 2.5 MB of changes in one transaction
+        cur.execute(f"INSERT INTO {table} SELECT g, repeat('v', 80) || g "
+                    "FROM generate_series(1, 20000) g")
+        cur.execute(f"INSERT INTO {table} VALUES (20001, 'after')")
+    pipeline = Pipeline(config, session=spark)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pipeline.run(once=True)
+        except BaseException as exc:
+            failures.append(exc)
+
+    runner = threading.Thread(target=run, name="test-once", daemon=True)
+    runner.start()
+    runner.join(timeout=240)
+    hung = runner.is_alive()
+    if hung:
+        pipeline.stop()
+        runner.join(timeout=60)
+    pipeline.close()
+    link.cut()
+    assert not hung, "the --once run did not end: the reader waits inside the transaction"
+    assert not failures, failures
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)

@@ -560,8 +560,11 @@ class PgReader:
                                 "may be shutting down): closing the replication connection, so "
                                 "that it does not hold the server's shutdown up")
             ready = self._lake_ready.is_set()
-            if store.pending_bytes() > backlog_limit:
+            if not at.in_txn and store.pending_bytes() > backlog_limit:
                 # Spark is behind: stop reading for a moment (status updates keep flowing).
+                # Only between transactions: a batch ends at a commit, so one paused inside a
+                # transaction larger than this (sent whole, not streamed in progress) would
+                # wait for a batch that cannot come.
                 stream.confirm(state.confirmable())
                 stream.keepalive()
                 self._await_progress()
