@@ -176,6 +176,32 @@ def run_once(config: Config, spark: Any, kind: Any = Pipeline) -> Any:
         pipeline.close()
 
 
+def run_once_within(seconds: float, config: Config, spark: Any, kind: Any = Pipeline) -> Any:
+    """``run_once``, in a thread: a run that has not ended within ``seconds`` is stopped and
+    fails the test (a hang, not a slow run, at any sensible limit)."""
+    pipeline = kind(config, session=spark)
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(pipeline.run(once=True))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run, name="test-once", daemon=True)
+    runner.start()
+    runner.join(timeout=seconds)
+    hung = runner.is_alive()
+    if hung:
+        pipeline.stop()
+        runner.join(timeout=60)
+    pipeline.close()
+    assert not hung, f"the --once run did not end within {seconds:.0f} s"
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
 @contextmanager
 def running(pipeline: Pipeline) -> Iterator[list[BaseException]]:
     """Run ``pipeline`` (streaming, until stopped) in a thread for the ``with`` block; yields
