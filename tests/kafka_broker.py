@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -73,13 +74,27 @@ def create_topic(servers: str, topic: str, partitions: int = 1) -> None:
 
 class Producer:
     """Sends one record per request: Tansu's high watermark counts batches, not records, so
-    one record a batch keeps it right (and `--once` stops where it should)."""
+    one record a batch keeps it right (and `--once` stops where it should). With
+    ``transactional_id``, what is sent inside ``with producer.transaction():`` is committed as
+    one Kafka transaction (as Debezium's exactly-once delivery writes), ending in a commit
+    marker that takes an offset of its own."""
 
-    def __init__(self, servers: str) -> None:
+    def __init__(self, servers: str, transactional_id: Optional[str] = None) -> None:
         from confluent_kafka import Producer as _Producer
 
-        self._producer = _Producer({"bootstrap.servers": servers, "linger.ms": 0,
-                                    "batch.num.messages": 1, "acks": "all"})
+        settings = {"bootstrap.servers": servers, "linger.ms": 0, "batch.num.messages": 1,
+                    "acks": "all"}
+        if transactional_id is not None:
+            settings["transactional.id"] = transactional_id
+        self._producer = _Producer(settings)
+        if transactional_id is not None:
+            self._producer.init_transactions(30)
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        self._producer.begin_transaction()
+        yield
+        self._producer.commit_transaction(30)
 
     def send(self, topic: str, key: Any, value: Any, partition: int = 0) -> None:
         def raw(x: Any) -> Optional[bytes]:

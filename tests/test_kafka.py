@@ -19,7 +19,7 @@ from typing import Any, Optional
 import pytest
 from prometheus_client import REGISTRY
 
-from conftest import CATALOG, run_once, running, walberg_cli, write_pipeline
+from conftest import CATALOG, run_once, run_once_within, running, walberg_cli, write_pipeline
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import hadoop_table, iceberg_rows
 from walberg.config import Config, parse_config
@@ -290,6 +290,30 @@ def test_the_next_batch_is_staged_while_one_commits(
     assert staged_aside, "no batch was staged beside a commit"
     rows = iceberg_rows(warehouse, f"{CATALOG}.ns_{unique}.{unique}")
     assert [r["id"] for r in rows] == list(range(1, 601))
+
+
+def test_a_topic_written_in_transactions_is_read_to_its_end_and_once_ends(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """Debezium with exactly-once delivery writes in Kafka transactions: each commit leaves a
+    marker in the partition that takes an offset and is never a record, so the topic's end
+    lies one past its last record. `--once` stops at the end all the same (it waited for the
+    marker's offset for good), and so does the next run, with nothing new to read."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker, transactional_id=f"tx_{unique}")
+    with p.transaction():
+        for i in (1, 2, 3):
+            p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": f"v{i}"}))
+    with p.transaction():
+        p.send(topic, {"id": 2}, envelope("u", None, {"id": 2, "v": "w"}))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    report = run_once_within(120, _config(raw, tmp_path), spark, KafkaPipeline)
+    assert (report.records, report.batches) == (4, 1)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert iceberg_rows(warehouse, target) == [{"id": 1, "v": "v1"}, {"id": 2, "v": "w"},
+                                               {"id": 3, "v": "v3"}]
+    again = run_once_within(120, _config(raw, tmp_path), spark, KafkaPipeline)
+    assert (again.records, again.batches) == (0, 0)
 
 
 def test_a_backlog_that_fits_a_batch_is_one_commit_once_and_streaming(

@@ -58,8 +58,7 @@ class KafkaReader:
             while not state.stop.is_set() and state.error is None:
                 limit = kafka.POLL_LIMIT
                 if state.catching_up.is_set() or once:
-                    left = sum(max(end - self._read.get(tp, applied.get(tp, 0)), 0)
-                               for tp, end in ends.items())
+                    left = self._left(ends, applied)
                     if not left:
                         if once:
                             break
@@ -79,15 +78,24 @@ class KafkaReader:
                     self._read[(record.topic, record.partition)] = record.offset + 1
                     if store.should_seal():
                         self.seal()
-                if not records and state.catching_up.is_set():
-                    # Nothing came though the ends lie further (transaction markers, records
-                    # compacted away): the first batch waits no longer.
-                    self._caught_up()
                 if store.active_age_seconds() >= interval:
                     self.seal()
             self.seal()
         finally:
             state.catching_up.clear()
+
+    def _left(self, ends: dict[Partition, int], applied: dict[Partition, int]) -> int:
+        """Offsets still to read up to ``ends``, the partitions' ends as they were at the start;
+        none in a partition whose end the consumer reached where reading stands: what lies
+        between is no record (a transaction's commit marker takes an offset, aborted records
+        are not read) or not yet readable (a transaction still open)."""
+        left = 0
+        for tp, end in ends.items():
+            at = self._read.get(tp, applied.get(tp, 0))
+            reached = self.consumer.reached.get(tp)
+            if reached is None or reached < at:
+                left += max(end - at, 0)
+        return left
 
     def _caught_up(self) -> None:
         """Reading has caught up with the topics' ends as they were at the start: what was

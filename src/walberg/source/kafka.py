@@ -90,8 +90,13 @@ class Consumer:
                     # Joins and heartbeats of the group are short, so a committing consumer
                     # never waits long on a broker that rebalances slowly.
                     "session.timeout.ms": 6000, "heartbeat.interval.ms": 300,
-                    **properties}
+                    **properties,
+                    # Where each partition's end was reached (see ``reached``).
+                    "enable.partition.eof": True}
         self._consumer = ck.Consumer(settings)
+        # Per partition, the offset at which reading last reached its end: past a transaction's
+        # commit marker, which takes an offset and is never a record, and past aborted records.
+        self.reached: dict[tuple[str, int], int] = {}
 
     def partitions(self, topics: Sequence[str], timeout: float = 10.0) -> list[tuple[str, int]]:
         """Every (topic, partition) of the topics; a missing topic is an error that says so."""
@@ -132,6 +137,7 @@ class Consumer:
             error = m.error()
             if error is not None:
                 if error.code() == self._ck.KafkaError._PARTITION_EOF:
+                    self.reached[(m.topic(), m.partition())] = m.offset()
                     continue
                 if error.fatal():
                     raise SourceError(f"Kafka consumer failed on {m.topic()} partition "
