@@ -316,6 +316,22 @@ def test_a_topic_written_in_transactions_is_read_to_its_end_and_once_ends(
     assert (again.records, again.batches) == (0, 0)
 
 
+def test_a_segment_larger_than_the_reader_holds_back_for_is_sealed_and_applied(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """The reader stops reading while four batches' worth of segments wait; a batch takes
+    sealed segments only. With segments larger than that (1 MiB segments, 64 kB batches), the
+    active segment alone passed it, and nothing sealed it: the run waited for good."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    _wide_records(Producer(kafka_broker), topic, range(1, 2001), "z")  # ~850 kB
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    raw["buffer"].update(max_segment_bytes=1024 * 1024, max_batch_bytes=64 * 1024)
+    report = run_once_within(120, _config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.records == 2000
+    assert [r["id"] for r in iceberg_rows(warehouse, f"{CATALOG}.ns_{unique}.{unique}")] == list(
+        range(1, 2001))
+
+
 def test_a_backlog_that_fits_a_batch_is_one_commit_once_and_streaming(
         kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
         caplog: Any) -> None:

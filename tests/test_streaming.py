@@ -74,10 +74,11 @@ def test_a_transaction_larger_than_the_reader_holds_back_for_is_applied_whole(
         unique: str) -> None:
     """Not streamed in progress (protocol 1, as before PostgreSQL 14): the server sends a
     transaction whole after its commit. One larger than the reader's hold-back (four batches'
-    worth of segments pending) must still reach the lake: a batch can only end at a commit, so
-    a reader that stopped reading inside the transaction would wait for a batch that cannot
-    come. Over a slow link (as to a server on another machine) the reader finds the socket
-    empty inside the transaction, and looks at its hold-back there."""
+    worth of segments pending) must still reach the lake, streaming and --once: a batch can
+    only end at a commit, so a reader that stopped reading inside the transaction, or right
+    after it with its commit in the active segment, would wait for a batch that cannot come.
+    Over a slow link (as to a server on another machine) the reader finds the socket empty
+    inside the transaction, and looks at its hold-back there."""
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
@@ -90,12 +91,22 @@ def test_a_transaction_larger_than_the_reader_holds_back_for_is_applied_whole(
         "postgres": config.postgres.model_copy(update={
             "stream_in_progress": False,
             "dsn": postgres.dsn.replace(f":{postgres.port}/", f":{link.port}/")})})})
-    run_once(config, spark)
-    with pg_conn.cursor() as cur:  # about 2.5 MB of changes in one transaction
-        cur.execute(f"INSERT INTO {table} SELECT g, repeat('v', 80) || g "
-                    "FROM generate_series(1, 20000) g")
-        cur.execute(f"INSERT INTO {table} VALUES (20001, 'after')")
-    try:  # (before the change the reader waited inside the transaction, for good)
+
+    def large(first: int) -> None:  # about 2.5 MB of changes in one transaction
+        with pg_conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {table} SELECT g, repeat('v', 80) || g "
+                        f"FROM generate_series({first}, {first + 19999}) g")
+
+    try:
+        run_once(config, spark)
+        pipeline = Pipeline(config, session=spark)
+        with running(pipeline) as failures:
+            large(1)  # (the last change: nothing after it seals its commit's segment)
+            pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
+            assert not failures, failures
+        large(20001)
+        with pg_conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {table} VALUES (40001, 'after')")
         run_once_within(240, config, spark)
     finally:
         link.cut()

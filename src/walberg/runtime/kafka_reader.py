@@ -68,7 +68,10 @@ class KafkaReader:
                         # fuller batch)
                         limit = min(limit, left)
                 if store.pending_bytes() > backlog_limit:
-                    # Spark is behind: stop reading for a moment.
+                    # Spark is behind: stop reading for a moment, what was read sealed (a batch
+                    # takes sealed segments only: one larger than this would wait for good).
+                    if store.active_bytes():
+                        self.seal()
                     state.progress.wait(0.2)
                     state.progress.clear()
                     continue

@@ -562,9 +562,12 @@ class PgReader:
             ready = self._lake_ready.is_set()
             if not at.in_txn and store.pending_bytes() > backlog_limit:
                 # Spark is behind: stop reading for a moment (status updates keep flowing).
-                # Only between transactions: a batch ends at a commit, so one paused inside a
-                # transaction larger than this (sent whole, not streamed in progress) would
-                # wait for a batch that cannot come.
+                # Only between transactions, with what was read sealed: a batch ends at a
+                # commit, so a reader paused inside a transaction larger than this (sent whole,
+                # not streamed in progress), or with the commit that ends one in the active
+                # segment, would wait for a batch that cannot come.
+                if store.active_bytes():
+                    self.seal(clean=True)
                 stream.confirm(state.confirmable())
                 stream.keepalive()
                 self._await_progress()
