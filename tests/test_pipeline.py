@@ -486,3 +486,15 @@ def test_segments_sealed_after_the_lake_was_read_with_nothing_to_apply_are_let_g
     assert state.segment(store.sealed()[0].seq) == SegmentMeta(None, False)
     assert sorted(p.name for p in config.segment_dir.glob("*.sealed")) == [
         store.sealed()[0].path.name]
+    # The rest of that transaction, sealed after the lake's mark passed its commit: the two
+    # segments it spans go together (the first ends inside it; before, it stayed, and so did
+    # everything after it).
+    store.append(0x1210, FRAME_PGOUTPUT, encode(Insert(16384, (b"2",))))
+    store.append(0x1300, FRAME_PGOUTPUT, encode(Commit(0, Lsn(0x12f8), Lsn(0x1300), 0)))
+    info = store.seal()
+    assert info is not None
+    state.sealed(info.seq, SegmentMeta(Lsn(0x1300), True))
+    sealed_transaction(0x1300, 0x1400, whole=False)  # the next, not in the lake
+    state.advance_applied(Lsn(0x1300))
+    assert stager.prepare_next(None) is None
+    assert [state.segment(info.seq) for info in store.sealed()] == [SegmentMeta(None, False)]

@@ -146,12 +146,15 @@ class PgStager:
         and seal it only after the lake's marks have become the applied position; no batch
         would ever take such a segment, and a --once run would wait for it for ever."""
         spent: list[SegmentInfo] = []
+        run: list[SegmentInfo] = []  # segments up to one ending inside a transaction
         for info in self.store.sealed():
             meta = self.state.segment(info.seq)
-            # (clean with no commit: frames outside any transaction, nothing to apply)
-            if meta is None or not meta.clean_end or (meta.last_commit_end or 0) > floor:
+            if meta is None or (meta.last_commit_end or 0) > floor:
                 break
-            spent.append(info)
+            run.append(info)
+            if meta.clean_end:  # (with no commit: frames outside any transaction)
+                spent += run  # a transaction that spans segments goes with all of them
+                run = []
         if spent:
             log.info("%d segment(s) up to LSN %s hold only what the lake holds (sent again "
                      "after a stop the slot was not told of): removed", len(spent), floor)
