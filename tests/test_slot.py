@@ -4,10 +4,13 @@ drops it."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import pytest
 
 from conftest import make_config, run_once, running, walberg_cli, write_pipeline
@@ -147,3 +150,40 @@ def test_slot_commands(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: P
     done = walberg_cli("slot", "drop", "-c", str(path), "--yes")
     assert done.returncode == 0 and f"dropped replication slot {slot}" in done.stdout
     assert _wal_status(pg_conn, slot) is None
+
+
+def test_a_slot_creation_held_up_by_a_transaction_says_which(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: Any) -> None:
+    """The server creates a logical slot only once every transaction that wrote and was
+    running when it began has ended: a session left idle in a transaction holds a first run
+    up for as long as it stays. The run says which session, and how to end it, instead of
+    seeming to hang."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"CREATE TABLE {table}_other (id int)")
+        cur.execute(f"INSERT INTO {table} VALUES (1, 'a')")
+    idle = psycopg2.connect(postgres.dsn, application_name="left-open")
+    with idle.cursor() as cur:
+        cur.execute(f"INSERT INTO {table}_other VALUES (1)")  # a transaction with a write, open
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    caplog.set_level(logging.WARNING, logger="walberg")
+    outcome: list[Any] = []
+    runner = threading.Thread(target=lambda: outcome.append(run_once(config, spark)), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not any("creating replication slot" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline and runner.is_alive(), "no word of the wait"
+        time.sleep(0.2)
+    said = next(r.getMessage() for r in caplog.records
+                if "creating replication slot" in r.getMessage())
+    assert f"slot_{unique}" in said and f"server process {idle.get_backend_pid()}" in said, said
+    assert "application left-open" in said and "idle in transaction" in said, said
+    assert "pg_terminate_backend" in said, said
+    assert runner.is_alive()  # still held up
+    idle.rollback()
+    idle.close()
+    runner.join(timeout=120)
+    assert outcome and outcome[0].copied == {table: 1}, outcome
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)

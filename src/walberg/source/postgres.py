@@ -545,6 +545,59 @@ def describe_backend(conn: Any, pid: int) -> str:
             f"{addr or 'a local socket'}, connected since {since}")
 
 
+def slot_wait(conn: Any, walsender: int) -> str:
+    """What the creation of a logical slot by server process ``walsender`` waits for, for a
+    message: the server starts decoding from a point where no transaction that wrote is
+    running, so it waits for every one running when it began (and for prepared ones) to end."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT pid, usename, application_name, host(client_addr), state, "
+                    "date_trunc('second', xact_start)::text, "
+                    "extract(epoch FROM now() - xact_start)::bigint, left(query, 60) "
+                    "FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> %s "
+                    "ORDER BY xact_start LIMIT 5", (walsender,))
+        running = cur.fetchall()
+        cur.execute("SELECT gid, date_trunc('second', prepared)::text FROM pg_prepared_xacts "
+                    "ORDER BY prepared LIMIT 5")
+        prepared = cur.fetchall()
+    seen = [f"server process {pid} (role {user}, application {app or '(unnamed)'}, from "
+            f"{addr or 'a local socket'}: {state or 'state hidden'}, in a transaction since "
+            f"{since}, {age} s ago; last statement: {' '.join((query or '').split())})"
+            for pid, user, app, addr, state, since, age, query in running]
+    seen += [f"prepared transaction '{gid}' (since {since}): COMMIT PREPARED or ROLLBACK "
+             "PREPARED ends it" for gid, since in prepared]
+    if not seen:
+        return ("no transaction with writes is visible to walberg's role (another role's "
+                "sessions show only to members of pg_read_all_stats)")
+    return ("; ".join(seen) + ". It goes on once they commit or roll back; "
+            "SELECT pg_terminate_backend(pid) ends a session that is left idle in a transaction")
+
+
+def report_slot_wait(dsn: str, slot: str, walsender: int, done: threading.Event,
+                     patience: float = 5.0, every: float = 30.0) -> None:
+    """Until ``done`` is set: after ``patience`` seconds, then every ``every`` seconds, log
+    what the creation of ``slot`` is waiting for (see ``slot_wait``); a run that seems to
+    hang at its start says why."""
+    if done.wait(patience):
+        return
+    started = time.monotonic() - patience
+    try:
+        conn = connect(dsn)
+    except (SourceError, Transient):
+        return
+    try:
+        while not done.is_set():
+            try:
+                waits = slot_wait(conn, walsender)
+            except psycopg2.Error:
+                return
+            log.warning("creating replication slot %s has waited %.0f s for transactions "
+                        "running on the source to end (logical decoding starts where none "
+                        "that wrote is running): %s", slot, time.monotonic() - started, waits)
+            done.wait(every)
+    finally:
+        conn.close()
+
+
 def other_hosts(dsn: str, conn: Any) -> list[str]:
     """The DSNs of the hosts ``dsn`` names besides the one ``conn`` reached (libpq's several
     hosts, ``host=a,b port=1,2``): the standbys a failover would promote, one DSN each."""

@@ -4,6 +4,7 @@ with pgoutput, reading raw messages, and standby status updates (also when idle)
 from __future__ import annotations
 
 import select
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -13,7 +14,7 @@ import psycopg2.extras
 
 from walberg.errors import SourceError, Transient
 from walberg.model import Lsn
-from walberg.source.postgres import connect, redact
+from walberg.source.postgres import connect, redact, report_slot_wait
 
 # What a read or a status update raises when the replication connection is gone. A server
 # that crashed or restarted under the stream surfaces as a bare DatabaseError from libpq
@@ -59,6 +60,9 @@ class ReplicationStream:
         name = name or self.slot
         kind = "TEMPORARY " if temporary else ""
         options = "SNAPSHOT 'export'" + (", FAILOVER true" if failover else "")
+        done = threading.Event()  # (the server waits for running transactions: say which)
+        threading.Thread(target=report_slot_wait, name="walberg-slot-wait", daemon=True,
+                         args=(self.dsn, name, self._conn.get_backend_pid(), done)).start()
         try:
             self._cur.execute(
                 f"CREATE_REPLICATION_SLOT \"{name}\" {kind}LOGICAL pgoutput ({options})"
@@ -73,6 +77,8 @@ class ReplicationStream:
                 f"{str(exc).strip()}. The role needs the REPLICATION attribute "
                 "(ALTER ROLE ... REPLICATION) and max_replication_slots must have room."
             ) from None
+        finally:
+            done.set()
         return CreatedSlot(row[0], Lsn.parse(row[1]), row[2])
 
     def make_failover(self) -> None:
