@@ -203,6 +203,18 @@ class IcebergSink:
     def committed_server(self, target: str) -> Optional[str]:
         return self.snapshots.committed_server(target)
 
+    def owe_copy(self, target: str, lsn: Lsn) -> None:
+        """Say in the lake that ``target`` is owed a copy from at least ``lsn``, before the
+        copy starts (see ``copy_owed``)."""
+        self.tables.set_property(target, self.lake.owed_property, str(lsn))
+
+    def copy_owed(self, target: str) -> Optional[Lsn]:
+        """The LSN a copy of ``target`` is owed from, if one was said to be owed (``owe_copy``);
+        the table still owes it while its committed LSN is below that."""
+        key = self.lake.owed_property
+        value = self.tables.properties(target, key).get(key)
+        return Lsn.parse(value) if value else None
+
     def record_server(self, server: str) -> None:
         """From now on each commit records the source server its LSN belongs to."""
         self.lake.server = server

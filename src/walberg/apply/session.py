@@ -29,6 +29,10 @@ LSN_PROPERTY = "walberg.lsn"
 SERVER_PROPERTY = "walberg.server"
 # Marks of a chunked initial copy (see source.chunks): first, point, span, catchup.
 COPY_PREFIX = "walberg.copy."
+# A table property: the table is owed a copy from at least this LSN (a slot made anew, or
+# `walberg resync`), said in the lake before the copy starts; held until a commit's LSN
+# reaches it, so a copy cut short is made again, not forgotten.
+COPY_OWED_PROPERTY = "walberg.copy-owed"
 # walberg.offset.<topic>.<partition> = the next offset to read: what a Kafka source's commit
 # covers, in the same snapshot as its data.
 OFFSET_PROPERTY = "walberg.offset"
@@ -112,6 +116,8 @@ class LakeSession:
         self.lsn_property = LSN_PROPERTY if source is None else f"{LSN_PROPERTY}.{source}"
         self.server_property = (SERVER_PROPERTY if source is None
                                 else f"{SERVER_PROPERTY}.{source}")
+        self.owed_property = (COPY_OWED_PROPERTY if source is None
+                              else f"{COPY_OWED_PROPERTY}.{source}")
         self.server: Optional[str] = None  # recorded with each LSN, once the source is met
         self.staging = StageArea(spark, stage_root)
 

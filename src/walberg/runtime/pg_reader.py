@@ -202,6 +202,9 @@ class PgReader:
                     self.state.set_committed(t, lsn)
             if slot is not None:
                 self._same_server_as_lake(server, slot_exists=True)
+            # Copies owed are said in the lake before they start (``owe_copy``): a run that
+            # stops before one lands leaves the table's old mark, and the next run must not
+            # take it for a table that holds what the slot does not stream again.
             if created is not None:
                 # A new slot streams only what commits after its consistent point; a table whose
                 # lake copy is older than that would miss changes, so it is copied again.
@@ -210,9 +213,21 @@ class PgReader:
                         log.warning("%s holds data up to LSN %s but the replication slot is new "
                                     "(starts at %s): copying it again", t, lsn,
                                     created.consistent_point)
+                        sink.owe_copy(self.tables.targets[t], created.consistent_point)
                         self.state.forget_committed(t)
-            for t in self.recopy:
-                self.state.forget_committed(t)
+            if self.recopy:
+                now = pg.current_wal_lsn(conn)
+                for t in self.recopy:
+                    if self.state.committed_at(t) is not None:
+                        sink.owe_copy(self.tables.targets[t], now)
+                    self.state.forget_committed(t)
+            for t, lsn in self.state.committed().items():
+                since = sink.copy_owed(self.tables.targets[t])
+                if since is not None and lsn < since:
+                    log.warning("%s was to be copied again (from LSN %s at least: a new "
+                                "replication slot, or walberg resync) and that copy did not "
+                                "land: copying it now", t, since)
+                    self.state.forget_committed(t)
             committed = self.state.committed()
             owed = [t for t in self.tables.tables if t not in committed]
             for t in committed:
