@@ -5,18 +5,20 @@ COPY or a writer that fails midway leaves no file behind and does not hang."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import as_file, make_config, run_once
+from conftest import as_file, make_config, run_once, run_once_within
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply import batch
 from walberg.apply.position import datafiles
 from walberg.config import parse_config
 from walberg.errors import SourceError
 from walberg.runtime import initial_copy
+from walberg.source import snapshot
 
 
 def _table(pg_conn: Any, name: str, rows: int) -> None:
@@ -119,18 +121,19 @@ def test_a_copy_whose_rows_turn_out_to_need_spark_is_staged_again(
     assert [r["id"] for r in dead] == ["-1"]
 
 
-@pytest.mark.parametrize("fails", ["COPY", "writer at once", "writer midway"])
+@pytest.mark.parametrize("fails", ["COPY", "connection", "writer at once", "writer midway"])
 def test_a_copy_that_fails_midway_leaves_nothing(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
         monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
-    """A COPY cut off after some rows (its reader saw a short stream), or a reader that fails
-    before it opens the pipe or while COPY still writes into it (COPY must not wait for it
-    forever): the error is raised, no data file stays, the table holds no copy, and the next
-    run copies it whole."""
+    """A COPY cut off after some rows (its reader saw a short stream), a COPY whose connection
+    fails before it opens the pipe (its reader must not wait for it forever), or a reader that
+    fails before it opens the pipe or while COPY still writes into it (COPY must not wait for
+    it forever): the error is raised, no data file stays, the table holds no copy, and the
+    next run copies it whole."""
     table = f"public.{unique}"
     # (midway: more than the reader's first 16 MB block, so that COPY is still writing)
     _table(pg_conn, table, 500_000 if fails == "writer midway" else 1000)
-    real_copy, real_tables = initial_copy.copy_table, initial_copy.csv_tables
+    real_tables = initial_copy.csv_tables
 
     def cut_copy(dsn: str, info: Any, out: Path, snapshot: Any) -> int:
         with open(out, "wb") as pipe:
@@ -143,19 +146,27 @@ def test_a_copy_that_fails_midway_leaves_nothing(
             yield next(tables)
         raise RuntimeError("the writer failed (test)")
 
+    real_connect = snapshot.connect
+
+    def refused(*args: Any, **kwargs: Any) -> Any:  # (the COPY's own connection only)
+        if threading.current_thread().name.startswith("copy-"):
+            raise SourceError("could not connect to the source (test)")
+        return real_connect(*args, **kwargs)
+
     if fails == "COPY":
         monkeypatch.setattr(initial_copy, "copy_table", cut_copy)
+    elif fails == "connection":
+        monkeypatch.setattr(snapshot, "connect", refused)
     else:
         monkeypatch.setattr(initial_copy, "csv_tables", failing)
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     target = config.target_for(table)
     with pytest.raises((SourceError, RuntimeError), match="(test)"):
-        run_once(config, spark)
+        run_once_within(240, config, spark)
     assert not _copies(warehouse, target)
     assert hadoop_table(warehouse, target).current_snapshot() is None
 
-    monkeypatch.setattr(initial_copy, "copy_table", real_copy)
-    monkeypatch.setattr(initial_copy, "csv_tables", real_tables)
+    monkeypatch.undo()
     run_once(config, spark)
     expected = [r for r in postgres_rows(pg_conn, table) if r["id"] != -1]
     assert iceberg_rows(warehouse, target) == expected

@@ -39,15 +39,18 @@ def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Option
     """Write every row of ``table`` to ``out_path`` as CSV (NULL unquoted-empty, empty string
     quoted). Returns the number of rows. With ``snapshot_name`` the read sees exactly that
     snapshot."""
+    # Exactly what the publication publishes: its columns, its rows (row filter).
+    query = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT WITH (FORMAT csv)").format(
+        sql.SQL(", ").join(sql.Identifier(c.name) for c in table.columns),
+        sql.SQL(table.rows_sql()),
+    )
     try:
-        with in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
-            # Exactly what the publication publishes: its columns, its rows (row filter).
-            query = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT WITH (FORMAT csv)").format(
-                sql.SQL(", ").join(sql.Identifier(c.name) for c in table.columns),
-                sql.SQL(table.rows_sql()),
-            )
-            with open(out_path, "wb", buffering=1 << 20) as out:
-                cur.copy_expert(query, out, size=1 << 20)
+        # The output first: a named pipe opens once its reader comes, and a connection that
+        # fails after that ends the reader's stream; one that failed before the pipe was open
+        # left a reader that came later waiting for a writer for good.
+        with open(out_path, "wb", buffering=1 << 20) as out, \
+                in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
+            cur.copy_expert(query, out, size=1 << 20)
             return int(cur.rowcount)
     except psycopg2.Error as exc:
         raise SourceError(
