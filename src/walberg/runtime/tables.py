@@ -72,6 +72,8 @@ class PgTables(Tables):
             return False
         self.tables.append(table)
         self.targets[table] = self.config.target_for(table)
+        if self.config.layout_for(table).mode in ("append", "both"):
+            self.changelogs[table] = self.config.changelog_for(table)
         return True
 
     def ensure(self, source: str, info: pg.TableInfo) -> None:
