@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import as_file, make_config, run_once, write_pipeline, writing
+from conftest import as_file, make_config, run_once, walberg_cli, write_pipeline, writing
 from lake import iceberg_rows, postgres_rows
 from walberg.config import Config, parse_config
 from walberg.source.chunks import Span, jdbc_target, plan_chunks, remaining, session_init
@@ -160,3 +160,28 @@ def test_a_socket_dsn_is_refused_for_jdbc_with_the_fix(dsn: str) -> None:
 
     with pytest.raises(ConfigError, match="give the server's host name"):
         jdbc_target(dsn)
+
+
+def test_a_resync_of_a_table_cut_short_is_made_again_by_the_next_run(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """`walberg resync <table>` killed after the first chunk of its copy: that chunk replaced
+    the table's rows, and the table's last LSN mark is still the one before the resync. The
+    next run must copy it again, not take it for a table that holds everything up to that
+    mark (it held one chunk of 8)."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 8000) g")
+        cur.execute(f"ANALYZE {table}")
+    config = _jdbc_config(postgres, warehouse, tmp_path, unique, table)
+    path = tmp_path / "pipeline.yaml"
+    write_pipeline(config, path)
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 1 WHERE id % 10 = 0")
+    killed = walberg_cli("-q", "resync", "-c", str(path), table, "--yes",
+                         env=dict(os.environ, WALBERG_CRASH_AT="chunk:1", PYTHONUNBUFFERED="1"))
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)

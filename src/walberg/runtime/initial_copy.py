@@ -234,6 +234,10 @@ class InitialCopy:
             return created.consistent_point, None, []
         done = [Span.decode(m[COPY_PREFIX + "span"]) for m in history
                 if COPY_PREFIX + "span" in m]
+        if not chunks.remaining(done):
+            # That copy finished (`walberg resync` of the table, or a copy owed again after it
+            # was cut short): this one starts anew, it is no resume with nothing left to read.
+            return created.consistent_point, None, []
         log.info("resuming the initial copy of %s: %d chunk(s) were committed (from LSN %s); "
                  "the rest is read at LSN %s", source, len(done), start,
                  created.consistent_point)
