@@ -462,6 +462,14 @@ def test_once_ends_when_the_slot_resends_what_the_lake_holds(pg_conn: Any, postg
         run_once(config, spark)
         assert slot_flush(pg_conn, slot) > slot_flush(pg_conn, saved)
         with pg_conn.cursor() as cur:  # the slot as if the confirmation had been lost
+            # (once the server's process for the run's stream, closed, has ended)
+            deadline = time.monotonic() + 30
+            while True:
+                cur.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
+                            (slot,))
+                if not cur.fetchone()[0] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
             cur.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (saved, slot))
             cur.execute("SELECT pg_drop_replication_slot(%s)", (saved,))
