@@ -108,18 +108,24 @@ def test_parallel_copy_stays_consistent_with_the_stream_under_writes(
     assert lake == source
 
 
-def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committed(
-        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
-        unique: str) -> None:
+def _eight_chunks(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
+                  unique: str) -> tuple[str, Config, Path]:
+    """A table of 8,000 rows copied by jdbc in chunks of 1,000: the table, its config and
+    pipeline file."""
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
         cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 8000) g")
         cur.execute(f"ANALYZE {table}")
     config = _jdbc_config(postgres, warehouse, tmp_path, unique, table)
+    return table, config, write_pipeline(config, tmp_path / "pipeline.yaml")
+
+
+def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committed(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    table, config, path = _eight_chunks(pg_conn, postgres, warehouse, tmp_path, unique)
     target = config.target_for(table)
-    path = tmp_path / "pipeline.yaml"
-    write_pipeline(config, path)
 
     # kill -9 right after the third chunk's commit.
     env = dict(os.environ, WALBERG_CRASH_AT="chunk:3", PYTHONUNBUFFERED="1")
@@ -169,14 +175,7 @@ def test_a_resync_of_a_table_cut_short_is_made_again_by_the_next_run(
     the table's rows, and the table's last LSN mark is still the one before the resync. The
     next run must copy it again, not take it for a table that holds everything up to that
     mark (it held one chunk of 8)."""
-    table = f"public.{unique}"
-    with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
-        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 8000) g")
-        cur.execute(f"ANALYZE {table}")
-    config = _jdbc_config(postgres, warehouse, tmp_path, unique, table)
-    path = tmp_path / "pipeline.yaml"
-    write_pipeline(config, path)
+    table, config, path = _eight_chunks(pg_conn, postgres, warehouse, tmp_path, unique)
     run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 1 WHERE id % 10 = 0")
