@@ -23,7 +23,7 @@ from conftest import CATALOG, run_once, run_once_within, running, walberg_cli, w
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import hadoop_table, iceberg_rows
 from walberg.config import Config, parse_config
-from walberg.errors import ApplyError
+from walberg.errors import ApplyError, WalbergError
 from walberg.kafka_pipeline import KafkaPipeline
 from walberg.lake.changes import changes_sql
 from walberg.lake.history import history
@@ -132,6 +132,8 @@ def test_events_without_schema_and_dead_letters(
     p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "v": "d", "n": "four"}))
     p.send(topic, None, envelope("c", None, {"id": 5, "v": "e", "n": 5}))  # key from config
     p.send(topic, {"id": 1}, envelope("u", None, {"id": 1, "v": "A", "n": 10}))
+    p.send(topic, {"id": 6}, {"schema": {"fields": [{"field": "after", "fields": [
+        {"type": "int32"}]}]}, "payload": {"op": "c", "before": None, "after": {"id": 6}}})
     p.send(topic, {"id": 9}, b"[]")  # last: the lake's offsets never cover it
     before = REGISTRY.get_sample_value("walberg_dead_letters_total",
                                        {"table": f"public.{unique}"}) or 0.0
@@ -146,15 +148,16 @@ def test_events_without_schema_and_dead_letters(
     assert [(d["offset"], d["_dlq_reason"].split(":")[0]) for d in dead] == [
         (1, "the value is not JSON"), (2, "the envelope has no op"),
         (3, "schema mismatch"), (4, "column n"),
-        (7, "the value is not a Debezium envelope (a JSON object with op, before, after)")]
+        (7, "the envelope's schema is malformed (KeyError"),
+        (8, "the value is not a Debezium envelope (a JSON object with op, before, after)")]
     assert dead[0]["value"] == b"{this is not json" and dead[0]["key"] == b'{"id": 2}'
-    assert report.dead_letters == 5
+    assert report.dead_letters == 6
     after = REGISTRY.get_sample_value("walberg_dead_letters_total", {"table": f"public.{unique}"})
-    assert after == before + 5
+    assert after == before + 6
     # Run again: the last record is read again (no table commit covers it), and it does not
     # become a dead letter twice.
     again = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
-    assert (again.records, again.dead_letters, len(_dead(warehouse, target))) == (0, 0, 5)
+    assert (again.records, again.dead_letters, len(_dead(warehouse, target))) == (0, 0, 6)
     assert {d["table"] for d in dead} == {target}
 
 
@@ -316,6 +319,37 @@ def test_a_topic_written_in_transactions_is_read_to_its_end_and_once_ends(
     assert (again.records, again.batches) == (0, 0)
 
 
+def test_a_topic_made_again_behind_the_lakes_offsets_stops_the_run_with_the_way_out(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """A topic deleted and created again starts its offsets at 0: the lake's offsets lie past
+    its end, and its new records would be taken for ones the lake holds and skipped, silently.
+    The run stops instead, saying why and what to do."""
+    from confluent_kafka.admin import AdminClient
+
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    for i in range(1, 6):
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": "a"}))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    assert run_once(_config(raw, tmp_path), spark, KafkaPipeline).records == 5
+    admin = AdminClient({"bootstrap.servers": kafka_broker})
+    for future in admin.delete_topics([topic]).values():
+        future.result(timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            create_topic(kafka_broker, topic)
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "the topic could not be made again"
+            time.sleep(0.5)
+    for i in (6, 7):
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": "b"}))
+    with pytest.raises(WalbergError, match="deleted and created again"):
+        run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+
+
 def test_a_segment_larger_than_the_reader_holds_back_for_is_sealed_and_applied(
         kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
     """The reader stops reading while four batches' worth of segments wait; a batch takes
@@ -330,6 +364,15 @@ def test_a_segment_larger_than_the_reader_holds_back_for_is_sealed_and_applied(
     assert report.records == 2000
     assert [r["id"] for r in iceberg_rows(warehouse, f"{CATALOG}.ns_{unique}.{unique}")] == list(
         range(1, 2001))
+    # The consumer group is told where the lake is, for the usual lag tools.
+    from confluent_kafka import Consumer, TopicPartition
+
+    group = Consumer({"bootstrap.servers": kafka_broker, "group.id": f"g_{unique}"})
+    try:
+        [committed] = group.committed([TopicPartition(topic, 0)], timeout=30)
+    finally:
+        group.close()
+    assert committed.offset == 2000
 
 
 def test_a_backlog_that_fits_a_batch_is_one_commit_once_and_streaming(

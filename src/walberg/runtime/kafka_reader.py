@@ -5,17 +5,21 @@ the pipeline's main thread, beside the applier."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from walberg import metrics
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
+from walberg.errors import Terminal
 from walberg.runtime.applier import Partition
 from walberg.runtime.kafka_stager import FRAME_KAFKA
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 
 log = logging.getLogger("walberg")
+
+_TELL_GROUP_SECONDS = 5.0  # how often the lake's offsets are committed to the consumer group
 
 
 class KafkaReader:
@@ -30,6 +34,8 @@ class KafkaReader:
         self.state = state
         self.consumer = consumer
         self._read: dict[Partition, int] = {}  # next offset read from the broker
+        self._told: dict[Partition, int] = {}  # the offsets last committed to the group
+        self._told_at = 0.0
         self._source = config.source_name or "kafka"  # the gauges' label
 
     def read(self, once: bool, coming: Callable[[], None] = lambda: None) -> None:
@@ -42,7 +48,9 @@ class KafkaReader:
         applied = state.applied_offsets()
         partitions = consumer.partitions(self.topics)
         start = {tp: applied.get(tp, kafka.BEGINNING) for tp in partitions}
-        ends = {tp: consumer.high_watermark(*tp) for tp in partitions}
+        marks = {tp: consumer.watermarks(*tp) for tp in partitions}
+        ends = {tp: high for tp, (_, high) in marks.items()}
+        self._check_offsets(applied, marks)
         behind = any(end > max(start[tp], 0) for tp, end in ends.items())
         if not once or behind:
             coming()
@@ -83,9 +91,49 @@ class KafkaReader:
                         self.seal()
                 if store.active_age_seconds() >= interval:
                     self.seal()
+                self._tell_group()
             self.seal()
         finally:
             state.catching_up.clear()
+
+    def _tell_group(self, wait: bool = False) -> None:
+        """Commit what the lake holds to the consumer group, at most every few seconds, so the
+        usual Kafka lag tools see where walberg is (walberg itself starts from the lake's
+        offsets, never the group's). From the reader's thread, the consumer's only user."""
+        if not wait and time.monotonic() - self._told_at < _TELL_GROUP_SECONDS:
+            return
+        self._told_at = time.monotonic()
+        held = self.state.applied_offsets()
+        if held != self._told:
+            self.consumer.commit(held, wait=wait)
+            self._told = held
+
+    @staticmethod
+    def _check_offsets(applied: dict[Partition, int],
+                       marks: dict[Partition, tuple[int, int]]) -> None:
+        """The lake's offsets against what each partition holds now: past its end (the topic
+        was deleted and made again, or its log cut back), the records that come next would be
+        taken for ones the lake holds and skipped; before its first record kept (retention
+        deleted records walberg had not read), the lake misses changes. Either way the table
+        no longer follows the topic: say so and stop, rather than go on wrong."""
+        for (topic, partition), (low, high) in sorted(marks.items()):
+            held = applied.get((topic, partition))
+            if held is None:
+                continue
+            if held > high:
+                raise Terminal(
+                    f"the lake holds {topic} partition {partition} up to offset {held}, but the "
+                    f"partition ends at {high} now: the topic was deleted and created again, or "
+                    "its log was cut back (an unclean leader election), so its offsets no longer "
+                    "match the lake's. Drop the topic's Iceberg table (or point the pipeline at "
+                    "a new one) and have the connector send a snapshot again.")
+            if held < low:
+                raise Terminal(
+                    f"the lake holds {topic} partition {partition} up to offset {held}, but the "
+                    f"partition keeps records from offset {low} only: retention deleted "
+                    f"{low - held} record(s) walberg had not read, and the table misses their "
+                    "changes. Raise the topic's retention.ms to cover walberg's downtime; to "
+                    "repair the table, drop it and have the connector send a snapshot again.")
 
     def _left(self, ends: dict[Partition, int], applied: dict[Partition, int]) -> int:
         """Offsets still to read up to ``ends``, the partitions' ends as they were at the start;
@@ -114,8 +162,9 @@ class KafkaReader:
 
     def drain(self) -> None:
         """Wait until the applier has applied every sealed segment (or failed, or was
-        stopped)."""
+        stopped), then tell the group where the lake is."""
         while self.store.sealed() and self.state.error is None and not self.state.stop.is_set():
             self.state.wake.set()
             self.state.progress.wait(0.2)
             self.state.progress.clear()
+        self._tell_group(wait=True)

@@ -172,6 +172,8 @@ def _json(raw: bytes, what: str) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRecord(f"the {what} is not JSON: {exc}") from None
+    except RecursionError:
+        raise BadRecord(f"the {what} nests JSON too deeply to read") from None
 
 
 def parse_event(value: bytes) -> Event:
@@ -199,7 +201,16 @@ def parse_event(value: bytes) -> Event:
     source = doc.get("source")
     lsn = source.get("lsn") if type(source) is dict else None
     ts = doc.get("ts_ms")
-    return Event(op, before, after, _fields(schema) if schema is not None else None,
+    try:
+        fields = _fields(schema) if schema is not None else None
+    except BadRecord:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        # (a producer other than Debezium: a record the rest cannot follow is a dead letter,
+        # not a batch that fails on every run)
+        raise BadRecord(f"the envelope's schema is malformed ({type(exc).__name__}: "
+                        f"{exc})") from None
+    return Event(op, before, after, fields,
                  ts if isinstance(ts, int) else None, lsn if isinstance(lsn, int) else None)
 
 

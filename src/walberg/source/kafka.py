@@ -9,10 +9,14 @@ Kafka tools.
 
 from __future__ import annotations
 
+import logging
 import struct
+import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from walberg.errors import ConfigError, SourceError, Transient
+
+log = logging.getLogger("walberg")
 
 # topic length, partition, offset, timestamp (ms), key length, value length (-1: null)
 _HEAD = struct.Struct(">HiqqII")
@@ -97,6 +101,7 @@ class Consumer:
         # Per partition, the offset at which reading last reached its end: past a transaction's
         # commit marker, which takes an offset and is never a record, and past aborted records.
         self.reached: dict[tuple[str, int], int] = {}
+        self._errors_said: dict[tuple[Any, Optional[str], Optional[int]], float] = {}
 
     def partitions(self, topics: Sequence[str], timeout: float = 10.0) -> list[tuple[str, int]]:
         """Every (topic, partition) of the topics; a missing topic is an error that says so."""
@@ -117,13 +122,18 @@ class Consumer:
 
     def high_watermark(self, topic: str, partition: int, timeout: float = 10.0) -> int:
         """The offset after the last record of the partition now."""
+        return self.watermarks(topic, partition, timeout)[1]
+
+    def watermarks(self, topic: str, partition: int, timeout: float = 10.0) -> tuple[int, int]:
+        """The partition's first offset still kept (retention deletes below it) and the
+        offset after its last record, now."""
         try:
-            _, high = self._consumer.get_watermark_offsets(
+            low, high = self._consumer.get_watermark_offsets(
                 self._ck.TopicPartition(topic, partition), timeout=timeout, cached=False)
         except self._ck.KafkaException as exc:
-            raise Transient(f"cannot read the end of {topic} partition {partition} from "
+            raise Transient(f"cannot read the ends of {topic} partition {partition} from "
                             f"{self.servers}: {exc.args[0]}") from None
-        return int(high)
+        return int(low), int(high)
 
     def assign(self, start: Mapping[tuple[str, int], int]) -> None:
         """Read these partitions from these offsets (``BEGINNING``: the earliest there is)."""
@@ -142,18 +152,33 @@ class Consumer:
                 if error.fatal():
                     raise SourceError(f"Kafka consumer failed on {m.topic()} partition "
                                       f"{m.partition()}: {error.str()}")
+                self._said(m.topic(), m.partition(), error)
                 continue  # librdkafka retries transient errors itself
             _, ts = m.timestamp()
             out.append(Record(m.topic(), m.partition(), m.offset(), ts, m.key(), m.value()))
         return out
 
-    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
-        """Tell the group where walberg is (for lag monitoring; walberg never reads it back)."""
+    def _said(self, topic: Optional[str], partition: Optional[int], error: Any) -> None:
+        """Log an error the consumer goes on after (a topic gone, no leader, no rights), once
+        a minute for each: a run that reads nothing says why."""
+        what = (error.code(), topic, partition)
+        now = time.monotonic()
+        if now - self._errors_said.get(what, -60.0) < 60.0:
+            return
+        self._errors_said[what] = now
+        where = f"{topic} partition {partition}" if topic else self.servers
+        log.warning("Kafka consumer, %s: %s (librdkafka tries again; said once a minute)",
+                    where, error.str())
+
+    def commit(self, offsets: Mapping[tuple[str, int], int], wait: bool = False) -> None:
+        """Tell the group where walberg is (for lag monitoring; walberg never reads it back);
+        ``wait``: until the broker has it (before the consumer closes)."""
         if not offsets:
             return
         try:
             self._consumer.commit(offsets=[self._ck.TopicPartition(t, p, o)
-                                           for (t, p), o in offsets.items()], asynchronous=True)
+                                           for (t, p), o in offsets.items()],
+                                  asynchronous=not wait)
         except self._ck.KafkaException:
             pass  # only monitoring: the lake holds the offsets that count
 
