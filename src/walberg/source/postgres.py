@@ -541,8 +541,13 @@ def describe_backend(conn: Any, pid: int) -> str:
     if row is None:
         return f"server process {pid}"
     app, addr, since = row
+    return f"{_backend(pid, app, addr)}, connected since {since}"
+
+
+def _backend(pid: int, app: Optional[str], addr: Optional[str]) -> str:
+    """A server process as messages name it: its application and client."""
     return (f"server process {pid} for application {app or '(unnamed)'} from "
-            f"{addr or 'a local socket'}, connected since {since}")
+            f"{addr or 'a local socket'}")
 
 
 def slot_wait(conn: Any, walsender: int) -> str:
@@ -559,9 +564,9 @@ def slot_wait(conn: Any, walsender: int) -> str:
         cur.execute("SELECT gid, date_trunc('second', prepared)::text FROM pg_prepared_xacts "
                     "ORDER BY prepared LIMIT 5")
         prepared = cur.fetchall()
-    seen = [f"server process {pid} (role {user}, application {app or '(unnamed)'}, from "
-            f"{addr or 'a local socket'}: {state or 'state hidden'}, in a transaction since "
-            f"{since}, {age} s ago; last statement: {' '.join((query or '').split())})"
+    seen = [f"{_backend(pid, app, addr)} (role {user}: {state or 'state hidden'}, in a "
+            f"transaction since {since}, {age} s ago; last statement: "
+            f"{' '.join((query or '').split())})"
             for pid, user, app, addr, state, since, age, query in running]
     seen += [f"prepared transaction '{gid}' (since {since}): COMMIT PREPARED or ROLLBACK "
              "PREPARED ends it" for gid, since in prepared]
