@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import as_file, insert_lsn, make_config, run_once, running, write_pipeline
+from conftest import as_file, insert_lsn, make_config, run_once, run_once_within, running, write_pipeline
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows, snapshot_lsns
 from walberg.config import Config
 from walberg.errors import Terminal
@@ -473,12 +473,7 @@ def test_once_ends_when_the_slot_resends_what_the_lake_holds(pg_conn: Any, postg
             cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
             cur.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (saved, slot))
             cur.execute("SELECT pg_drop_replication_slot(%s)", (saved,))
-        done: list[Any] = []
-        runner = threading.Thread(target=lambda ended=done: ended.append(run_once(config, spark)),
-                                  daemon=True)
-        runner.start()
-        runner.join(120)
-        assert done, "a --once run on a slot behind the lake did not end within 120 s"
+        run_once_within(120, config, spark)  # (on a slot behind the lake)
         assert_lake_equals(pg_conn, warehouse, table, config.target_for(table))
         assert list((tmp_path / "segments").glob("*.sealed")) == []
 
