@@ -10,6 +10,7 @@ import pytest
 
 from conftest import as_file, make_config
 from lake import hadoop_table, iceberg_rows, postgres_rows
+from walberg import faults
 from walberg.config import parse_config
 from walberg.errors import ApplyError
 from walberg.pipeline import Pipeline
@@ -96,3 +97,38 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
     assert [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)[len(rows):]] \
         == [("update", 1, "again"), ("insert", 4, "d")]
     assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, both)
+
+
+def test_changelog_append_whose_outcome_is_unknown_is_not_made_twice(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mode both: the changelog's append lands but its commit answers with an error (Iceberg's
+    CommitStateUnknownException, e.g. a catalog that timed out after taking it). The retry must
+    read what the changelog holds again, not append the batch's rows a second time."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} VALUES (1, 'a')")
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
+    raw["sink"]["tables"] = {table: {"mode": "both"}}
+    config = parse_config(raw, tmp_path)
+    mirror, changelog = config.target_for(table), config.changelog_for(table)
+
+    def run() -> None:
+        p = Pipeline(config, session=spark)
+        try:
+            p.run(once=True)
+        finally:
+            p.close()
+
+    run()
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (2, 'b')")
+        cur.execute(f"UPDATE {table} SET v = 'a2' WHERE id = 1")
+    monkeypatch.setattr(faults, "_FAIL", ("changelog", 1))
+    monkeypatch.setattr(faults, "_fails", {})
+    run()
+    assert faults._FAIL is None  # the failure point was passed
+    assert [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)] == [
+        ("snapshot", 1, "a"), ("insert", 2, "b"), ("update", 1, "a2")]
+    assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, table)

@@ -1,4 +1,4 @@
-"""Crash points for the fault-injection tests.
+"""Crash points and failure points for the fault-injection tests.
 
 ``WALBERG_CRASH_AT=name:n`` makes the process kill itself with SIGKILL (exactly what `kill -9`
 does: no cleanup, no flush) the n-th time it passes the named point, so a test can crash walberg
@@ -14,6 +14,12 @@ committed to Iceberg, its segments not yet removed and the slot not yet told), `
 ``copy-files``, ``row-delta`` and ``indexed`` (see apply.copyfiles and apply.position.keyed),
 ``key-store`` (a key index's files sent to the warehouse, its manifest not yet; see
 apply.position.keystore).
+
+``WALBERG_FAIL_AT=name:n`` (or ``_FAIL`` set by a test in its own process) makes the n-th pass of
+a failure point raise what a commit whose outcome is unknown raises (Iceberg's
+CommitStateUnknownException through the sink): a retryable ``ApplyError``, the work before it
+done. Points: ``changelog`` (a mode-both changelog's append landed, its table's commit not yet
+made).
 """
 
 from __future__ import annotations
@@ -23,10 +29,18 @@ import signal
 import threading
 from typing import Optional
 
-_setting = os.environ.get("WALBERG_CRASH_AT", "")
-_name, _, _count = _setting.partition(":")
-_TARGET: Optional[tuple[str, int]] = (_name, int(_count or 1)) if _name else None
+from walberg.errors import ApplyError
+
+
+def _target(setting: str) -> Optional[tuple[str, int]]:
+    name, _, count = setting.partition(":")
+    return (name, int(count or 1)) if name else None
+
+
+_TARGET: Optional[tuple[str, int]] = _target(os.environ.get("WALBERG_CRASH_AT", ""))
 _hits: dict[str, int] = {}
+_FAIL: Optional[tuple[str, int]] = _target(os.environ.get("WALBERG_FAIL_AT", ""))
+_fails: dict[str, int] = {}
 
 
 def _kill() -> None:
@@ -44,3 +58,16 @@ def crash_point(name: str, delay: float = 0.0) -> None:
         threading.Timer(delay, _kill).start()
     else:
         _kill()
+
+
+def failure_point(name: str) -> None:
+    """Raise a commit's unknown outcome here on the configured pass (then never again)."""
+    global _FAIL
+    if _FAIL is None or _FAIL[0] != name:
+        return
+    _fails[name] = _fails.get(name, 0) + 1
+    if _fails[name] < _FAIL[1]:
+        return
+    _FAIL = None
+    raise ApplyError(f"injected failure at {name}: the commit's outcome is unknown "
+                     "(CommitStateUnknownException)", retryable=True)

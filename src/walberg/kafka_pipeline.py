@@ -121,9 +121,8 @@ class KafkaPipeline:
                          if self.config.layout_for(self.names[t]).mode != "upsert"})
         for t in self.topics:
             if self.config.layout_for(self.names[t]).mode == "both":
-                held = self.sink.committed_offsets(self.config.changelog_for_topic(t))
-                stager.marks.changelog[self.names[t]] = {
-                    tp: o for tp, o in held.items() if tp[0] == t}
+                stager.marks.read_changelog(self.sink, self.names[t],
+                                            self.config.changelog_for_topic(t))
         applier = Applier(self.config, store, state, stager, tables, lambda: self.sink,
                           lambda: maintain_tables(self.sink, self.config.maintenance,
                                                   self.targets.values()))

@@ -26,7 +26,7 @@ from walberg.apply.iceberg import IcebergSink
 from walberg.apply.jvm.spark import with_commit_properties
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
-from walberg.faults import crash_point
+from walberg.faults import crash_point, failure_point
 from walberg.lakeside import commit_with_retries, count_files
 from walberg.model import Lsn, Op, pg_epoch
 from walberg.runtime.state import RunState
@@ -91,6 +91,10 @@ class Marks(Protocol):
     def changelog_holds(self, table: str, batch: Batch) -> None:
         """The changelog beside the table took the batch: a retry or the next batch leaves it
         out."""
+
+    def read_changelog(self, sink: IcebergSink, table: str, changelog: str) -> None:
+        """What the changelog beside the table holds, read from the lake: at the start, and
+        after an append whose outcome is unknown (it may have landed)."""
 
 
 class Stager(Protocol):
@@ -166,6 +170,8 @@ class Applier:
         self._last_maintenance = time.monotonic()
         self.batches = 0
         self.changes = 0
+        # Tables whose changelog's last append failed: what it holds is read before the next.
+        self._unsure: set[str] = set()
 
     @property
     def sink(self) -> IcebergSink:
@@ -293,6 +299,13 @@ class Applier:
             self.stager.dead_letters(table, st, batch)
         marks = self.stager.marks.marks(table, batch)
         if changelog is not None:
+            if table in self._unsure and changelog != target:
+                # The last append failed and may have landed all the same (its commit's
+                # outcome unknown): what the changelog holds is read again, or the retry
+                # appends the batch's rows twice.
+                self.sink.forget(changelog)
+                self.stager.marks.read_changelog(self.sink, table, changelog)
+                self._unsure.discard(table)
             held, skip = (self.stager.marks.in_changelog(table, batch) if changelog != target
                           else (None, []))
 
@@ -300,12 +313,18 @@ class Applier:
                 self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq,
                                          batch.void + skip, batch.txns, held)
 
-            if marks:
-                # The changelog's commit carries the source's marks too: a replay knows what
-                # it holds.
-                with_commit_properties(self.sink.spark, marks, append)
-            else:
-                append()
+            try:
+                if marks:
+                    # The changelog's commit carries the source's marks too: a replay knows
+                    # what it holds.
+                    with_commit_properties(self.sink.spark, marks, append)
+                else:
+                    append()
+                failure_point("changelog")
+            except BaseException:
+                if changelog != target:
+                    self._unsure.add(table)
+                raise
             if changelog != target:
                 self.stager.marks.changelog_holds(table, batch)
         if changelog != target:

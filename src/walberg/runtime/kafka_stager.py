@@ -133,6 +133,11 @@ class OffsetMarks:
         for tp, o in self._of(table, batch).items():
             held[tp] = max(held.get(tp, 0), o)
 
+    def read_changelog(self, sink: IcebergSink, table: str, changelog: str) -> None:
+        topic = self.topics.get(table)
+        self.changelog[table] = {tp: o for tp, o in sink.committed_offsets(changelog).items()
+                                 if tp[0] == topic}
+
 
 class KafkaStager:
     """Stages the Debezium records of sealed segments for the applier."""

@@ -68,6 +68,9 @@ class LsnMarks:
     def changelog_holds(self, table: str, batch: Batch) -> None:
         self.tables.changelog_held[table] = batch.lsn
 
+    def read_changelog(self, sink: IcebergSink, table: str, changelog: str) -> None:
+        self.tables.changelog_held[table] = sink.committed_lsn(changelog)
+
 
 class PgStager:
     """Stages the transactions of sealed pgoutput segments for the applier."""
