@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY
 from conftest import CATALOG, run_once, run_once_within, running, walberg_cli, write_pipeline
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import hadoop_table, iceberg_rows
+from walberg import faults
 from walberg.config import Config, parse_config
 from walberg.errors import ApplyError, WalbergError
 from walberg.kafka_pipeline import KafkaPipeline
@@ -159,6 +160,29 @@ def test_events_without_schema_and_dead_letters(
     again = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
     assert (again.records, again.dead_letters, len(_dead(warehouse, target))) == (0, 0, 6)
     assert {d["table"] for d in dead} == {target}
+
+
+def test_dead_letters_whose_commit_outcome_is_unknown_are_retried_not_doubled(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dead letters' commit answers with an error after it landed (a catalog that timed
+    out): like a table's commit it is tried again, the run goes on, and the retry leaves out
+    what the dead-letter table holds already."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    p.send(topic, {"id": 1}, b"{not json")
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "v": "b"}))
+    monkeypatch.setattr(faults, "_FAIL", ("dead-letters", 1))
+    monkeypatch.setattr(faults, "_fails", {})
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic],
+               tables={topic: {"key": ["id"]}})
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert faults._FAIL is None  # the failure point was passed
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert iceberg_rows(warehouse, target) == [{"id": 2, "v": "b"}]
+    assert [d["offset"] for d in _dead(warehouse, target)] == [0]
+    assert report.dead_letters == 1
 
 
 def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(

@@ -25,6 +25,8 @@ from walberg.apply.types import TypeMap, pg_type_for
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config, KafkaTopic
 from walberg.errors import ConfigError
+from walberg.faults import failure_point
+from walberg.lakeside import commit_with_retries
 from walberg.model import Column, Layout, Lsn
 from walberg.runtime.applier import Batch, Partition, grow_batch
 from walberg.runtime.state import RunState
@@ -532,29 +534,46 @@ class KafkaStager:
             by_target.setdefault(self.targets[record.topic], []).append((record, reason))
         for target, items in sorted(by_target.items()):
             items.sort(key=lambda item: (item[0].partition, item[0].offset))
-            marks: dict[str, str] = {}
-            for record, _ in items:
-                marks[f"{OFFSET_PROPERTY}.{record.topic}.{record.partition}"] = \
-                    str(record.offset + 1)
+            upto = {(r.topic, r.partition): r.offset + 1 for r, _ in items}
             table = pa.Table.from_pylist([
                 {"topic": r.topic, "partition": r.partition, "offset": r.offset,
                  "timestamp_ms": r.timestamp, "key": r.key, "value": r.value,
                  "table": target, "_dlq_reason": why} for r, why in items],
                 schema=DEAD_LETTER_SCHEMA)
+            topic = items[0][0].topic
             with tempfile.TemporaryDirectory(prefix="walberg-dlq-",
                                              dir=self.config.segment_dir) as work:
                 staged = Path(work) / "dead.parquet"
                 pq.write_table(table, staged)
-                written = self.sink.write_record_dead_letters(target, staged, marks)
+                written = self._write_dead(target, staged, upto, self.names.get(topic, topic))
             if not written:
                 continue
-            topic, first = items[0][0].topic, items[0]
+            first = items[0]
             metrics.DEAD_LETTERS.labels(self.names.get(topic, topic)).inc(written)
             self.report.dead_letters += written
             log.warning("%d record(s) of topic %s could not be applied and went to %s with the "
                         "reason in _dlq_reason; the first: partition %d offset %d: %s", written,
                         topic, self.sink.dead_letter_target(target), first[0].partition,
                         first[0].offset, first[1])
+
+    def _write_dead(self, target: str, staged: Path, upto: dict[Partition, int],
+                    table: str) -> int:
+        """``write_record_dead_letters`` (its commit marked with the next offset of each
+        partition, ``upto``), tried again on storage or catalog failures like a table's commit;
+        a retry leaves out what an attempt whose outcome was unknown wrote."""
+        marks = {f"{OFFSET_PROPERTY}.{t}.{p}": str(o) for (t, p), o in upto.items()}
+        written = 0
+
+        def write() -> None:
+            nonlocal written
+            written += self.sink.write_record_dead_letters(target, staged, marks)
+            failure_point("dead-letters")
+
+        commit_with_retries(self.config.sink, self.state.stop, self.sink, table,
+                            self.sink.dead_letter_target(target), write, lambda: False,
+                            f"offsets {offsets_text(upto)}",
+                            self.marks.held(table))
+        return written
 
     def applied(self, batch: Batch) -> None:
         self.state.advance_offsets(batch.offsets, lake=False)
