@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -22,6 +23,7 @@ from prometheus_client import REGISTRY
 from conftest import CATALOG, run_once, run_once_within, running, walberg_cli, write_pipeline
 from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
 from lake import hadoop_table, iceberg_rows
+from tcp_proxy import Proxy
 from walberg import faults
 from walberg.config import Config, parse_config
 from walberg.errors import ApplyError, WalbergError
@@ -372,6 +374,33 @@ def test_a_topic_made_again_behind_the_lakes_offsets_stops_the_run_with_the_way_
         p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": "b"}))
     with pytest.raises(WalbergError, match="deleted and created again"):
         run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+
+
+def test_a_broker_not_yet_reachable_at_start_is_waited_for(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The broker cannot be reached when the run starts (restarting, the network not up
+    yet): the run asks again, saying so, and reads the topic once it answers; it fails only
+    after source.kafka.reconnect_max_seconds."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    Producer(kafka_broker).send(topic, {"id": 1}, envelope("c", None, {"id": 1, "v": "a"}))
+    proxy = Proxy(int(kafka_broker.rpartition(":")[2]))
+    proxy.cut()  # refused until restored: past the first ask's 10 s
+    threading.Timer(12, proxy.restore).start()
+    raw = _raw(f"127.0.0.1:{proxy.port}", warehouse, tmp_path, unique, [topic])
+    with caplog.at_level(logging.WARNING, logger="walberg"):
+        report = run_once_within(120, _config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.records == 1
+    assert iceberg_rows(warehouse, f"{CATALOG}.ns_{unique}.{unique}") == [{"id": 1, "v": "a"}]
+    assert any("cannot reach the Kafka broker" in r.getMessage() and "asking again" in
+               r.getMessage() for r in caplog.records)
+    proxy.cut()
+
+    # A broker that never answers fails the run after reconnect_max_seconds, saying so.
+    raw["source"]["kafka"]["reconnect_max_seconds"] = 1
+    with pytest.raises(WalbergError, match="reconnect_max_seconds"):
+        run_once_within(60, _config(raw, tmp_path), spark, KafkaPipeline)
 
 
 def test_a_segment_larger_than_the_reader_holds_back_for_is_sealed_and_applied(

@@ -158,6 +158,10 @@ class KafkaSource(_Model):
         "debezium-json", description="record format: debezium-json (with or without schema)")
     tables: dict[str, KafkaTopic] = Field(
         default_factory=dict, description="per topic: table, key, columns")
+    reconnect_max_seconds: float = Field(
+        300.0, ge=0, description="at start, keep asking a broker that cannot be reached for "
+                                 "the topics this long before failing (once reading, the "
+                                 "consumer reconnects by itself)")
     properties: dict[str, str] = Field(
         default_factory=dict, description="extra librdkafka consumer settings (e.g. "
                                           "security.protocol, sasl.*)", repr=False)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from walberg import metrics
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
-from walberg.errors import Terminal
+from walberg.errors import Terminal, Transient
 from walberg.runtime.applier import Partition
 from walberg.runtime.kafka_stager import FRAME_KAFKA
 from walberg.runtime.state import RunState
@@ -46,9 +46,10 @@ class KafkaReader:
         first batch grows meanwhile."""
         consumer, store, state = self.consumer, self.store, self.state
         applied = state.applied_offsets()
-        partitions = consumer.partitions(self.topics)
-        start = {tp: applied.get(tp, kafka.BEGINNING) for tp in partitions}
-        marks = {tp: consumer.watermarks(*tp) for tp in partitions}
+        marks = self._ends()
+        if marks is None:
+            return  # stopped while the broker could not be reached
+        start = {tp: applied.get(tp, kafka.BEGINNING) for tp in marks}
         ends = {tp: high for tp, (_, high) in marks.items()}
         self._check_offsets(applied, marks)
         behind = any(end > max(start[tp], 0) for tp, end in ends.items())
@@ -95,6 +96,28 @@ class KafkaReader:
             self.seal()
         finally:
             state.catching_up.clear()
+
+    def _ends(self) -> Optional[dict[Partition, tuple[int, int]]]:
+        """Every partition of the topics and its ends now (its first offset kept and the
+        offset after its last record). A broker that cannot be reached (restarting, or the
+        network not up yet) is asked again, 1 s, 2 s, 4 s ... (at most 30 s) apart, for
+        ``source.kafka.reconnect_max_seconds``; None if the run is stopped meanwhile."""
+        assert self.config.source.kafka is not None
+        limit = self.config.source.kafka.reconnect_max_seconds
+        deadline, delay = time.monotonic() + limit, 1.0
+        while True:
+            try:
+                partitions = self.consumer.partitions(self.topics)
+                return {tp: self.consumer.watermarks(*tp) for tp in partitions}
+            except Transient as exc:
+                if time.monotonic() + delay > deadline:
+                    raise Transient(f"{exc}; tried for {limit:.0f} s "
+                                    "(source.kafka.reconnect_max_seconds): start the broker or "
+                                    "mend the address, then run walberg again") from None
+                log.warning("%s; asking again in %.0f s", exc, delay)
+            if self.state.stop.wait(delay):
+                return None
+            delay = min(delay * 2, 30.0)
 
     def _tell_group(self, wait: bool = False) -> None:
         """Commit what the lake holds to the consumer group, at most every few seconds, so the
