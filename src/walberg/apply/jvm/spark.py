@@ -577,7 +577,9 @@ _TRANSIENT = ("IOException", "UncheckedIOException", "RuntimeIOException", "File
 
 
 def _transient(exc: BaseException) -> bool:
-    java_exc = getattr(exc, "java_exception", None)
+    # (a Py4JJavaError's; pyspark's own converted exceptions, IllegalArgumentException and
+    # the like, keep theirs as _origin)
+    java_exc = getattr(exc, "java_exception", None) or getattr(exc, "_origin", None)
     if java_exc is None:
         return False
     try:
@@ -591,6 +593,13 @@ def _transient(exc: BaseException) -> bool:
             if name == "ValidationException" and any(
                     word in str(cause.getMessage() or "")
                     for word in ("conflicting", "Missing required files", "missing data files")):
+                return True
+            # The snapshot a row delta validates from was expired meanwhile (a maintenance by
+            # another source of a shared table, or `walberg maintain` from another process):
+            # done again once the key index has caught up with the table, it applies cleanly.
+            if name in ("IllegalArgumentException", "ValidationException") and any(
+                    word in str(cause.getMessage() or "")
+                    for word in ("is not an ancestor of", "Cannot determine history between")):
                 return True
             cause, seen = cause.getCause(), seen + 1
     except Exception:
