@@ -13,6 +13,8 @@ from lake import hadoop_table, iceberg_rows, postgres_rows
 from walberg import faults
 from walberg.config import parse_config
 from walberg.errors import ApplyError
+from walberg.lake.maintain import maintain
+from walberg.lake.services import Lake
 from walberg.pipeline import Pipeline
 
 
@@ -129,6 +131,11 @@ def test_changelog_append_whose_outcome_is_unknown_is_not_made_twice(
     monkeypatch.setattr(faults, "_fails", {})
     run()
     assert faults._FAIL is None  # the failure point was passed
-    assert [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)] == [
-        ("snapshot", 1, "a"), ("insert", 2, "b"), ("update", 1, "a2")]
+    logged = [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)]
+    assert logged == [("snapshot", 1, "a"), ("insert", 2, "b"), ("update", 1, "a2")]
     assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, table)
+
+    # `walberg maintain` keeps the changelog beside the table too (a commit a batch).
+    reports = maintain(Lake(config, session=spark))
+    assert sorted(r.table for r in reports) == sorted([mirror, changelog])
+    assert [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)] == logged

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import psycopg2
 from prometheus_client import REGISTRY
 
-from conftest import walberg_cli, write_pipeline
+from conftest import insert_lsn, running, walberg_cli, write_pipeline
 from lake import duckdb_rows, hadoop_table
 from walberg.config import parse_config
 from walberg.lake.services import Lake
@@ -329,3 +330,45 @@ def test_fan_in_sources_apply_by_position_each_to_its_own_rows(
     assert lake() == _source_rows(conns, unique)
     for conn in conns.values():
         conn.close()
+
+
+def test_fan_in_sources_maintain_their_shared_table_on_schedule_without_failing(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Two sources fan in to one table, each run with `maintenance.every`: both appliers'
+    schedules come due together. The table is maintained once a period between them, never
+    beside the other's commits, and the run goes on with every row right (each maintaining it
+    by itself made two compactions of one table race, and the loser ended the run)."""
+    dsns, conns = _databases(pg_conn, postgres, unique, ("east", "west"),
+                             {"east": [unique], "west": [unique]})
+    raw = _raw(dsns, {"east": [unique], "west": [unique]}, unique, warehouse, tmp_path)
+    raw["maintenance"] = {"every": "1s", "snapshot_retention": "0s", "retain_last": 2}
+    config = parse_config(raw, tmp_path)
+    target = config.for_source("east").target_for(f"public.{unique}")
+    several = Pipelines(config, session=spark)
+    replaced = 0
+    with running(several) as failures:  # type: ignore[arg-type]
+        for i in range(1, 4):
+            for name, conn in conns.items():
+                with conn.cursor() as cur:
+                    cur.execute(f"UPDATE {unique} SET v = '{name} {i}' WHERE id IN ({i}, {i + 5})")
+                    cur.execute(f"INSERT INTO {unique} VALUES ({100 + i}, '{name} new')")
+            for name, conn in conns.items():
+                several.pipelines[name].wait_for(insert_lsn(conn), timeout=120)
+            assert not failures, failures
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not failures:
+            replaced = sum(1 for s in hadoop_table(warehouse, target).snapshots()
+                           if s.summary is not None and s.summary.operation.value == "replace")
+            if replaced:
+                break
+            time.sleep(0.5)
+    assert not failures, failures
+    assert replaced, "no compaction was kept in the table's history"
+    assert _lake_rows(warehouse, target) == _source_rows(conns, unique)
+
+
+def _lake_rows(warehouse: Path, target: str) -> list[tuple[str, int, str]]:
+    """(source, id, v) of every row of a fan-in table, sorted."""
+    rows = hadoop_table(warehouse, target).scan().to_arrow().to_pylist()
+    return sorted((r["_walberg_source"], r["id"], r["v"]) for r in rows)

@@ -246,7 +246,7 @@ class Maintenance(_Model):
     """Compaction and cleanup of the Iceberg tables (`walberg maintain`, or on a schedule)."""
 
     every: Optional[float] = Field(
-        None, description="run maintenance from `walberg run` this often (e.g. 1h); off if unset")
+        None, gt=0, description="run maintenance from `walberg run` this often (e.g. 1h); off if unset")
     target_file_size_bytes: int = Field(
         128 * 1024 * 1024, ge=1024 * 1024, description="data file size compaction aims for")
     snapshot_retention: float = Field(
@@ -272,6 +272,11 @@ class Metrics(_Model):
 class Spark(_Model):
     master: str = Field("local[*]", description="Spark master URL")
     conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings")
+
+
+def changelog_beside(target: str) -> str:
+    """The changelog table beside ``target`` in mode both."""
+    return f"{target}_changelog"
 
 
 class Config(_Model):
@@ -382,14 +387,14 @@ class Config(_Model):
         """The changelog table of a source table: the target itself in append mode, else
         ``<target>_changelog`` (mode both)."""
         target = self.target_for(source_table)
-        return target if self.layout_for(source_table).mode == "append" else f"{target}_changelog"
+        return target if self.layout_for(source_table).mode == "append" else changelog_beside(target)
 
     def changelog_for_topic(self, topic: str) -> str:
         """The changelog table of a topic's table, as ``changelog_for``."""
         assert self.source.kafka is not None, "changelog_for_topic: a Kafka source's pipeline file"
         target = self.target_for_topic(topic)
         table = self.source.kafka.table_for(topic)
-        return target if self.layout_for(table).mode == "append" else f"{target}_changelog"
+        return target if self.layout_for(table).mode == "append" else changelog_beside(target)
 
     def layout_for(self, source_table: str) -> Layout:
         t = self.sink.tables.get(source_table) or TableLayout.model_validate({})

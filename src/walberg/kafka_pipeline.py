@@ -30,7 +30,7 @@ from walberg.apply.types import TypeMap
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.errors import ConfigError
-from walberg.lake.maintain import maintain_tables
+from walberg.lake.maintain import maintain_on_schedule, written_beside
 from walberg.lakeside import open_session, ready_storage, release, stage_root
 from walberg.runtime.applier import Applier
 from walberg.runtime.kafka_reader import KafkaReader
@@ -124,8 +124,11 @@ class KafkaPipeline:
                 stager.marks.read_changelog(self.sink, self.names[t],
                                             self.config.changelog_for_topic(t))
         applier = Applier(self.config, store, state, stager, tables, lambda: self.sink,
-                          lambda: maintain_tables(self.sink, self.config.maintenance,
-                                                  self.targets.values()))
+                          lambda: maintain_on_schedule(
+                              self.sink, self.config.maintenance,
+                              written_beside(self.config, {self.names[t]: self.targets[t]
+                                                           for t in self.topics}),
+                              state.stop))
         # Whatever survived in sealed segments from an earlier run goes first.
         applier.apply_ready(drain=True)
 

@@ -14,6 +14,9 @@ DEAD_LETTERS = Counter("walberg_dead_letters", "Rows sent to the dead-letter tab
                        "their table (they could not be written exactly)", ["table"])
 COMMIT_RETRIES = Counter("walberg_commit_retries", "Iceberg commits tried again after a "
                          "storage or catalog failure", ["table"])
+MAINTENANCE_FAILURES = Counter("walberg_maintenance_failures", "Scheduled maintenance of an "
+                               "Iceberg table that failed (tried again a period later)",
+                               ["table"])
 BYTES_WRITTEN = Counter("walberg_bytes_written", "Bytes of data and delete files committed",
                         ["table"])
 FILES_CREATED = Counter("walberg_files_created", "Data and delete files committed",

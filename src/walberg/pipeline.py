@@ -30,7 +30,7 @@ from walberg.apply.types import TypeMap
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config, load_config
 from walberg.errors import ConfigError, Terminal
-from walberg.lake.maintain import maintain_tables
+from walberg.lake.maintain import maintain_on_schedule, written_beside
 from walberg.lakeside import open_session, ready_storage, release, stage_root
 from walberg.model import Lsn
 from walberg.runtime.applier import Applier
@@ -254,8 +254,9 @@ class Pipeline:
         for segment in store.sealed():
             state.sealed(segment.seq, stager.scan(segment))
         applier = Applier(self.config, store, state, stager, self._tables, lambda: self.sink,
-                          lambda: maintain_tables(self.sink, self.config.maintenance,
-                                                  self.targets.values()))
+                          lambda: maintain_on_schedule(
+                              self.sink, self.config.maintenance,
+                              written_beside(self.config, self.targets), state.stop))
         reader = PgReader(self.config, store, state, self._tables, copier, relations,
                           self._recopy, self.slot_wait_seconds, stager.start_early)
 

@@ -4,12 +4,17 @@ remove orphan files (``maintenance:`` in the pipeline file says how much to keep
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from walberg import metrics
 from walberg.apply.iceberg import IcebergSink
-from walberg.config import Maintenance
+from walberg.apply.jvm.spark import one_commit_at_a_time
+from walberg.apply.session import DLQ_SUFFIX
+from walberg.config import Config, Maintenance, changelog_beside
+from walberg.errors import WalbergError
 from walberg.lake.services import Lake, LakeSource
 
 log = logging.getLogger("walberg")
@@ -44,11 +49,12 @@ def maintain(lake: Lake, tables: Optional[list[str]] = None) -> list[TableMainte
     if tables:
         for table in tables:
             source, target = lake.find(table)
-            todo.setdefault(target, source)
+            for t in written_beside(source.config, {source.resolve(table) or table: target}):
+                todo.setdefault(t, source)
     else:
         for source in lake.sources:
-            for target in source.targets.values():
-                todo.setdefault(target, source)
+            for t in written_beside(source.config, source.targets):
+                todo.setdefault(t, source)
     reports = []
     for source in lake.sources:
         mine = [target for target, s in todo.items() if s is source]
@@ -67,12 +73,61 @@ def maintain_tables(sink: IcebergSink, settings: Maintenance,
     return reports
 
 
+def written_beside(config: Config, targets: dict[str, str]) -> list[str]:
+    """The Iceberg tables walberg writes for these tables (source table -> its Iceberg table):
+    each one, the changelog beside it (mode both) and its dead-letter table (``<table>__dlq``),
+    whether they exist or not. All grow by a commit per batch, so all need maintenance."""
+    out: list[str] = []
+    for table, target in targets.items():
+        out += [target, target + DLQ_SUFFIX]
+        if config.layout_for(table).mode == "both":
+            out.append(changelog_beside(target))
+    return list(dict.fromkeys(out))
+
+
+# When each table was last maintained on schedule by this process (see maintain_on_schedule).
+_scheduled: dict[str, float] = {}
+_scheduled_guard = threading.Lock()
+
+
+def maintain_on_schedule(sink: IcebergSink, settings: Maintenance, targets: Iterable[str],
+                         stop: threading.Event) -> None:
+    """What ``walberg run`` does every ``maintenance.every``, between two of its batches.
+    Sources fanning in to one table each come here for it: it is maintained once a period (by
+    the first to come), and never while another thread of this process commits to it. A table
+    whose maintenance fails is said and counted (``walberg_maintenance_failures_total``) and
+    tried again a period later: maintenance never ends the run, nor holds its stop."""
+    assert settings.every
+    for target in targets:
+        if stop.is_set():
+            return
+        with _scheduled_guard:
+            last = _scheduled.get(target)
+            if last is not None and time.monotonic() - last < settings.every / 2:
+                continue  # another source's applier maintained it this period
+            _scheduled[target] = time.monotonic()
+        try:
+            if sink.table_exists(target):
+                _maintain_table(sink, settings, target)
+        except WalbergError as exc:
+            metrics.MAINTENANCE_FAILURES.labels(target).inc()
+            log.error("scheduled maintenance of %s failed: %s. The run goes on; it is tried "
+                      "again in %.0f s (maintenance.every), or run `walberg maintain`", target,
+                      exc, settings.every)
+        finally:
+            with _scheduled_guard:
+                _scheduled[target] = time.monotonic()  # a period from its end
+
+
 def _maintain_table(sink: IcebergSink, m: Maintenance, target: str) -> TableMaintenance:
     now_ms = int(time.time() * 1000)
     started = time.monotonic()
-    done = sink.maintain(
+    # Sources fanning in to the table commit from other threads of this process: they wait
+    # (compaction rewrites the files their row deltas name, and would fail their validation or
+    # its own otherwise).
+    done = one_commit_at_a_time(target, lambda: sink.maintain(
         target, m.target_file_size_bytes, now_ms - int(m.snapshot_retention * 1000),
-        m.retain_last, now_ms - int(m.orphan_retention * 1000))
+        m.retain_last, now_ms - int(m.orphan_retention * 1000)))
     report = TableMaintenance(
         table=target, before=_stats(done["before"]), after=_stats(done["after"]),
         rewritten_data_files=done["rewritten_data_files"],
