@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import as_file, make_config, run_once, walberg_cli, write_pipeline, writing
 from lake import iceberg_rows, postgres_rows
+from walberg.apply.session import java_table
 from walberg.config import Config, parse_config
 from walberg.source.chunks import Span, jdbc_target, plan_chunks, remaining, session_init
 
@@ -121,9 +122,13 @@ def _eight_chunks(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
     return table, config, write_pipeline(config, tmp_path / "pipeline.yaml")
 
 
+@pytest.mark.parametrize("expired", [False, True], ids=["resumed", "first-chunk-expired"])
 def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committed(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
-        unique: str) -> None:
+        unique: str, expired: bool) -> None:
+    """``expired``: a maintenance expired the first chunk's snapshot before the next run. Its
+    spans are then unknown: the copy starts anew (resumed with the chunks still in the
+    history, it appended the expired chunks' rows a second time)."""
     table, config, path = _eight_chunks(pg_conn, postgres, warehouse, tmp_path, unique)
     target = config.target_for(table)
 
@@ -133,6 +138,18 @@ def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committ
                            "--once"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert len(_copy_marks(spark, target)) == 3
+    if expired:
+        first = spark.sql(f"SELECT snapshot_id FROM {target}.snapshots "
+                          "ORDER BY committed_at LIMIT 1").collect()[0][0]
+        java_table(spark, target).expireSnapshots().expireSnapshotId(first) \
+            .cleanExpiredFiles(False).commit()
+        assert len(_copy_marks(spark, target)) == 2
+        run_once(config, spark)
+        marks = _copy_marks(spark, target)
+        assert [m.get("walberg.copy.first") for m in marks].count("true") == 1
+        assert "walberg.copy.catchup" not in marks[-1]  # a copy of its own, not a resume
+        assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+        return
 
     # Meanwhile the source changes, in copied and in not yet copied ranges, and beyond both.
     with pg_conn.cursor() as cur:

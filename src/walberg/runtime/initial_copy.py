@@ -227,7 +227,10 @@ class InitialCopy:
         if key is None or slot_flushed is None:
             return created.consistent_point, None, []
         history = self.sink.copy_marks(target)
-        if not history or history[0].get(COPY_PREFIX + "key") != key:
+        if (not history or history[0].get(COPY_PREFIX + "key") != key
+                or not history[0].get(COPY_PREFIX + "first")):
+            # (without its first chunk's snapshot, expired by a maintenance since, the spans
+            # committed are not all known: the copy starts anew rather than read some twice)
             return created.consistent_point, None, []
         start = Lsn.parse(history[0][COPY_PREFIX + "point"])
         if start < slot_flushed:
