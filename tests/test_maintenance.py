@@ -30,6 +30,7 @@ def test_maintenance_after_many_small_commits(postgres: Any, spark: Any, warehou
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [f"public.{unique}"])
     target = config.target_for(f"public.{unique}")
     sink = IcebergSink(spark)
+    sink.record_server("7300000000000000001/1")
     sink.ensure_table(target, COLUMNS)
     # Many small commits, as a busy stream with a short interval makes them: inserts, and
     # every fifth commit an update of earlier rows (merge-on-read: position delete files).
@@ -61,6 +62,8 @@ def test_maintenance_after_many_small_commits(postgres: Any, spark: Any, warehou
     # What the lake holds stays known: the compaction carried walberg.lsn along.
     assert sink.committed_lsn(target) == Lsn(COMMITS)
     assert history(lake, f"public.{unique}")[-1].lsn == str(Lsn(COMMITS))
+    # And the server that LSN belongs to, which a failover is checked against.
+    assert sink.committed_server(target) == "7300000000000000001/1"
 
 
 def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, spark: Any,

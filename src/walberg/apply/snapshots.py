@@ -12,6 +12,7 @@ from walberg.apply.session import (
     COPY_PREFIX,
     LSN_PROPERTY,
     OFFSET_PROPERTY,
+    SERVER_PROPERTY,
     LakeSession,
     java_table,
     quote_target,
@@ -75,9 +76,11 @@ class Snapshots:
 
     def lsn_marks(self, target: str) -> dict[str, str]:
         """Every source's LSN and Kafka offset in the table's current history (the highest of
-        each), so a maintenance commit can carry them all: expiring old snapshots then loses
-        none."""
+        each) and the source server its LSN belongs to (the newest), so a maintenance commit
+        can carry them all: expiring old snapshots then loses none (without the server, a
+        failover's check of the lake against the new primary was skipped)."""
         best: dict[str, int] = {}
+        servers: dict[str, str] = {}
         for summary in spark_call(f"reading the snapshot history of {target}",
                                   lambda: self.current_ancestry(target)):
             for key, text in summary.items():
@@ -85,11 +88,14 @@ class Snapshots:
                     value = int(text)
                 elif key == LSN_PROPERTY or key.startswith(LSN_PROPERTY + "."):
                     value = Lsn.parse(text)
+                elif key == SERVER_PROPERTY or key.startswith(SERVER_PROPERTY + "."):
+                    servers.setdefault(key, text)  # the newest (newest first)
+                    continue
                 else:
                     continue
                 best[key] = max(best.get(key, value), value)
-        return {k: (str(Lsn(v)) if k.startswith(LSN_PROPERTY) else str(v))
-                for k, v in best.items()}
+        return {**servers, **{k: (str(Lsn(v)) if k.startswith(LSN_PROPERTY) else str(v))
+                              for k, v in best.items()}}
 
     def committed_offsets(self, target: str) -> dict[tuple[str, int], int]:
         """The next Kafka offset of each (topic, partition) the table's current history
