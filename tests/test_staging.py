@@ -78,12 +78,12 @@ def test_check_tells_a_cluster_user_where_batches_go(tmp_path: Path) -> None:
 
 
 def test_a_restart_removes_the_folders_a_killed_run_staged_in(tmp_path: Path) -> None:
-    for name in ("batch-a1b2c3", "walberg-copy-x9"):
+    for name in ("batch-a1b2c3", "walberg-copy-x9", "walberg-dlq-k3"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "00000-public.t.parquet").write_bytes(b"PAR1")
     (tmp_path / "0000000000000001.sealed").write_bytes(b"segment")
     (tmp_path / "spill").mkdir()
     gone = remove_local_leftovers(tmp_path)
-    assert sorted(p.name for p in gone) == ["batch-a1b2c3", "walberg-copy-x9"]
+    assert sorted(p.name for p in gone) == ["batch-a1b2c3", "walberg-copy-x9", "walberg-dlq-k3"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0000000000000001.sealed", "spill"]
     assert remove_local_leftovers(tmp_path / "missing") == []

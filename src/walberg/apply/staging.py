@@ -36,9 +36,9 @@ LOCAL = "local"
 # Under the warehouse when buffer.stage_uri is not set and staging must leave the driver.
 DEFAULT_FOLDER = "_walberg_staging"
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-# The folders made in buffer.dir for one batch (runtime.pg_stager, runtime.kafka_stager) or one
-# initial copy (runtime.initial_copy).
-LOCAL_FOLDERS = ("batch-", "walberg-copy-")
+# The folders made in buffer.dir for one batch (runtime.pg_stager, runtime.kafka_stager), one
+# initial copy (runtime.initial_copy) or a Kafka batch's dead letters (runtime.kafka_stager).
+LOCAL_FOLDERS = ("batch-", "walberg-copy-", "walberg-dlq-")
 
 
 def remove_local_leftovers(directory: Path) -> list[Path]:
