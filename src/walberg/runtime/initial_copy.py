@@ -69,7 +69,7 @@ class InitialCopy:
         infos = self._as_of(infos, created)
         workdir = Path(tempfile.mkdtemp(prefix="walberg-copy-", dir=self.config.segment_dir))
         try:
-            for info in infos:
+            for n, info in enumerate(infos):
                 started = time.monotonic()
                 source = info.qualified_name
                 # A table copied again may have other columns by now (a resync after a stop).
@@ -80,7 +80,7 @@ class InitialCopy:
                         info, created,
                         slot_flushed if temp is not None and not reshaped else None)
                 else:
-                    rows = self._copy_whole(info, created, workdir)
+                    rows = self._copy_whole_in(info, created, workdir / f"t{n}")
                     point = created.consistent_point
                 self.state.set_committed(source, point)
                 self.report.copied[source] = rows
@@ -131,6 +131,17 @@ class InitialCopy:
         log.info("%s joined publication %s: copying it", table, self.pg.publication)
         self.tables.ensure(table, info)
         self.copy([info], None)
+
+    def _copy_whole_in(self, info: pg.TableInfo, created: CreatedSlot, folder: Path) -> int:
+        """``_copy_whole`` staged in a folder of the table's own, removed (with what was sent
+        to the stage area for it) once the table is copied: a copy of many tables never holds
+        more than one table's staged files on disk or in the stage area."""
+        folder.mkdir()
+        try:
+            return self._copy_whole(info, created, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+            self.sink.release_staged(folder)
 
     def _copy_whole(self, info: pg.TableInfo, created: CreatedSlot, workdir: Path) -> int:
         """The default copy: one COPY stream, loaded in one commit marked with the slot's
