@@ -170,3 +170,39 @@ def test_a_copy_that_fails_midway_leaves_nothing(
     run_once(config, spark)
     expected = [r for r in postgres_rows(pg_conn, table) if r["id"] != -1]
     assert iceberg_rows(warehouse, target) == expected
+
+
+def test_a_table_rewritten_while_an_earlier_one_is_copied_is_copied_in_a_snapshot_of_its_own(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """One snapshot serves every table of a first copy. A table rewritten after it (here by
+    ALTER TABLE ... TYPE, committed while the table before it is copied) keeps its rows in a
+    new file the older snapshot reads as empty, and the rewrite is not streamed: it was
+    copied empty, silently. It is found under its lock and copied in a newer snapshot."""
+    first, second = f"public.{unique}_a", f"public.{unique}_b"
+    with pg_conn.cursor() as cur:
+        for name in (first, second):
+            cur.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v int)")
+            cur.execute(f"INSERT INTO {name} SELECT g, g * 10 FROM generate_series(1, 50) g")
+    config = parse_config(as_file(make_config(postgres, warehouse, tmp_path / "segments",
+                                              unique, [first, second])), tmp_path)
+    original = initial_copy.InitialCopy._copy_whole_in
+
+    def rewrite_the_second_first(self: Any, info: Any, created: Any, folder: Path) -> int:
+        if info.qualified_name == first:  # while the first is copied, the second is rewritten
+            with pg_conn.cursor() as cur:
+                cur.execute(f"ALTER TABLE {second} ALTER COLUMN v TYPE bigint")
+        return original(self, info, created, folder)
+
+    monkeypatch.setattr(initial_copy.InitialCopy, "_copy_whole_in", rewrite_the_second_first)
+    with caplog.at_level(logging.WARNING, logger="walberg"):
+        run_once(config, spark)
+    for name in (first, second):
+        assert iceberg_rows(warehouse, config.target_for(name)) == postgres_rows(pg_conn, name)
+    assert f"{second} was rewritten after the copy's snapshot" in caplog.text
+    monkeypatch.setattr(initial_copy.InitialCopy, "_copy_whole_in", original)
+    with pg_conn.cursor() as cur:  # and the stream goes on from the newer snapshot
+        cur.execute(f"INSERT INTO {second} VALUES (51, 5000000000)")
+        cur.execute(f"UPDATE {second} SET v = -1 WHERE id = 3")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(second)) == postgres_rows(pg_conn, second)

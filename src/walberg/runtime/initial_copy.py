@@ -30,7 +30,7 @@ from walberg.runtime.tables import PgTables, count_dead
 from walberg.source import chunks
 from walberg.source import postgres as pg
 from walberg.source.chunks import Span
-from walberg.source.snapshot import copy_table, in_snapshot
+from walberg.source.snapshot import copy_table, hold_and_check, in_snapshot
 from walberg.source.stream import CreatedSlot, ReplicationStream
 
 log = logging.getLogger("walberg")
@@ -68,20 +68,32 @@ class InitialCopy:
                                        temporary=True)
         infos = self._as_of(infos, created)
         workdir = Path(tempfile.mkdtemp(prefix="walberg-copy-", dir=self.config.segment_dir))
+        rewritten: list[pg.TableInfo] = []
         try:
             for n, info in enumerate(infos):
                 started = time.monotonic()
                 source = info.qualified_name
-                # A table copied again may have other columns by now (a resync after a stop).
-                reshaped = self.tables.reshape(source, info)
-                if self._chunked(info):
-                    # (a copy cut short under the old columns is not resumed under the new)
-                    rows, point = self._copy_chunked(
-                        info, created,
-                        slot_flushed if temp is not None and not reshaped else None)
-                else:
-                    rows = self._copy_whole_in(info, created, workdir / f"t{n}")
-                    point = created.consistent_point
+                # Locked until its copy is committed: no rewrite while it is read.
+                with in_snapshot(self.pg.dsn, created.snapshot_name) as held:
+                    moved = hold_and_check(held, info)
+                    if moved:
+                        log.warning("%s was rewritten after the copy's snapshot (%s: ALTER "
+                                    "TABLE ... TYPE, VACUUM FULL, CLUSTER or TRUNCATE), which "
+                                    "reads it as empty: it is copied in a snapshot of its own",
+                                    source, ", ".join(moved))
+                        rewritten.append(info)
+                        continue
+                    # A table copied again may have other columns by now (a resync after a
+                    # stop).
+                    reshaped = self.tables.reshape(source, info)
+                    if self._chunked(info):
+                        # (a copy cut short under the old columns is not resumed under the new)
+                        rows, point = self._copy_chunked(
+                            info, created,
+                            slot_flushed if temp is not None and not reshaped else None)
+                    else:
+                        rows = self._copy_whole_in(info, created, workdir / f"t{n}")
+                        point = created.consistent_point
                 self.state.set_committed(source, point)
                 self.report.copied[source] = rows
                 metrics.COPIED_ROWS.labels(source).inc(rows)
@@ -93,6 +105,10 @@ class InitialCopy:
             self.sink.release_staged(workdir)
             if temp is not None:
                 temp.close()
+        if rewritten:
+            # A temporary slot's snapshot, newer than the rewrite: those tables' changes count
+            # from its position (as for a table that joins the publication).
+            self.copy(rewritten, None)
 
     def _as_of(self, infos: list[pg.TableInfo], created: CreatedSlot) -> list[pg.TableInfo]:
         """The tables as the copy's snapshot has them. They were described before the slot

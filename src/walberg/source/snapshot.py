@@ -16,7 +16,7 @@ import psycopg2
 from psycopg2 import sql
 
 from walberg.errors import SourceError
-from walberg.source.postgres import TableInfo, connect
+from walberg.source.postgres import TableInfo, connect, quote_table
 
 
 @contextmanager
@@ -33,6 +33,29 @@ def in_snapshot(dsn: str, snapshot_name: Optional[str]) -> Iterator[Any]:
         conn.rollback()
     finally:
         conn.close()
+
+
+def hold_and_check(conn: Any, table: TableInfo) -> list[str]:
+    """Lock ``table`` (ACCESS SHARE, with its partitions: the lock COPY itself takes) in
+    ``conn``'s transaction, held until it ends, and return the relations of it (the table, or
+    its partitions) whose storage was replaced since the transaction's snapshot. One snapshot
+    serves every table of a copy, so a table copied after others may have been rewritten
+    meanwhile (ALTER TABLE ... TYPE, VACUUM FULL, CLUSTER, TRUNCATE): its rows then sit in a
+    new file that the older snapshot reads as empty, PostgreSQL's documented MVCC caveat, and
+    the stream never carries them again. pg_class as the snapshot has it against the file the
+    server uses now (read once the lock is held) tells."""
+    with conn.cursor() as cur:
+        cur.execute(f"LOCK TABLE {table.own_rows_sql()} IN ACCESS SHARE MODE")
+        cur.execute(
+            "WITH RECURSIVE tree(oid) AS ("
+            "  SELECT %s::regclass::oid"
+            "  UNION ALL SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.oid"
+            "  WHERE %s) "
+            "SELECT c.oid::regclass::text FROM tree JOIN pg_class c ON c.oid = tree.oid "
+            "WHERE c.relkind IN ('r', 'm') "
+            "AND c.relfilenode IS DISTINCT FROM pg_relation_filenode(c.oid) ORDER BY 1",
+            (quote_table(table.qualified_name), table.partitioned))
+        return [str(r[0]) for r in cur.fetchall()]
 
 
 def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Optional[str]) -> int:
