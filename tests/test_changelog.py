@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from conftest import as_file, make_config
+from conftest import as_file, make_config, run_once
 from lake import hadoop_table, iceberg_rows, postgres_rows
 from walberg import faults
 from walberg.config import parse_config
@@ -41,14 +41,7 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
                                    config.target_for(alone))
     assert changelog == mirror + "_changelog" and config.changelog_for(alone) == log_only
 
-    def run() -> None:
-        p = Pipeline(config, session=spark)
-        try:
-            p.run(once=True)
-        finally:
-            p.close()
-
-    run()
+    run_once(config, spark)
     assert [(r["_walberg_op"], r["id"]) for r in _rows(warehouse, changelog)] == \
         [("snapshot", 1), ("snapshot", 2)]
     with pg_conn.cursor() as cur:
@@ -61,7 +54,7 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
         cur.execute("COMMIT")
         cur.execute(f"TRUNCATE {alone}")
         cur.execute(f"INSERT INTO {alone} VALUES (3, 'c')")
-    run()
+    run_once(config, spark)
 
     rows = _rows(warehouse, changelog)
     assert [(r["_walberg_op"], r["id"], r["v"]) for r in rows] == [
@@ -95,7 +88,7 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
         p.close()
     assert len(_rows(warehouse, changelog)) == len(rows) + 2  # the changelog got its commit
     immutable.release()
-    run()
+    run_once(config, spark)
     assert [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)[len(rows):]] \
         == [("update", 1, "again"), ("insert", 4, "d")]
     assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, both)
@@ -116,20 +109,13 @@ def test_changelog_append_whose_outcome_is_unknown_is_not_made_twice(
     config = parse_config(raw, tmp_path)
     mirror, changelog = config.target_for(table), config.changelog_for(table)
 
-    def run() -> None:
-        p = Pipeline(config, session=spark)
-        try:
-            p.run(once=True)
-        finally:
-            p.close()
-
-    run()
+    run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f"INSERT INTO {table} VALUES (2, 'b')")
         cur.execute(f"UPDATE {table} SET v = 'a2' WHERE id = 1")
     monkeypatch.setattr(faults, "_FAIL", ("changelog", 1))
     monkeypatch.setattr(faults, "_fails", {})
-    run()
+    run_once(config, spark)
     assert faults._FAIL is None  # the failure point was passed
     logged = [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)]
     assert logged == [("snapshot", 1, "a"), ("insert", 2, "b"), ("update", 1, "a2")]
