@@ -372,3 +372,28 @@ def _lake_rows(warehouse: Path, target: str) -> list[tuple[str, int, str]]:
     """(source, id, v) of every row of a fan-in table, sorted."""
     rows = hadoop_table(warehouse, target).scan().to_arrow().to_pylist()
     return sorted((r["_walberg_source"], r["id"], r["v"]) for r in rows)
+
+
+def test_fan_in_copies_keep_each_sources_dead_letters(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Both sources' copies have a row the Iceberg type cannot hold (NaN in a decimal): each
+    goes to the shared dead-letter table with its source, and one source's copy replacing its
+    own earlier dead letters leaves the other's (it deleted every copy's dead letters)."""
+    dsns, conns = _databases(pg_conn, postgres, unique, ("east", "west"),
+                             {"east": [unique], "west": [unique]})
+    for name, conn in conns.items():
+        with conn.cursor() as cur:
+            cur.execute(f"ALTER TABLE {unique} ADD COLUMN amount numeric(8,2)")
+            cur.execute(f"UPDATE {unique} SET amount = 'NaN' WHERE id = %s",
+                        (1 if name == "east" else 2,))
+    config = parse_config(_raw(dsns, {"east": [unique], "west": [unique]}, unique, warehouse,
+                               tmp_path), tmp_path)
+    target = config.for_source("east").target_for(f"public.{unique}")
+    _run(config, spark)
+    dead = hadoop_table(warehouse, target + "__dlq").scan().to_arrow().to_pylist()
+    assert sorted((d["_walberg_source"], d["id"], d["_walberg_op"]) for d in dead) == [
+        ("east", "1", "snapshot"), ("west", "2", "snapshot")]
+    assert len(_lake_rows(warehouse, target)) == 38
+    for conn in conns.values():
+        conn.close()

@@ -112,7 +112,8 @@ class Snapshots:
 
     def copy_marks(self, target: str) -> list[dict[str, str]]:
         """The walberg.copy.* marks of the table's current history since the start of its last
-        chunked copy, oldest first (empty when no chunked copy was started)."""
+        chunked copy, oldest first (empty when no chunked copy was started); in a table
+        several sources fan in to, this sink's source's only (``walberg.copy.source``)."""
         if not self.lake.table_exists(target):
             return []
         t = quote_target(target)
@@ -124,6 +125,9 @@ class Snapshots:
         marks: list[dict[str, str]] = []
         for r in rows:
             summary = {k: v for k, v in (r["summary"] or {}).items() if k.startswith(COPY_PREFIX)}
+            if summary.get(COPY_PREFIX + "source") != self.lake.source:
+                continue  # another source's copy into a table they share (or none)
+            summary.pop(COPY_PREFIX + "source", None)
             if summary.get(COPY_PREFIX + "first"):
                 marks = []
             if summary:

@@ -26,6 +26,7 @@ from walberg.apply.position.keycodec import ByMerge
 from walberg.apply.position.keyed import KeyedApply
 from walberg.apply.position.partitions import NotHere
 from walberg.apply.session import (
+    COPY_PREFIX,
     DLQ_SUFFIX,
     LSN_COLUMN,
     OP_COLUMN,
@@ -231,15 +232,35 @@ class Writes:
         return target + DLQ_SUFFIX
 
     def _dead_letter_table(self, target: str, columns: Sequence[Column]) -> str:
-        """``<target>__dlq``, created if missing, with what it holds known."""
+        """``<target>__dlq``, created if missing, with what it holds known. Beside a table
+        several sources fan in to, its rows say their source (``_walberg_source``, added to a
+        table made before), so that one source's copy replaces its own earlier copy's dead
+        letters, never another's."""
         dlq = self.dead_letter_target(target)
         if dlq not in self._dead_lsn:
+            shared = self.lake.source is not None
             if not self.lake.table_exists(dlq):
                 cols = ", ".join(f"{quote(c.name)} STRING" for c in columns)
+                own = f", {quote(SOURCE_COLUMN)} STRING" if shared else ""
                 self.tables.create(dlq, f"{cols}, {quote(OP_COLUMN)} STRING, "
-                                        f"{quote(LSN_COLUMN)} BIGINT, {quote(DLQ_REASON)} STRING")
+                                        f"{quote(LSN_COLUMN)} BIGINT, {quote(DLQ_REASON)} STRING"
+                                        f"{own}")
+            elif shared and SOURCE_COLUMN not in spark_call(
+                    f"reading the columns of {dlq}",
+                    lambda: self.lake.spark.table(quote_target(dlq)).columns):
+                self.lake.sql(f"adding {SOURCE_COLUMN} to {dlq}",
+                              f"ALTER TABLE {quote_target(dlq)} ADD COLUMN "
+                              f"{quote(SOURCE_COLUMN)} STRING")
             self._dead_lsn[dlq] = self.snapshots.committed_lsn(dlq)
         return dlq
+
+    def _dead_letters_of_this_source(self) -> tuple[str, list[str]]:
+        """A dead-letter table's rows of this sink's source (an SQL condition) and the column
+        that says so (the select expressions), both empty for a table of one source."""
+        if self.lake.source is None:
+            return "true", []
+        me = sql_string(self.lake.source)
+        return f"{quote(SOURCE_COLUMN)} = {me}", [f"{me} AS {quote(SOURCE_COLUMN)}"]
 
     def load_chunk(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
                    marks: Mapping[str, str], *, first: bool, done: bool,
@@ -262,6 +283,8 @@ class Writes:
             dead = self._chunk_dead_letters(target, columns, df, lsn, first, dead_span)
             df = df.where(f"{DLQ_REASON} IS NULL")
         typed = self.lake.typed(df, target, columns, f"CAST({int(lsn)} AS BIGINT)", text=True)
+        if self.lake.source is not None:  # whose copy it is, in a table sources share
+            marks = {**marks, COPY_PREFIX + "source": self.lake.source}
         writer = self.lake.writer(typed, target, lsn,
                                   {**marks, self.lake.lsn_property: str(lsn)} if done else marks)
         try:
@@ -304,7 +327,8 @@ class Writes:
         if not (dead or dlq_known):
             return dead
         dlq = self._dead_letter_table(target, columns)
-        where = f"{quote(OP_COLUMN)} = 'snapshot'"
+        mine, tag = self._dead_letters_of_this_source()
+        where = f"{quote(OP_COLUMN)} = 'snapshot' AND {mine}"
         if not first:
             if dead_span is None:
                 where = "false"
@@ -320,7 +344,7 @@ class Writes:
                 *[f"c{i} AS {quote(c.name)}" for i, c in enumerate(columns)],
                 f"'snapshot' AS {quote(OP_COLUMN)}",
                 f"CAST({int(lsn)} AS BIGINT) AS {quote(LSN_COLUMN)}",
-                f"{DLQ_REASON} AS {quote(DLQ_REASON)}")
+                f"{DLQ_REASON} AS {quote(DLQ_REASON)}", *tag)
             spark_call(f"writing dead letters to {dlq}",
                        lambda: self.lake.writer(rows, dlq, lsn).append())
             self._dead_lsn[dlq] = lsn
@@ -336,15 +360,17 @@ class Writes:
         dlq = self._dead_letter_table(target, columns)
         held = self._dead_lsn[dlq]
         df = self.lake.read_staged([path]).where(where)
+        mine, tag = self._dead_letters_of_this_source()
         if snapshot:
             self.lake.sql(f"replacing earlier initial-copy dead letters in {dlq}",
-                          f"DELETE FROM {quote_target(dlq)} WHERE {quote(OP_COLUMN)} = 'snapshot'")
+                          f"DELETE FROM {quote_target(dlq)} "
+                          f"WHERE {quote(OP_COLUMN)} = 'snapshot' AND {mine}")
         elif held is not None:
             df = df.where(f"_wb_lsn > {int(held)}")
         exprs = [f"{value_column(i)} AS {quote(c.name)}" for i, c in enumerate(columns)]
         exprs += [f"{OP_LABEL_SQL} AS {quote(OP_COLUMN)}",
                   f"_wb_lsn AS {quote(LSN_COLUMN)}",
-                  f"{DLQ_REASON} AS {quote(DLQ_REASON)}"]
+                  f"{DLQ_REASON} AS {quote(DLQ_REASON)}", *tag]
         rows = df.selectExpr(*exprs)
         count = int(spark_call(f"counting dead letters for {target}", rows.count))
         if count:
