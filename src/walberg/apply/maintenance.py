@@ -4,6 +4,7 @@ Iceberg's Spark actions. Every commit that replaces files carries the table's pr
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from walberg.apply.jvm.spark import spark_call
@@ -43,28 +44,60 @@ class Maintenance:
         options = {"target-file-size-bytes": str(target_file_size), "min-input-files": "2",
                    "delete-file-threshold": "1", "remove-dangling-deletes": "true",
                    "partial-progress.enabled": "false"}
+        took: dict[str, float] = {}
+
+        def step(name: str, what: str, fn: Any) -> Any:
+            started = time.monotonic()
+            try:
+                return spark_call(f"{what} {target}", fn)
+            finally:
+                took[name] = round(time.monotonic() - started, 2)
+
         rewrite = marked(actions.rewriteDataFiles(table()))
         for key, value in options.items():
             rewrite = rewrite.option(key, value)
-        result = spark_call(f"compacting {target}", rewrite.execute)
-        # Position deletes whose data files were just rewritten are void now: drop them.
-        spark_call(f"dropping applied delete files of {target}",
-                   marked(actions.rewritePositionDeletes(table()).option("rewrite-all", "true"))
-                   .execute)
-        spark_call(f"rewriting the manifests of {target}",
-                   marked(actions.rewriteManifests(table())).execute)
-        expired = spark_call(
-            f"expiring snapshots of {target}",
-            actions.expireSnapshots(table()).expireOlderThan(expire_older_than_ms)
-            .retainLast(retain_last).execute)
-        orphans = spark_call(
-            f"removing orphan files of {target}",
-            actions.deleteOrphanFiles(table()).olderThan(orphans_older_than_ms).execute)
+        result = step("compact", "compacting", rewrite.execute)
+        # Each step below is skipped when the table's metadata (read on the driver) shows it
+        # has nothing to do: each is a Spark job or more, and a table's commits wait for its
+        # maintenance.
+        now = table()
+        now.refresh()
+        if _total(now, "total-delete-files"):
+            # Position deletes whose data files were just rewritten are void now: drop them.
+            step("deletes", "dropping applied delete files of",
+                 marked(actions.rewritePositionDeletes(now).option("rewrite-all", "true"))
+                 .execute)
+        if _manifests(now) > 1:
+            step("manifests", "rewriting the manifests of",
+                 marked(actions.rewriteManifests(table())).execute)
+        expired_count = 0
+        if sum(1 for _ in now.snapshots()) > retain_last:
+            expired = step("expire", "expiring snapshots of",
+                           actions.expireSnapshots(table()).expireOlderThan(expire_older_than_ms)
+                           .retainLast(retain_last).execute)
+            expired_count = int(expired.deletedManifestListsCount())
+        orphans = step("orphans", "removing orphan files of",
+                       actions.deleteOrphanFiles(table()).olderThan(orphans_older_than_ms)
+                       .execute)
         after = self.snapshots.files(target)
         return {
             "table": target, "before": before, "after": after,
             "rewritten_data_files": int(result.rewrittenDataFilesCount()),
             "added_data_files": int(result.addedDataFilesCount()),
-            "expired_snapshots": int(expired.deletedManifestListsCount()),
+            "expired_snapshots": expired_count,
             "orphan_files_removed": sum(1 for _ in orphans.orphanFileLocations()),
+            "seconds": took,
         }
+
+
+def _total(table: Any, key: str) -> int:
+    """A running total from the table's current snapshot summary (0 without a snapshot)."""
+    current = table.currentSnapshot()
+    value = None if current is None else current.summary().get(key)
+    return int(value) if value is not None else 0
+
+
+def _manifests(table: Any) -> int:
+    """The manifests of the table's current snapshot."""
+    current = table.currentSnapshot()
+    return 0 if current is None else int(current.allManifests(table.io()).size())

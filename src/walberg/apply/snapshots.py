@@ -168,7 +168,22 @@ class Snapshots:
         return [r.asDict() for r in rows]
 
     def files(self, target: str) -> dict[str, int]:
-        """Data and delete files of the current snapshot, their bytes, and the snapshot count."""
+        """Data and delete files of the current snapshot, their bytes, and the snapshot count:
+        from the table's metadata on the driver (the running totals each snapshot's summary
+        keeps), or the files metadata table when a writer left them out."""
+        table = spark_call(f"reading the metadata of {target}",
+                           lambda: self.iceberg_table(target))
+        snaps = sum(1 for _ in table.snapshots())
+        current = table.currentSnapshot()
+        if current is None:
+            return {"data_files": 0, "delete_files": 0, "bytes": 0, "snapshots": snaps}
+        summary = current.summary()
+        totals = [summary.get(k) for k in ("total-data-files", "total-delete-files",
+                                            "total-files-size")]
+        if all(v is not None for v in totals):
+            data, deletes, size = (int(v) for v in totals)
+            return {"data_files": data, "delete_files": deletes, "bytes": size,
+                    "snapshots": snaps}
         t = quote_target(target)
         rows = self.lake.sql(
             f"listing the files of {target}",

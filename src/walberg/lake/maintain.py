@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from walberg import metrics
@@ -38,6 +38,7 @@ class TableMaintenance:
     expired_snapshots: int
     orphan_files_removed: int
     seconds: float
+    steps: dict[str, float] = field(default_factory=dict)  # the seconds of each step taken
 
 
 def maintain(lake: Lake, tables: Optional[list[str]] = None) -> list[TableMaintenance]:
@@ -133,10 +134,11 @@ def _maintain_table(sink: IcebergSink, m: Maintenance, target: str) -> TableMain
         rewritten_data_files=done["rewritten_data_files"],
         added_data_files=done["added_data_files"], expired_snapshots=done["expired_snapshots"],
         orphan_files_removed=done["orphan_files_removed"],
-        seconds=round(time.monotonic() - started, 2))
+        seconds=round(time.monotonic() - started, 2), steps=done["seconds"])
     b, a = report.before, report.after
-    log.info("maintained %s in %.1f s: data files %d -> %d, delete files %d -> %d, "
+    log.info("maintained %s in %.1f s (%s): data files %d -> %d, delete files %d -> %d, "
              "snapshots %d -> %d, %d -> %d bytes", target, report.seconds,
+             ", ".join(f"{k} {v:.1f} s" for k, v in report.steps.items()),
              b.data_files, a.data_files, b.delete_files, a.delete_files,
              b.snapshots, a.snapshots, b.bytes, a.bytes)
     return report
