@@ -18,6 +18,7 @@ from conftest import insert_lsn, running, walberg_cli, write_pipeline
 from lake import duckdb_rows, hadoop_table
 from walberg.config import parse_config
 from walberg.lake.services import Lake
+from walberg.ops.resync import resync
 from walberg.ops.verify import verify
 from walberg.pipeline import Pipelines
 
@@ -390,10 +391,19 @@ def test_fan_in_copies_keep_each_sources_dead_letters(
     config = parse_config(_raw(dsns, {"east": [unique], "west": [unique]}, unique, warehouse,
                                tmp_path), tmp_path)
     target = config.for_source("east").target_for(f"public.{unique}")
+
+    def dead() -> list[tuple[str, str, str]]:
+        rows = hadoop_table(warehouse, target + "__dlq").scan().to_arrow().to_pylist()
+        return sorted((d["_walberg_source"], d["id"], d["_walberg_op"]) for d in rows)
+
     _run(config, spark)
-    dead = hadoop_table(warehouse, target + "__dlq").scan().to_arrow().to_pylist()
-    assert sorted((d["_walberg_source"], d["id"], d["_walberg_op"]) for d in dead) == [
-        ("east", "1", "snapshot"), ("west", "2", "snapshot")]
+    both = [("east", "1", "snapshot"), ("west", "2", "snapshot")]
+    assert dead() == both
     assert len(_lake_rows(warehouse, target)) == 38
+    # One source's table copied again replaces that source's copy dead letters only.
+    with Lake(config, session=spark) as lake:
+        east = next(s for s in lake.sources if s.name == "east")
+        resync(lake, [(east, [f"public.{unique}"])])
+    assert dead() == both
     for conn in conns.values():
         conn.close()
