@@ -106,9 +106,11 @@ class KafkaReader:
         limit = self.config.source.kafka.reconnect_max_seconds
         deadline, delay = time.monotonic() + limit, 1.0
         while True:
+            # (each ask waits at most 10 s, and no longer than the time left)
+            wait = max(1.0, min(10.0, deadline - time.monotonic()))
             try:
-                partitions = self.consumer.partitions(self.topics)
-                return {tp: self.consumer.watermarks(*tp) for tp in partitions}
+                partitions = self.consumer.partitions(self.topics, wait)
+                return {tp: self.consumer.watermarks(*tp, wait) for tp in partitions}
             except Transient as exc:
                 if time.monotonic() + delay > deadline:
                     raise Transient(f"{exc}; tried for {limit:.0f} s "
