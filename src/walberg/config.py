@@ -246,7 +246,8 @@ class Maintenance(_Model):
     """Compaction and cleanup of the Iceberg tables (`walberg maintain`, or on a schedule)."""
 
     every: Optional[float] = Field(
-        None, gt=0, description="run maintenance from `walberg run` this often (e.g. 1h); off if unset")
+        None, ge=0, description="run maintenance from `walberg run` this often (e.g. 1h); off if "
+                                "unset or 0")
     target_file_size_bytes: int = Field(
         128 * 1024 * 1024, ge=1024 * 1024, description="data file size compaction aims for")
     snapshot_retention: float = Field(
