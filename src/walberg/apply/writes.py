@@ -245,12 +245,13 @@ class Writes:
                 self.tables.create(dlq, f"{cols}, {quote(OP_COLUMN)} STRING, "
                                         f"{quote(LSN_COLUMN)} BIGINT, {quote(DLQ_REASON)} STRING"
                                         f"{own}")
-            elif shared and SOURCE_COLUMN not in spark_call(
-                    f"reading the columns of {dlq}",
-                    lambda: self.lake.spark.table(quote_target(dlq)).columns):
-                self.lake.sql(f"adding {SOURCE_COLUMN} to {dlq}",
-                              f"ALTER TABLE {quote_target(dlq)} ADD COLUMN "
-                              f"{quote(SOURCE_COLUMN)} STRING")
+            elif shared:
+                facts = self.tables.describe(dlq)
+                if facts is not None and SOURCE_COLUMN not in dict(facts.columns):
+                    self.lake.sql(f"adding {SOURCE_COLUMN} to {dlq}",
+                                  f"ALTER TABLE {quote_target(dlq)} ADD COLUMN "
+                                  f"{quote(SOURCE_COLUMN)} STRING")
+                    self.tables.forget(dlq)
             self._dead_lsn[dlq] = self.snapshots.committed_lsn(dlq)
         return dlq
 
