@@ -107,6 +107,13 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
         f"ALTER TABLE {table} ADD COLUMN k int[] DEFAULT '{{1,NULL,3}}', "
         "ADD COLUMN m text[] DEFAULT '{}'",
         f"UPDATE {table} SET k = '{{7}}', m = '{{\"a b\"}}' WHERE id = 52",
+        # Existing rows keep the default they were added with after it is dropped (as Django
+        # adds a column), and a default set after a plain ADD COLUMN is not theirs.
+        f"ALTER TABLE {table} ADD COLUMN n int NOT NULL DEFAULT 0",
+        f"ALTER TABLE {table} ALTER COLUMN n DROP DEFAULT",
+        f"ALTER TABLE {table} ADD COLUMN p int",
+        f"ALTER TABLE {table} ALTER COLUMN p SET DEFAULT 5",
+        f"INSERT INTO {table} (id, a, n) VALUES (54, 54, 3)",
     ]
     with pg_conn.cursor() as cur:
         for statement in steps:
@@ -117,14 +124,39 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
     schema = {f.name: str(f.field_type) for f in hadoop_table(warehouse, target).schema().fields}
     assert schema == {"id": "int", "a": "long", "c2": "double", "d": "decimal(9, 2)",
                       "v": "string", "e": "int", "f": "string", "g": "timestamptz",
-                      "h": "binary", "k": "list<int>", "m": "list<string>",
-                      "_walberg_lsn": "long"}
+                      "h": "binary", "k": "list<int>", "m": "list<string>", "n": "int",
+                      "p": "int", "_walberg_lsn": "long"}
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     # DuckDB reads the evolved table too (columns by field id: renamed, dropped, promoted).
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)
     with Lake(config, session=spark) as lake:
         [verdict] = verify(lake)
     assert verdict.equal, verdict
+
+
+def test_the_dead_letter_table_follows_added_columns(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Dead letters after an ADD COLUMN and a DROP COLUMN: the dead-letter table gains the
+    new column (as text) and keeps the dropped one (NULL in the new rows), instead of the
+    append failing and stopping the table."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, n numeric, b text)")
+        cur.execute(f"INSERT INTO {table} VALUES (1, 'NaN', 'x'), (2, 2, 'y')")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)  # row 1: a dead letter of the copy
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN c int")
+        cur.execute(f"ALTER TABLE {table} DROP COLUMN b")
+        cur.execute(f"INSERT INTO {table} VALUES (3, 'NaN', 30), (4, 4, 40)")
+    run_once(config, spark)
+    dead = sorted(hadoop_table(warehouse, f"{target}__dlq").scan().to_arrow().to_pylist(),
+                  key=lambda r: r["id"])
+    assert [(r["id"], r["n"], r["b"], r.get("c")) for r in dead] == \
+        [("1", "NaN", "x", None), ("3", "NaN", None, "30")]
+    assert [(r["id"], r["c"]) for r in iceberg_rows(warehouse, target)] == [(2, None), (4, 40)]
 
 
 def test_alter_table_before_the_slot_exists_is_in_the_copy(

@@ -231,29 +231,34 @@ class Writes:
     def dead_letter_target(self, target: str) -> str:
         return target + DLQ_SUFFIX
 
-    def _dead_letter_table(self, target: str, columns: Sequence[Column]) -> str:
-        """``<target>__dlq``, created if missing, with what it holds known. Beside a table
+    def _dead_letter_table(self, target: str, columns: Sequence[Column]) -> tuple[str, list[str]]:
+        """``<target>__dlq``, created if missing, with what it holds known, and the select
+        expressions (NULLs) for its columns that ``columns`` lack. It follows the table's
+        columns as they are added (as text) and keeps those dropped since. Beside a table
         several sources fan in to, its rows say their source (``_walberg_source``, added to a
         table made before), so that one source's copy replaces its own earlier copy's dead
         letters, never another's."""
         dlq = self.dead_letter_target(target)
+        shared = self.lake.source is not None
         if dlq not in self._dead_lsn:
-            shared = self.lake.source is not None
             if not self.lake.table_exists(dlq):
                 cols = ", ".join(f"{quote(c.name)} STRING" for c in columns)
                 own = f", {quote(SOURCE_COLUMN)} STRING" if shared else ""
                 self.tables.create(dlq, f"{cols}, {quote(OP_COLUMN)} STRING, "
                                         f"{quote(LSN_COLUMN)} BIGINT, {quote(DLQ_REASON)} STRING"
                                         f"{own}")
-            elif shared:
-                facts = self.tables.describe(dlq)
-                if facts is not None and SOURCE_COLUMN not in dict(facts.columns):
-                    self.lake.sql(f"adding {SOURCE_COLUMN} to {dlq}",
-                                  f"ALTER TABLE {quote_target(dlq)} ADD COLUMN "
-                                  f"{quote(SOURCE_COLUMN)} STRING")
-                    self.tables.forget(dlq)
             self._dead_lsn[dlq] = self.snapshots.committed_lsn(dlq)
-        return dlq
+        facts = self.tables.describe(dlq)
+        held = [] if facts is None else [n for n, _ in facts.columns]
+        wanted = [c.name for c in columns] + ([SOURCE_COLUMN] if shared else [])
+        missing = [n for n in wanted if n not in held]
+        if facts is not None and missing:
+            self.lake.sql(f"adding {', '.join(missing)} to {dlq}",
+                          f"ALTER TABLE {quote_target(dlq)} ADD COLUMNS ("
+                          + ", ".join(f"{quote(n)} STRING" for n in missing) + ")")
+            self.tables.forget(dlq)
+        given = {c.name for c in columns} | {OP_COLUMN, LSN_COLUMN, DLQ_REASON, SOURCE_COLUMN}
+        return dlq, [f"CAST(NULL AS STRING) AS {quote(n)}" for n in held if n not in given]
 
     def _dead_letters_of_this_source(self) -> tuple[str, list[str]]:
         """A dead-letter table's rows of this sink's source (an SQL condition) and the column
@@ -327,7 +332,7 @@ class Writes:
         dlq_known = self.lake.table_exists(self.dead_letter_target(target))
         if not (dead or dlq_known):
             return dead
-        dlq = self._dead_letter_table(target, columns)
+        dlq, dropped = self._dead_letter_table(target, columns)
         mine, tag = self._dead_letters_of_this_source()
         where = f"{quote(OP_COLUMN)} = 'snapshot' AND {mine}"
         if not first:
@@ -345,7 +350,7 @@ class Writes:
                 *[f"c{i} AS {quote(c.name)}" for i, c in enumerate(columns)],
                 f"'snapshot' AS {quote(OP_COLUMN)}",
                 f"CAST({int(lsn)} AS BIGINT) AS {quote(LSN_COLUMN)}",
-                f"{DLQ_REASON} AS {quote(DLQ_REASON)}", *tag)
+                f"{DLQ_REASON} AS {quote(DLQ_REASON)}", *tag, *dropped)
             spark_call(f"writing dead letters to {dlq}",
                        lambda: self.lake.writer(rows, dlq, lsn).append())
             self._dead_lsn[dlq] = lsn
@@ -358,7 +363,7 @@ class Writes:
         dead-letter table already holds (a replay after a crash) are left out. ``snapshot``: the
         rows come from an initial copy and replace those of any earlier copy. Returns the rows
         written."""
-        dlq = self._dead_letter_table(target, columns)
+        dlq, dropped = self._dead_letter_table(target, columns)
         held = self._dead_lsn[dlq]
         df = self.lake.read_staged([path]).where(where)
         mine, tag = self._dead_letters_of_this_source()
@@ -371,7 +376,7 @@ class Writes:
         exprs = [f"{value_column(i)} AS {quote(c.name)}" for i, c in enumerate(columns)]
         exprs += [f"{OP_LABEL_SQL} AS {quote(OP_COLUMN)}",
                   f"_wb_lsn AS {quote(LSN_COLUMN)}",
-                  f"{DLQ_REASON} AS {quote(DLQ_REASON)}", *tag]
+                  f"{DLQ_REASON} AS {quote(DLQ_REASON)}", *tag, *dropped]
         rows = df.selectExpr(*exprs)
         count = int(spark_call(f"counting dead letters for {target}", rows.count))
         if count:

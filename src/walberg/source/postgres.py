@@ -275,10 +275,14 @@ _CONSTANT = re.compile(r"^\(?(NULL|true|false|-?\d+(\.\d+)?|'(?:[^']|'')*')\)?"
 
 
 def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[str]]:
-    """Whether ``column`` has a default, and the value (as text) that the rows existing when it
-    was added got: pg_attribute.attmissingval while Postgres keeps it there; after a later
-    table rewrite, the default itself if it is a constant. None: a volatile default (now(),
-    nextval()), whose values the replication stream never carries."""
+    """Whether the rows that existed when ``column`` was added got a value, and that value (as
+    text). Postgres records a constant default's value for them in pg_attribute.attmissingval,
+    which stays when the default is dropped later (as Django adds a column): that value. A
+    volatile default (random(), nextval(), an identity) rewrites the table with values the
+    replication stream never carries: (True, None). A constant default without a recorded
+    value was set after the column was added (the existing rows kept NULL) or the table was
+    rewritten since (which walberg cannot tell apart): (False, None), the rows are left NULL,
+    as they are in Postgres in the first (and likelier) case."""
     with conn.cursor() as cur:
         cur.execute(
             """SELECT a.atthasdef, a.atthasmissing, a.attmissingval::text,
@@ -289,17 +293,14 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
             (quote_table(table), column),
         )
         row = cur.fetchone()
+        if row is not None and row[1]:
+            return True, row[2]
         if row is None or not row[0]:
             return False, None
-        if row[1]:
-            return True, row[2]
         cur.execute(f"EXPLAIN (VERBOSE, FORMAT JSON) SELECT {row[3]}")
         plan = cur.fetchone()[0]
         output = plan[0]["Plan"].get("Output", [""])[0]
-        if not _CONSTANT.match(output):
-            return True, None
-        cur.execute(f"SELECT ARRAY[({row[3]})]::text")
-        return True, cur.fetchone()[0]
+        return (False, None) if _CONSTANT.match(output) else (True, None)
 
 
 # Postgres's FirstNormalObjectId: OIDs below it belong to Postgres itself.
