@@ -620,3 +620,52 @@ def test_a_driver_on_another_machine_fetches_the_index_kept_in_the_warehouse(
     assert "rebuilt from the lake" in caplog.text and "fetched" not in caplog.text, \
         caplog.text[-3000:]
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+
+def test_a_new_primary_key_never_reads_the_old_key_s_index(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A table whose key becomes another column of the same type (a new primary key): its key
+    index, on this disk or kept in the warehouse, holds the old key's values, which would find
+    other rows (a wrong row deleted, the updated one left twice). It is made anew instead."""
+    import shutil
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        # order_no runs the other way over the same values as id: an old index would answer.
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, order_no int NOT NULL, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 201 - g, 0 FROM generate_series(1, 200) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} DROP CONSTRAINT {unique}_pkey, "
+                    "ADD PRIMARY KEY (order_no)")
+        cur.execute(f"UPDATE {table} SET v = 1 WHERE order_no BETWEEN 10 AND 19")
+        cur.execute(f"DELETE FROM {table} WHERE order_no BETWEEN 30 AND 34")
+    _run_logged(config, spark, caplog)
+    assert "rebuilt from the lake" in caplog.text, caplog.text[-3000:]
+    assert iceberg_rows(warehouse, target, key="order_no") == \
+        postgres_rows(pg_conn, table, key="order_no")
+
+    # The key goes back to id; a driver with no index here finds the kept one made for
+    # order_no, and makes its own.
+    shutil.rmtree(config.index_dir)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} DROP CONSTRAINT {unique}_pkey, ADD PRIMARY KEY (id)")
+        cur.execute(f"UPDATE {table} SET v = 2 WHERE id BETWEEN 50 AND 59")
+        cur.execute(f"DELETE FROM {table} WHERE id BETWEEN 60 AND 64")
+    _run_logged(config, spark, caplog)
+    assert "rebuilt from the lake" in caplog.text, caplog.text[-3000:]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+    # Rows appended, then the key column renamed: the index is made again, reading the data
+    # files' key columns by field id (the files written before hold the old name).
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} SELECT g, 1000 + g, 0 FROM generate_series(300, 310) g")
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} RENAME id TO uid")
+        cur.execute(f"UPDATE {table} SET v = 3 WHERE uid BETWEEN 300 AND 305 OR uid < 5")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target, key="uid") == postgres_rows(pg_conn, table, key="uid")

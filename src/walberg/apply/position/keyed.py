@@ -222,15 +222,15 @@ class KeyedApply:
         keys = [columns[i].name for i in positions]
         self._wait_for_fetch(target)
         found = self._indexes.get(target)
-        if found is None or found.encoding != codec.name:
+        if found is None or found.encoding != codec.name or found.keys not in (None, tuple(keys)):
             found = self._indexes[target] = KeyIndex(self._directory(target),
-                                                     encoding=codec.name)
+                                                     encoding=codec.name, keys=keys)
         if table is None:
             table = java_table(self.lake.spark, target)
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if not found.built and self._store is not None:
-            found = self._fetched(target, table, codec, now) or found
+            found = self._fetched(target, table, codec, keys, now) or found
         if found.built and now == found.snapshot:
             self._know_files(target, table, now)
             self._keep(target, table, found)
@@ -297,10 +297,10 @@ class KeyedApply:
         return self._files
 
     def _fetched(self, target: str, table: Any, codec: Optional[KeyCodec],
-                 now: Optional[int]) -> Optional[KeyIndex]:
+                 keys: Optional[Sequence[str]], now: Optional[int]) -> Optional[KeyIndex]:
         """A driver with no index of the table: the one kept in the warehouse, if it describes
         the current snapshot or one it follows to it by appends (made for ``codec``'s key
-        encoding; None: any); else None."""
+        encoding and the key columns ``keys``; None: any); else None."""
         place = self._place(target, table)
         if place is None or now is None:
             return None
@@ -309,7 +309,7 @@ class KeyedApply:
         directory = self._directory(target)
         try:
             snapshot = self._store.fetch(
-                place, directory, None if codec is None else codec.name,
+                place, directory, None if codec is None else codec.name, keys,
                 lambda s: s == now or self._appends_since(table, s, now) is not None)
         except Exception as exc:
             log.warning("key index of %s: the copy in the warehouse could not be read (%s); "
@@ -334,7 +334,7 @@ class KeyedApply:
             current = None if table is None else table.currentSnapshot()
             if current is None:
                 return
-            self._fetched(target, table, None, int(current.snapshotId()))
+            self._fetched(target, table, None, None, int(current.snapshotId()))
         except Exception as exc:
             log.debug("fetching the kept key index of %s ahead failed: %s", target, exc)
 
@@ -594,7 +594,8 @@ class KeyedApply:
         of the copy's commit ``snapshot``; on a failure other than ``ByMerge``, left for
         ``index`` to make from the lake (with a warning)."""
         started = time.monotonic()
-        index = self._indexes[target] = KeyIndex(self._directory(target), encoding=codec.name)
+        index = self._indexes[target] = KeyIndex(self._directory(target), encoding=codec.name,
+                                                 keys=keys.names)
         try:
             keys.finish(index, snapshot)
         except ByMerge:

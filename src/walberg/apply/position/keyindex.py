@@ -32,7 +32,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, Optional
+from typing import Any, Iterator, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -45,6 +45,23 @@ TOMBSTONE = -1
 def encoding_of(manifest: Mapping[str, Any]) -> str:
     """The key codec an index's manifest was made for (indexes from before codecs: integers)."""
     return str(manifest.get("encoding", "int"))
+
+
+def keys_of(manifest: Mapping[str, Any]) -> Optional[tuple[str, ...]]:
+    """The key columns an index's manifest was made for (None: an index from before they were
+    recorded, taken as made for the table's key)."""
+    keys = manifest.get("keys")
+    return None if keys is None else tuple(keys)
+
+
+def made_for(manifest: Mapping[str, Any], encoding: Optional[str],
+             keys: Optional[Sequence[str]]) -> bool:
+    """Whether the index of ``manifest`` holds keys of ``encoding`` and of the columns ``keys``
+    (None: any). A table whose key became other columns of the same types (a new primary key,
+    REPLICA IDENTITY USING INDEX) must not read the index of the old ones."""
+    held = keys_of(manifest)
+    return ((encoding is None or encoding_of(manifest) == encoding)
+            and (keys is None or held is None or held == tuple(keys)))
 
 
 @dataclass
@@ -118,11 +135,13 @@ class KeyIndex:
     """The index of one table, in ``directory``."""
 
     def __init__(self, directory: Path, chunk: int = 1 << 20, max_delta: int = 2_000_000,
-                 encoding: str = "int") -> None:
-        """``encoding``: the key codec's name (``keycodec.KeyCodec.name``); an index on disk
-        made for another is not read (the caller rebuilds it)."""
+                 encoding: str = "int", keys: Optional[Sequence[str]] = None) -> None:
+        """``encoding``: the key codec's name (``keycodec.KeyCodec.name``); ``keys``: the key
+        columns' names (None: those of the index on disk). An index on disk made for another
+        encoding or other columns is not read (the caller rebuilds it)."""
         self.directory = directory
         self.encoding = encoding
+        self.keys: Optional[tuple[str, ...]] = None if keys is None else tuple(keys)
         self.chunk = chunk
         self.max_delta = max_delta
         self.snapshot: Optional[int] = None
@@ -141,8 +160,10 @@ class KeyIndex:
         if not path.exists():
             return
         manifest = json.loads(path.read_text())
-        if encoding_of(manifest) != self.encoding:
+        if not made_for(manifest, self.encoding, self.keys):
             return
+        if self.keys is None:
+            self.keys = keys_of(manifest)
         self.snapshot = manifest["snapshot"]
         self._files = manifest["files"]
         self._file_ids = {f: i for i, f in enumerate(self._files)}
@@ -160,7 +181,8 @@ class KeyIndex:
         remove what it no longer names."""
         manifest = {"snapshot": self.snapshot, "files": self._files, "base": self._base,
                     "base_size": self._base_size, "deltas": self._delta_names,
-                    "encoding": self.encoding}
+                    "encoding": self.encoding,
+                    **({} if self.keys is None else {"keys": list(self.keys)})}
         partial = self.directory / f"{MANIFEST}.{uuid.uuid4().hex}"
         with open(partial, "w") as out:
             json.dump(manifest, out)

@@ -39,13 +39,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 from pyarrow import fs as pafs
 
-from walberg.apply.position.keyindex import MANIFEST, encoding_of
+from walberg.apply.position.keyindex import MANIFEST, made_for
 from walberg.apply.position.lakekeys import s3_path
 from walberg.apply.position.rowdelta import local_path
 from walberg.faults import crash_point
@@ -222,10 +222,10 @@ class KeyStore:
     # ---- fetching ---------------------------------------------------------------------------
 
     def fetch(self, place: Place, directory: Path, encoding: Optional[str],
-              usable: Callable[[int], bool]) -> Optional[int]:
+              keys: Optional[Sequence[str]], usable: Callable[[int], bool]) -> Optional[int]:
         """Bring into ``directory`` (holding no index) the newest kept index whose snapshot is
-        ``usable`` and made with ``encoding`` (None: any); its snapshot, or None (nothing to
-        fetch)."""
+        ``usable`` and made with ``encoding`` for the key columns ``keys`` (None: any); its
+        snapshot, or None (nothing to fetch)."""
         infos = place.fs.get_file_info(pafs.FileSelector(place.folder, allow_not_found=True))
         found = sorted((int(m.group(1)) for m in (_SNAPSHOT.fullmatch(i.base_name)
                                                   for i in infos) if m), reverse=True)
@@ -234,7 +234,7 @@ class KeyStore:
                 continue
             with place.fs.open_input_stream(place.path(f"snapshot-{snapshot}.json")) as source:
                 manifest = json.loads(source.read().decode())
-            if encoding is not None and encoding_of(manifest) != encoding:
+            if not made_for(manifest, encoding, keys):
                 return None
             packed = bool(manifest.pop("packed", False))
             sizes: dict[str, int] = manifest.pop("kept")
