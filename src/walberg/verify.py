@@ -23,10 +23,11 @@ The canonical text per Iceberg type:
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,7 +38,9 @@ from walberg.model import Column
 from walberg.source.postgres import sql_identifier
 
 SEP = "\x1f"  # between columns in the canonical row text
-_HASH_PG = "('x' || substr(md5({}), 1, 15))::bit(60)::bigint::numeric"
+# (Postgres hashes the text's UTF-8 bytes whatever the database's encoding, as Spark does)
+_MD5_PG = "md5(convert_to({}, 'UTF8'))"
+_HASH_PG = "('x' || substr(" + _MD5_PG + ", 1, 15))::bit(60)::bigint::numeric"
 _HASH_SPARK = "CAST(conv(substr(md5({}), 1, 15), 16, 10) AS DECIMAL(20,0))"
 
 
@@ -58,8 +61,11 @@ def _pg_text(v: str, sql: str) -> str:
     if sql == "DOUBLE":
         return f"('x' || encode(float8send({v}), 'hex'))::bit(64)::bigint::text"
     if sql.startswith("DECIMAL"):
+        # A value the Iceberg decimal cannot hold (too many integer digits, NaN, Infinity:
+        # the lake's row went to the dead letters) is rendered as it is, so it differs.
         p, s = re.findall(r"\d+", sql)
-        return f"{v}::numeric({p},{s})::text"
+        return (f"CASE WHEN abs(round({v}, {s})) < 1e{int(p) - int(s)} "
+                f"THEN {v}::numeric({p},{s})::text ELSE {v}::text END")
     if sql == "TIMESTAMP_NTZ":
         return f"to_char({v}, 'YYYY-MM-DD HH24:MI:SS.US')"
     if sql == "TIMESTAMP":
@@ -94,11 +100,17 @@ def pg_render(col: Column, t: SparkType) -> str:
     if t.array_dims:
         element = _pg_text("e", _element_sql(t))
         text = (f"coalesce(array_length({c}, 1), 0)::text || ':' || array_to_json(ARRAY("
-                f"SELECT CASE WHEN e IS NULL THEN NULL ELSE {element} END "
+                f"SELECT CASE WHEN {_pg_null('e')} THEN NULL ELSE {element} END "
                 f"FROM (SELECT unnest({c}) AS e) AS u))::text")
     else:
         text = _pg_text(c, t.sql)
-    return f"CASE WHEN {c} IS NULL THEN 'N' ELSE 'V' || {text} END"
+    return f"CASE WHEN {_pg_null(c)} THEN 'N' ELSE 'V' || {text} END"
+
+
+def _pg_null(v: str) -> str:
+    """Whether ``v`` is NULL itself: a composite value whose fields are all NULL (``ROW(NULL,
+    NULL)``) is not, though ``IS NULL`` says it is (the lake holds its text, "(,)")."""
+    return f"num_nulls({v}) = 1"
 
 
 def spark_render(col: Column, t: SparkType) -> str:
@@ -113,6 +125,22 @@ def spark_render(col: Column, t: SparkType) -> str:
     else:
         text = _spark_text(c, t.sql)
     return f"CASE WHEN {c} IS NULL THEN 'N' ELSE concat('V', {text}) END"
+
+
+@contextlib.contextmanager
+def utc_session(spark: Any) -> Iterator[None]:
+    """Spark renders a timestamptz in its session's time zone, Postgres (``_pg_text``) in UTC:
+    the session's is UTC meanwhile, whatever spark.conf set it to."""
+    conf = spark.conf
+    before = conf.get("spark.sql.session.timeZone", None)
+    conf.set("spark.sql.session.timeZone", "UTC")
+    try:
+        yield
+    finally:
+        if before is None:
+            conf.unset("spark.sql.session.timeZone")
+        else:
+            conf.set("spark.sql.session.timeZone", before)
 
 
 @dataclass
@@ -156,7 +184,7 @@ def source_row_hashes(conn: Any, table: str, columns: Sequence[Column],
     keys = [(c, t) for c, t in zip(columns, types, strict=True) if c.is_key]
     row = "concat_ws(chr(31), " + ", ".join(pg_render(c, t) for c, t in
                                              zip(columns, types, strict=True)) + ")"
-    exprs = [pg_render(c, t) for c, t in keys] + [f"md5({row})"]
+    exprs = [pg_render(c, t) for c, t in keys] + [_MD5_PG.format(row)]
     names = [f"k{i}" for i in range(len(keys))] + ["h"]
     schema = pa.schema([pa.field(n, pa.string()) for n in names])
     with conn.cursor(name="walberg_verify") as cur, \

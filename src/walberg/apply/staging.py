@@ -36,9 +36,12 @@ LOCAL = "local"
 # Under the warehouse when buffer.stage_uri is not set and staging must leave the driver.
 DEFAULT_FOLDER = "_walberg_staging"
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+# `walberg verify`'s folder in buffer.dir for the source's row hashes (ops.verify).
+VERIFY_FOLDER = "walberg-verify-"
 # The folders made in buffer.dir for one batch (runtime.pg_stager, runtime.kafka_stager), one
-# initial copy (runtime.initial_copy) or a Kafka batch's dead letters (runtime.kafka_stager).
-LOCAL_FOLDERS = ("batch-", "walberg-copy-", "walberg-dlq-")
+# initial copy (runtime.initial_copy), a Kafka batch's dead letters (runtime.kafka_stager) or
+# one verify.
+LOCAL_FOLDERS = ("batch-", "walberg-copy-", "walberg-dlq-", VERIFY_FOLDER)
 
 
 def remove_local_leftovers(directory: Path) -> list[Path]:
@@ -103,6 +106,7 @@ class StageArea:
         self._lock = threading.Lock()
         self._uploaded: dict[Path, str] = {}  # local file -> its object
         self._folders: dict[Path, str] = {}  # local folder -> its folder in the stage area
+        self._owner = owner
         self._cleaned = not owner
 
     @property
@@ -134,6 +138,12 @@ class StageArea:
             if remote is not None:
                 self._forget(Path(folder))
                 self._remove(remote, f"staged objects of {folder.name}")
+
+    def close(self) -> None:
+        """A reader beside the pipeline (``owner`` False) is done: remove its own ``root``."""
+        if self.root is not None and not self._owner:
+            with self._lock:
+                self._remove(self.root, "this reader's staging folder")
 
     def _sweep(self) -> None:
         """Remove the objects of folders whose local files are gone (a batch discarded without

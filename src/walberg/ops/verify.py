@@ -11,10 +11,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+import psycopg2
+
 from walberg import verify as digest
 from walberg.apply import staging
 from walberg.buffer.files import inspect_directory
-from walberg.errors import Terminal
+from walberg.errors import SourceError, Terminal
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.model import Lsn
 from walberg.source import postgres as pg
@@ -71,8 +73,20 @@ def verify_source(lake: Lake, source: LakeSource, tables: Optional[list[str]] = 
         conn.rollback()
         for t in chosen:
             verdict = None
-            for _ in range(max(attempts, 1)):
-                verdict = _verify_table(lake, source, conn, infos[t], limit, wait_seconds)
+            tries = max(attempts, 1)
+            for attempt in range(tries):
+                try:
+                    verdict = _verify_table(lake, source, conn, infos[t], limit, wait_seconds,
+                                            last=attempt == tries - 1)
+                except psycopg2.Error as exc:
+                    conn.rollback()
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else \
+                        type(exc).__name__
+                    raise SourceError(
+                        f"verify could not read {t} from Postgres: {first}. If the table "
+                        "holds a value walberg's comparison does not know, report it with "
+                        "this message; `walberg verify` of the other tables still works "
+                        "(name them).") from exc
                 if verdict.equal:
                     break
             assert verdict is not None
@@ -95,22 +109,25 @@ def _stage_area(lake: Lake, source: LakeSource) -> staging.StageArea:
 def _source_snapshot(conn: Any) -> Lsn:
     """Start the repeatable-read snapshot the source is read in; its WAL position."""
     conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
-    with conn.cursor() as cur:
-        cur.execute("SELECT pg_current_wal_lsn()::text")
-        return Lsn.parse(cur.fetchone()[0])
+    return pg.current_wal_lsn(conn)
 
 
-def _columns_differ(lake: list[tuple[str, str]], info: pg.TableInfo) -> Optional[str]:
+def _columns_differ(lake: list[tuple[str, str]], info: pg.TableInfo,
+                    types: list[str]) -> Optional[str]:
     """Why the lake's columns are not the source's (None: they are): a table that a schema
-    change stopped holds the old columns, and there is nothing to compare value by value."""
-    names = {n for n, _ in lake}
+    change stopped holds the old columns (or types: ``types`` are the source columns' as the
+    lake would hold them), and there is nothing to compare value by value."""
+    names = dict(lake)
     source = [c.name for c in info.columns]
     only_source = [c for c in source if c not in names]
     only_lake = [n for n, _ in lake if n not in source]
-    if not only_source and not only_lake:
+    retyped = [f"{c} ({names[c]} in the lake, {t} from the source)"
+               for c, t in zip(source, types, strict=True) if c in names and names[c] != t]
+    if not only_source and not only_lake and not retyped:
         return None
     parts = ([f"in the source only: {', '.join(only_source)}"] if only_source else []) + \
-        ([f"in the lake only: {', '.join(only_lake)}"] if only_lake else [])
+        ([f"in the lake only: {', '.join(only_lake)}"] if only_lake else []) + \
+        ([f"of another type: {', '.join(retyped)}"] if retyped else [])
     return (f"the columns differ ({'; '.join(parts)}), so the rows were not compared. A "
             f"schema change walberg could not follow in order stops the table (the run said "
             f"so); `walberg resync -c <pipeline.yaml> {info.qualified_name}` copies it with "
@@ -118,7 +135,9 @@ def _columns_differ(lake: list[tuple[str, str]], info: pg.TableInfo) -> Optional
 
 
 def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo, limit: int,
-                  wait_seconds: float) -> TableVerdict:
+                  wait_seconds: float, last: bool = True) -> TableVerdict:
+    """One comparison of a table; the differing keys are looked for only when it is the
+    ``last`` attempt (a scan of both sides and a join)."""
     table_name, target = info.qualified_name, source.targets[info.qualified_name]
     sink = lake.sink(source)
     types = [lake.types(source).spark_type(c, target) for c in info.columns]
@@ -137,30 +156,38 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
             return TableVerdict(table_name, target, False, 0, 0, str(at), None,
                                 note=f"{target} has no walberg commit yet: run walberg "
                                      f"run -c <pipeline.yaml> --once first")
-        stopped = _columns_differ(sink.schema(target), info)
+        stopped = _columns_differ(sink.schema(target), info, [t.describe() for t in types])
         if stopped:
             return TableVerdict(table_name, target, False, 0, 0, str(at), str(lake_lsn),
                                 note=stopped)
         src_n, src_hash = digest.source_digest(conn, table, info.columns, types)
         own = f"`_walberg_source` = '{source.tag}'" if source.tag else "true"
-        lake_n, lake_hash = digest.lake_digest(lake.session(), target, info.columns, types, own)
+        with digest.utc_session(lake.session()):
+            lake_n, lake_hash = digest.lake_digest(lake.session(), target, info.columns, types,
+                                                   own)
         verdict = TableVerdict(table_name, target, (src_n, src_hash) == (lake_n, lake_hash),
                                src_n, lake_n, str(at), str(lake_lsn))
         if lake_lsn < at:
             verdict.note = (f"the lake holds {table_name} up to LSN {lake_lsn}, the source was "
                             f"read at {at}; changes in between, if any, are not applied yet")
-        if not verdict.equal:
-            with tempfile.TemporaryDirectory(prefix="walberg-verify-",
-                                             dir=source.config.segment_dir.parent) as work:
+        if not verdict.equal and last:
+            # In buffer.dir, which executors of a cluster read as it is when buffer.stage_uri
+            # is `local` (its parent need not be shared); a killed verify's folder is removed
+            # at the pipeline's next start (staging.LOCAL_FOLDERS).
+            source.config.segment_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix=staging.VERIFY_FOLDER,
+                                             dir=source.config.segment_dir) as work:
                 hashes = Path(work) / "source.parquet"
                 digest.source_row_hashes(conn, table, info.columns, types, hashes)
                 stage = _stage_area(lake, source)
                 try:
-                    verdict.differences = digest.differing_keys(
-                        lake.session(), target, info.columns, types, stage.read([hashes]),
-                        limit, own)
+                    with digest.utc_session(lake.session()):
+                        verdict.differences = digest.differing_keys(
+                            lake.session(), target, info.columns, types,
+                            stage.read([hashes]), limit, own)
                 finally:
                     stage.release(Path(work))
+                    stage.close()
         return verdict
     finally:
         conn.rollback()
