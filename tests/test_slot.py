@@ -16,9 +16,10 @@ import pytest
 
 from conftest import make_config, run_once, running, walberg_cli, write_pipeline
 from lake import iceberg_rows, postgres_rows
+from walberg.buffer.store import SegmentStore
 from walberg.errors import WalbergError
 from walberg.lake.services import Lake
-from walberg.ops.resync import plan, resync
+from walberg.ops.resync import describe, plan, resync
 from walberg.ops.status import status
 from walberg.pipeline import Pipeline
 
@@ -68,9 +69,17 @@ def test_an_invalidated_slot_is_said_plainly_and_resync_recovers(
 
     with pytest.raises(WalbergError, match=r"invalidated by the server.*walberg resync"):
         run_once(config, spark)
+    # What the old slot left in segment files goes with it (a file no run could read here).
+    leftover = tmp_path / "segments" / f"{99:016d}.sealed"
+    leftover.write_bytes(b"of the old slot")
     with Lake(config, session=spark) as lake:
-        [report] = resync(lake, plan(lake)).values()
+        # The table named, the slot lost: every table is copied, and the question says so.
+        chosen = plan(lake, [table])
+        assert [tables for _, tables in chosen] == [None]
+        assert "every table, after dropping replication slot" in describe(chosen)
+        [report] = resync(lake, chosen).values()
     assert report.copied == {table: 150}
+    assert not leftover.exists()
     assert _wal_status(pg_conn, slot) not in (None, "lost")
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
     with pg_conn.cursor() as cur:  # and it streams on from the new slot
@@ -97,6 +106,28 @@ def test_resync_of_one_table_repairs_it(pg_conn: Any, postgres: Any, spark: Any,
     assert report.copied == {a: 31}
     for t in (a, b):
         assert iceberg_rows(warehouse, config.target_for(t)) == postgres_rows(pg_conn, t)
+
+    # Refused while a walberg holds the pipeline's segment directory, before the slot is
+    # touched (dropping it would stop that walberg).
+    slot = config.source.postgres.slot
+    with SegmentStore(config.segment_dir, 1 << 20), Lake(config, session=spark) as lake:
+        with pytest.raises(WalbergError, match=r"is running this pipeline"):
+            resync(lake, plan(lake))
+    assert _wal_status(pg_conn, slot) is not None
+    # A slot of that name that is not walberg's (another plugin) is an error, never dropped.
+    with pg_conn.cursor() as cur:
+        cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        cur.execute("SELECT pg_create_logical_replication_slot(%s, 'test_decoding')", (slot,))
+    try:
+        with Lake(config, session=spark) as lake:
+            with pytest.raises(WalbergError, match=r"exists but is not a pgoutput slot"):
+                resync(lake, plan(lake))
+        with pg_conn.cursor() as cur:
+            cur.execute("SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+            assert cur.fetchone() == ("test_decoding",)
+    finally:
+        with pg_conn.cursor() as cur:
+            cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
 
 
 def test_a_slot_dropped_while_streaming_stops_walberg_with_the_way_out(
@@ -132,8 +163,8 @@ def test_a_slot_dropped_while_streaming_stops_walberg_with_the_way_out(
     assert "walberg resync" in str(failures[0])
 
 
-def test_slot_commands(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
-                       unique: str) -> None:
+def test_slot_commands(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path,
+                       tmp_path: Path, unique: str) -> None:
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
@@ -150,6 +181,16 @@ def test_slot_commands(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: P
     assert _wal_status(pg_conn, slot) is not None
     done = walberg_cli("slot", "drop", "-c", str(path), "--yes")
     assert done.returncode == 0 and f"dropped replication slot {slot}" in done.stdout
+    assert _wal_status(pg_conn, slot) is None
+
+    # Once the lake holds the table, a slot made by hand would miss what changed since the
+    # lake's last commit: refused, pointing to resync.
+    run_once(config, spark)
+    done = walberg_cli("slot", "drop", "-c", str(path), "--yes")
+    assert done.returncode == 0
+    done = walberg_cli("slot", "create", "-c", str(path))
+    assert done.returncode == 2 and "walberg resync" in done.stderr, done.stderr
+    assert f"the lake holds 1 of this source's tables already ({table} up to LSN" in done.stderr
     assert _wal_status(pg_conn, slot) is None
 
 

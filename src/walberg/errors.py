@@ -33,6 +33,10 @@ class SourceError(Terminal):
     exit_code = 2
 
 
+class SlotLost(SourceError):
+    """The replication slot was invalidated by the server (the WAL it needed was removed)."""
+
+
 class DecodeError(Terminal):
     """A replication message could not be decoded."""
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from walberg.errors import SourceError
+from walberg.buffer import spill
+from walberg.buffer.files import inspect_directory
+from walberg.buffer.store import SegmentStore
+from walberg.errors import SlotLost, SourceError
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.pipeline import Pipeline, RunReport
 from walberg.source import postgres as pg
@@ -19,7 +22,9 @@ Plan = list[tuple[LakeSource, Optional[list[str]]]]
 
 def plan(lake: Lake, tables: Optional[list[str]] = None) -> Plan:
     """Which source copies which of ``tables`` (None: all of its tables, with a new slot).
-    A source with none of the named tables is left out; a table no source has is an error."""
+    A source with none of the named tables is left out; a table no source has is an error.
+    A source whose slot the server invalidated copies every table whatever is named (what
+    the slot lost is not known table by table), so the question asked says so."""
     sources = lake.postgres_sources("resync copies tables from a database source again")
     if not tables:
         return [(s, None) for s in sources]
@@ -27,8 +32,21 @@ def plan(lake: Lake, tables: Optional[list[str]] = None) -> Plan:
     for t in wanted:
         if not any(t in s.targets for s in sources):
             lake.find(t)  # the error that lists the pipeline's tables
-    return [(s, [t for t in wanted if t in s.targets]) for s in sources
-            if any(t in s.targets for t in wanted)]
+    return [(s, None if _slot_lost(s) else [t for t in wanted if t in s.targets])
+            for s in sources if any(t in s.targets for t in wanted)]
+
+
+def _slot_lost(source: LakeSource) -> bool:
+    """Whether the source's replication slot was invalidated (its WAL removed). Any other
+    trouble with the slot (one of another plugin or database by that name) is an error."""
+    conn = pg.connect(source.postgres.dsn)
+    try:
+        pg.slot_state(conn, source.postgres.slot)
+        return False
+    except SlotLost:
+        return True
+    finally:
+        conn.close()
 
 
 def describe(chosen: Plan) -> str:
@@ -57,16 +75,23 @@ def resync_source(lake: Lake, source: LakeSource,
     for t in tables or []:
         source.target(t)  # a table the source does not have: the error that lists them
     src = source.postgres
+    holder = inspect_directory(source.config.segment_dir).holder_pid
+    if holder is not None:
+        # (before the slot is touched: dropping it under a running walberg would stop it)
+        raise SourceError(f"a walberg (pid {holder}) is running this pipeline (it holds "
+                          f"{source.config.segment_dir}, buffer.dir); stop it before "
+                          "walberg resync, which runs the pipeline itself.")
     conn = pg.connect(src.dsn)
     try:
         try:
             state = pg.slot_state(conn, src.slot)
             lost = False
-        except SourceError:
+        except SlotLost:
             state, lost = None, True
         if tables is None or lost:
             if lost or state is not None:
                 pg.drop_slot(conn, src.slot)
+            _discard_segments(source)
             again = set(source.targets)
         else:
             again = set(tables)
@@ -79,3 +104,22 @@ def resync_source(lake: Lake, source: LakeSource,
         return pipeline.run(once=True)
     finally:
         pipeline.close()
+
+
+def _discard_segments(source: LakeSource) -> None:
+    """Every table is copied again in a new slot's snapshot: what the segments hold from the
+    old slot is either in that copy or, from another server (a failover, a new DSN), not to be
+    applied; and the reader would skip the new slot's transactions below the last one they
+    hold. Removed, with any spilled transaction."""
+    config = source.config
+    if not config.segment_dir.is_dir():
+        return
+    # (the directory's lock held meanwhile: no walberg starts on them)
+    with SegmentStore(config.segment_dir, config.buffer.max_segment_bytes):
+        old = [p for p in config.segment_dir.iterdir() if p.suffix in (".sealed", ".active")]
+        for path in old:
+            path.unlink()
+        spill.clear(config.segment_dir / "spill")
+    if old:
+        log.info("removed %d segment(s) of the old replication slot from %s", len(old),
+                 config.segment_dir)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from walberg.config import Config
-from walberg.errors import ConfigError
+from walberg.errors import ConfigError, SourceError
 from walberg.source import postgres as pg
 from walberg.source.stream import CreatedSlot, ReplicationStream
 
@@ -38,7 +38,10 @@ def drop_slot(config: Config) -> bool:
 
 
 def create_slot(config: Config) -> Optional[CreatedSlot]:
-    """Create the source's replication slot; None if it exists already."""
+    """Create the source's replication slot; None if it exists already. Refused while the
+    lake holds any of the source's tables: a slot made now streams only what commits from
+    now on, and a run could not tell it from the slot those tables were read from, so the
+    changes in between would be missing from them for good."""
     src = config.postgres
     conn = pg.connect(src.dsn)
     try:
@@ -46,9 +49,30 @@ def create_slot(config: Config) -> Optional[CreatedSlot]:
             return None
     finally:
         conn.close()
+    held = _held(config)
+    if held:
+        first, lsn = next(iter(held.items()))
+        raise SourceError(
+            f"the lake holds {len(held)} of this source's tables already ({first} up to LSN "
+            f"{lsn}); a replication slot {src.slot} created now would stream only what commits "
+            "from now on, and the changes since would be missing from them. Run `walberg "
+            "resync -c <pipeline.yaml>` instead: it creates the slot and copies every table "
+            "in its snapshot.")
     stream = ReplicationStream(src.dsn, src.slot, src.publication)
     stream.open()
     try:
         return stream.create_slot()
     finally:
         stream.close()
+
+
+def _held(config: Config) -> dict[str, str]:
+    """The source's tables that walberg has committed to in the lake, with the LSN they hold
+    (read from the tables' metadata, as `walberg status` does: no Spark)."""
+    from walberg.lake.services import Lake
+    from walberg.ops.status import lake_summary
+
+    with Lake(config) as lake:
+        [source] = lake.sources
+        found = {t: lake_summary(source, target) for t, target in source.targets.items()}
+    return {t: s.walberg_lsn for t, s in found.items() if s is not None and s.walberg_lsn}

@@ -15,7 +15,7 @@ import psycopg2.extensions
 import psycopg2.extras
 from psycopg2 import sql
 
-from walberg.errors import SourceError, Transient
+from walberg.errors import SlotLost, SourceError, Transient
 from walberg.model import Column, Lsn, PgType
 
 log = logging.getLogger("walberg")
@@ -447,7 +447,7 @@ def slot_state(conn: Any, slot: str) -> Optional[SlotState]:
             f"SELECT pg_drop_replication_slot('{slot}');"
         )
     if wal_status == "lost":
-        raise SourceError(
+        raise SlotLost(
             f"replication slot {slot} was invalidated by the server: WAL it needed was removed "
             "(see max_slot_wal_keep_size), so the changes since its position are gone. Run "
             "`walberg resync -c <pipeline.yaml>`: it drops the slot, creates it anew and copies "
