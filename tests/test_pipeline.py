@@ -17,7 +17,7 @@ import pytest
 
 from conftest import as_file, insert_lsn, make_config, run_once, run_once_within, running, write_pipeline
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows, snapshot_lsns
-from walberg.config import Config
+from walberg.config import Config, parse_config
 from walberg.errors import Terminal
 from walberg.lake.services import Lake
 from walberg.model import Lsn
@@ -248,6 +248,14 @@ def test_check_and_status_tell_where_things_stand(pg_conn: Any, postgres: Any, s
     assert t.last_lsn is not None
     assert Lsn.parse(t.last_lsn) <= Lsn.parse(after.slot.confirmed_flush_lsn)
     assert after.pipeline.running is False and after.pipeline.pending_segments == 0
+
+    # Several publications, one of which does not exist: the check fails as the run would.
+    raw = as_file(config)
+    raw["source"]["postgres"]["publication"] = f"pub_{unique},pub_{unique}_absent"
+    failed = {n: r for n, r in _checks(parse_config(raw, tmp_path)).items() if not r.ok}
+    assert list(failed) == ["publication"], failed
+    assert f"publication(s) pub_{unique}_absent (source.postgres.publication) do not exist" \
+        in failed["publication"].detail
 
     # A table without a key fails its check with the statement that fixes it.
     bad = make_config(postgres, warehouse, tmp_path / "segments2", unique + "b",

@@ -368,12 +368,7 @@ def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
                     "ON n.oid = c.relnamespace WHERE c.relkind = 'p' AND "
                     "n.nspname || '.' || c.relname = ANY(%s)", (tables,))
         partitioned = [r[0] for r in cur.fetchall()]
-    if len(names) > 1 and len(found) < len(names):
-        absent = [n for n in names if n not in found]
-        raise SourceError(
-            f"publication(s) {', '.join(absent)} (source.postgres.publication) do not exist. "
-            "walberg creates a publication only when the pipeline names one; with several, "
-            f"create each first (CREATE PUBLICATION {sql_identifier(absent[0])} FOR TABLE ...).")
+    missing = publication_missing(conn, publication, tables)  # (several: each must exist)
     for name, via_root in found.items():
         if partitioned and not via_root:
             raise SourceError(
@@ -381,7 +376,6 @@ def ensure_publication(conn: Any, publication: str, tables: list[str]) -> bool:
                 f"{', '.join(partitioned)} under each partition's name, so walberg would not "
                 f"see them as {partitioned[0]}. Run: ALTER PUBLICATION "
                 f"{sql_identifier(name)} SET (publish_via_partition_root = true);")
-    missing = publication_missing(conn, publication, tables)
     if missing is None:
         with conn.cursor() as cur:
             # Partitioned tables: changes arrive under the root's name, as one table.
@@ -518,16 +512,27 @@ def published_tables(conn: Any, publication: str) -> list[str]:
         return [r[0] for r in cur.fetchall()]
 
 
+def absent_publications(absent: list[str]) -> SourceError:
+    """The error for publications, of several named, that do not exist."""
+    return SourceError(
+        f"publication(s) {', '.join(absent)} (source.postgres.publication) do not exist. "
+        "walberg creates a publication only when the pipeline names one; with several, "
+        f"create each first (CREATE PUBLICATION {sql_identifier(absent[0])} FOR TABLE ...).")
+
+
 def publication_missing(conn: Any, publication: str, tables: list[str]) -> Optional[list[str]]:
     """The tables the publication (or, comma-separated, the publications together) lacks;
-    None if it does not exist (or none of several does)."""
+    None if it does not exist. Several named of which some do not exist: the error."""
+    names = publication.split(",")
     with conn.cursor() as cur:
-        cur.execute("SELECT bool_or(puballtables) FROM pg_publication WHERE pubname = ANY(%s)",
-                    (publication.split(","),))
-        row = cur.fetchone()
-        if row is None or row[0] is None:
+        cur.execute("SELECT pubname, puballtables FROM pg_publication WHERE pubname = ANY(%s)",
+                    (names,))
+        found = dict(cur.fetchall())
+        if len(names) > 1 and len(found) < len(names):
+            raise absent_publications([n for n in names if n not in found])
+        if not found:
             return None
-        if row[0]:
+        if any(found.values()):
             return []
     published = set(published_tables(conn, publication))
     return [t for t in tables if t not in published]
