@@ -73,6 +73,12 @@ def test_the_metric_reports_the_oldest_transaction_of_a_batch(
             assert not failures, failures
     finally:
         pipeline.close()
+    # Stopped, with a change the slot holds and no segment file does: not "nothing waits".
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (100, 'while stopped')")
+    [stopped] = status(Lake(config))
+    assert not stopped.pipeline.running and stopped.slot is not None
+    assert (stopped.slot.lag_bytes or 0) > 0 and stopped.tables[table].waiting_s is None
     after_sum, after_count = _histogram(table)
     assert after_count == before_count + 1  # one commit made the three transactions visible
     observed = after_sum - before_sum

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from walberg.apply.catalog.metadata import read_hadoop_history
+from walberg.apply.catalog.metadata import read_hadoop_history, summarize
 
 
 def test_history_from_the_metadata_file_equals_sparks(spark: Any, warehouse: Path,
@@ -80,3 +80,23 @@ def test_history_needs_no_jvm_and_query_pipes_json_and_csv(
     assert done.returncode == 0, done.stderr
     assert list(csv.reader(io.StringIO(done.stdout))) == [
         ["id", "name"], ["1", "a"], ["2", "b"], ["3", 'c, "quoted"']]
+
+
+def test_the_summary_holds_the_highest_lsn_of_the_history_and_when_it_was_committed() -> None:
+    """A maintenance commit that raced a walberg commit carries the older LSN it read; the
+    run resumes from the highest (apply.snapshots), and `walberg status` says the same."""
+    def snap(sid: int, parent: Any, ms: int, **summary: str) -> dict[str, Any]:
+        return {"snapshot-id": sid, "parent-snapshot-id": parent, "timestamp-ms": ms,
+                "summary": {"operation": "append", **summary}}
+
+    meta = {"current-snapshot-id": 4, "snapshots": [
+        snap(1, None, 100, **{"walberg.lsn": "0/10"}),
+        snap(2, 1, 200, **{"walberg.lsn": "0/30"}),  # a batch
+        snap(3, 2, 300, **{"walberg.lsn": "0/20"}),  # compaction, with the LSN it read
+        snap(4, 3, 400, **{"walberg.lsn": "0/20"})]}
+    got = summarize(meta)
+    assert (got.walberg_lsn, got.walberg_committed_at_ms, got.snapshot_id) == ("0/30", 200, 4)
+    # The same LSN carried on by a later snapshot: committed when it first appeared.
+    meta["snapshots"][2]["summary"]["walberg.lsn"] = "0/30"
+    meta["snapshots"][3]["summary"]["walberg.lsn"] = "0/30"
+    assert summarize(meta).walberg_committed_at_ms == 200

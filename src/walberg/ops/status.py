@@ -115,8 +115,13 @@ def _status(source: LakeSource) -> Status:
         return Status(source.name, buffer, tables, partitions=partitions)
     ages = _waiting(source.config.segment_dir,
                     {t: Lsn.parse(x.last_lsn) if x.last_lsn else Lsn(0) for t, x in tables.items()})
+    slot = _slot(source)
+    if not buffer.running and (slot.lag_bytes or 0) > 0:
+        # No walberg reads the slot: what it holds past its confirmed position is not in the
+        # segment files, so "nothing waits" is not known of any table.
+        ages = {t: age or None for t, age in ages.items()}
     tables = {t: replace(x, waiting_s=ages.get(t)) for t, x in tables.items()}
-    return Status(source.name, buffer, tables, slot=_slot(source))
+    return Status(source.name, buffer, tables, slot=slot)
 
 
 def _waiting(directory: Path, held: dict[str, Lsn],

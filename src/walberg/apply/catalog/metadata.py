@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from walberg.apply.session import LSN_PROPERTY, OFFSET_PROPERTY
+from walberg.model import Lsn
 
 
 @dataclass(frozen=True)
 class TableSummary:
     snapshot_id: Optional[int]
     committed_at_ms: Optional[int]
-    walberg_lsn: Optional[str]  # of the newest walberg commit in the current history
+    walberg_lsn: Optional[str]  # the highest a walberg commit of the current history covers
     walberg_committed_at_ms: Optional[int]
     records: Optional[int]  # live rows: records in data files less position-deleted ones
     data_files: Optional[int]
@@ -89,18 +90,22 @@ def summarize(meta: dict[str, Any], lsn_property: str = LSN_PROPERTY) -> TableSu
     lsn_at: Optional[int] = None
     offsets: dict[tuple[str, int], int] = {}
     prefix = OFFSET_PROPERTY + "."
+    # The whole current history: the highest LSN, as the run reads it (a maintenance commit
+    # may carry an older one than the commit it raced), and when it was first committed (a
+    # maintenance commit carries its parent's).
     walk = current
-    while walk is not None and lsn is None:
+    while walk is not None:
         summary = walk.get("summary", {})
-        if lsn_property in summary:
-            lsn = summary[lsn_property]
+        if lsn_property in summary and (lsn is None or Lsn.parse(summary[lsn_property])
+                                        >= Lsn.parse(lsn)):
+            lsn, lsn_at = summary[lsn_property], walk.get("timestamp-ms")
         for key, value in summary.items():
             if key.startswith(prefix):
                 topic, _, partition = key[len(prefix):].rpartition(".")
                 offsets[(topic, int(partition))] = max(int(value),
                                                        offsets.get((topic, int(partition)), 0))
-        if lsn_at is None and (lsn is not None or offsets):
-            lsn_at = walk.get("timestamp-ms")
+                if lsn is None and lsn_at is None:
+                    lsn_at = walk.get("timestamp-ms")
         walk = snapshots.get(walk.get("parent-snapshot-id"))
 
     def total(key: str) -> Optional[int]:
