@@ -59,10 +59,22 @@ def plan(current: Sequence[tuple[str, str]], wanted: Sequence[tuple[str, str]]) 
     old_names = {n for n, _ in current}
     new_names = {n for n, _ in wanted}
     steps: list[Step] = []
+    added: Optional[str] = None  # the first column added
     i = j = 0
     while i < len(current) or j < len(wanted):
         if i < len(current) and j < len(wanted):
             (on, ot), (nn, nt) = current[i], wanted[j]
+            if added is not None and (on == nn or (on not in new_names and nn not in old_names
+                                                   and widens(ot, nt))):
+                # Postgres adds a column at the end: a column met after one added is not the
+                # one of that name (or place) before. RENAME price TO price_old, then ADD
+                # COLUMN price, reads as "add price_old" by name; which values are whose
+                # cannot be told from the names.
+                raise NotEvolvable(
+                    f"column {nn} comes after the new column {added}, but Postgres adds "
+                    f"columns at the end: {nn} is not the column of that name before (a column "
+                    "renamed and another added under its old name, say), and the lake cannot "
+                    "tell which values are whose")
             if on == nn:
                 if ot != nt:
                     if not widens(ot, nt):
@@ -85,6 +97,7 @@ def plan(current: Sequence[tuple[str, str]], wanted: Sequence[tuple[str, str]]) 
                 continue
             if nn not in old_names:
                 steps.append(Step("add", nn, nt))
+                added = added or nn
                 j += 1
                 continue
             raise NotEvolvable(f"the columns {on} and {nn} changed places, which Postgres does "
