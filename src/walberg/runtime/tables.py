@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 from walberg import metrics
 from walberg.apply import evolution
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.types import BadArray, TextPrep, TypeMap, parse_array
+from walberg.apply.types import TEXT, VARCHAR, BadArray, TextPrep, TypeMap, parse_array
 from walberg.config import Config
 from walberg.errors import Terminal, WalbergError
 from walberg.model import Column, Lsn, Relation
@@ -61,6 +61,7 @@ class PgTables(Tables):
         self.types = types
         self._sink = sink
         self.source_unreachable = source_unreachable
+        self._followed: dict[str, tuple[Column, ...]] = {}  # the columns of each last batch
 
     @property
     def sink(self) -> IcebergSink:
@@ -101,9 +102,37 @@ class PgTables(Tables):
     def follow(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> None:
         """Before a commit: the table (and its changelog) take the staged columns."""
         target, changelog = self.targets[source], self.changelogs.get(source)
+        self._retyped_in_place(source, columns, lsn)
         for t in ([target] if changelog in (None, target) else [changelog, target]):
             if not self.sink.columns_match(t, columns):
                 self.evolve(source, columns, lsn, t)
+
+    def _retyped_in_place(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> None:
+        """Say so when a column's Postgres type changed (ALTER ... TYPE) to one the lake holds
+        the same way (timestamptz(0), char(10), a domain, ... USING): Postgres rewrote the
+        existing rows' values, which is never streamed, so the lake keeps the old ones where
+        the new type changed them. Only text made longer (varchar(n) to a larger n, or text)
+        keeps every value."""
+        before = {c.name: c for c in self._followed.get(source, ())}
+        self._followed[source] = columns
+        target = self.targets[source]
+        for c in columns:
+            old = before.get(c.name)
+            if old is None or (old.type_oid, old.type_modifier) == (c.type_oid, c.type_modifier):
+                continue
+            if self.types.spark_type(old, target) != self.types.spark_type(c, target):
+                continue  # a schema change of the lake's column: evolution's to follow or refuse
+            longer = ({old.type_oid, c.type_oid} <= {TEXT, VARCHAR} and
+                      (c.type_modifier < 0 or 0 <= old.type_modifier <= c.type_modifier))
+            if not longer:
+                log.warning(
+                    "column %s of %s changed type in Postgres (type %d modifier %d -> type %d "
+                    "modifier %d, before LSN %s) and is held the same way in %s: the values "
+                    "Postgres rewrote (rounded, padded, or by a USING expression) are not "
+                    "streamed, so the lake keeps the old ones of the rows that existed. "
+                    "`walberg verify -c <pipeline file> %s` tells; `walberg resync -c "
+                    "<pipeline file> %s` copies the table.", c.name, source, old.type_oid,
+                    old.type_modifier, c.type_oid, c.type_modifier, lsn, target, source, source)
 
     def evolve(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
                target: Optional[str] = None) -> None:
