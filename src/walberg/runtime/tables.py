@@ -276,9 +276,16 @@ class PgTables(Tables):
 
     def learn_relation(self, rel: Relation) -> None:
         """A relation description with types the type map has not seen (a column added with a
-        new type): ask the source catalog about them, and about the table's array dimensions."""
-        if rel.qualified_name not in self.targets or \
-                all(c.type_oid in self.types.types for c in rel.columns):
+        new type), or an array column it knows no dimensions of (added, or renamed: they are
+        kept by name): ask the source catalog about them, and about the table's array
+        dimensions."""
+        target = self.targets.get(rel.qualified_name)
+        if target is None:
+            return
+        types = self.types.types
+        if all(c.type_oid in types for c in rel.columns) and \
+                all((target, c.name) in self.types.dims for c in rel.columns
+                    if types[c.type_oid].element):
             return
         conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds,
                                     f"the column types of {rel.qualified_name}",
@@ -289,7 +296,7 @@ class PgTables(Tables):
             except WalbergError:
                 dims = {}  # dropped or renamed since: the OIDs still tell the types
             found = pg.describe_types(conn, {c.type_oid for c in rel.columns})
-            self.types.learn(found, self.targets[rel.qualified_name], dims)
+            self.types.learn(found, target, dims)
         finally:
             conn.close()
 
