@@ -112,6 +112,12 @@ def _source_snapshot(conn: Any) -> Lsn:
     return pg.current_wal_lsn(conn)
 
 
+def _confirmed(conn: Any, slot: str) -> Lsn:
+    """How far the slot is confirmed (0: no slot): walberg confirms only what the lake holds."""
+    state = pg.slot_state(conn, slot)
+    return Lsn(0) if state is None else state.confirmed_flush
+
+
 def _columns_differ(lake: list[tuple[str, str]], info: pg.TableInfo,
                     types: list[str]) -> Optional[str]:
     """Why the lake's columns are not the source's (None: they are): a table that a schema
@@ -149,7 +155,16 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
         running = inspect_directory(source.config.segment_dir).holder_pid is not None
         lake_lsn = sink.committed_lsn(target)
         deadline = time.monotonic() + wait_seconds
-        while running and (lake_lsn is None or lake_lsn < at) and time.monotonic() < deadline:
+
+        def behind() -> bool:
+            # The table's mark moves only when it changes; the slot's confirmed position moves
+            # only past what every table's Iceberg commits hold: past ``at``, a quiet table
+            # holds everything before it too.
+            if lake_lsn is None:
+                return True
+            return lake_lsn < at and _confirmed(conn, source.postgres.slot) < at
+
+        while running and behind() and time.monotonic() < deadline:
             time.sleep(0.5)
             lake_lsn = sink.committed_lsn(target)
         if lake_lsn is None:
@@ -167,7 +182,7 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
                                                    own)
         verdict = TableVerdict(table_name, target, (src_n, src_hash) == (lake_n, lake_hash),
                                src_n, lake_n, str(at), str(lake_lsn))
-        if lake_lsn < at:
+        if lake_lsn < at and _confirmed(conn, source.postgres.slot) < at:
             verdict.note = (f"the lake holds {table_name} up to LSN {lake_lsn}, the source was "
                             f"read at {at}; changes in between, if any, are not applied yet")
         if not verdict.equal and last:
