@@ -214,9 +214,10 @@ def test_types(ctx: dict[str, Any]) -> None:
           f"pair = ROW(NULL, 'q') WHERE id = 1",
           f"UPDATE {t} SET texts = '{{\"\"}}', grid = '{{}}' WHERE id = 2",
           f"DELETE FROM {t} WHERE id = 3",
-          # A composite whose fields are all NULL is a value (which IS NULL calls NULL).
-          f"UPDATE {t} SET pair = ROW(NULL, NULL), pairs = ARRAY[ROW(NULL, NULL)]::{u}_pair[] "
-          "WHERE id = 100")
+          # A composite whose fields are all NULL is a value (which IS NULL calls NULL); a
+          # control character in an array's element (JSON escapes it).
+          f"UPDATE {t} SET pair = ROW(NULL, NULL), pairs = ARRAY[ROW(NULL, NULL)]::{u}_pair[], "
+          "texts = ARRAY[E'a\\x0bb'] WHERE id = 100")
     s.sync(select)
     s.verified("ty", "id = 2")
     # One element of an array, one field of a composite in an array, one array of timestamps'

@@ -90,6 +90,14 @@ def _spark_text(v: str, sql: str) -> str:
     return f"CAST({v} AS STRING)"
 
 
+# Postgres escapes a control character in JSON with lowercase hex digits, Spark (Jackson) with
+# uppercase: Postgres's side spelled as Spark's.
+_JACKSON_ESCAPES = "{}"
+for _code in (0x0B, 0x0E, 0x0F, 0x1A, 0x1B, 0x1C, 0x1D, 0x1E, 0x1F):
+    _JACKSON_ESCAPES = (f"replace({_JACKSON_ESCAPES}, '\\u{_code:04x}', "
+                        f"'\\u{_code:04X}')")
+
+
 def pg_render(col: Column, t: SparkType) -> str:
     """Postgres SQL rendering a column's value as the canonical text (never NULL itself). An
     array: its first dimension's length, then its elements in order (all dimensions, as
@@ -99,9 +107,10 @@ def pg_render(col: Column, t: SparkType) -> str:
     c = sql_identifier(col.name)
     if t.array_dims:
         element = _pg_text("e", _element_sql(t))
-        text = (f"coalesce(array_length({c}, 1), 0)::text || ':' || array_to_json(ARRAY("
+        text = (f"coalesce(array_length({c}, 1), 0)::text || ':' || " + _JACKSON_ESCAPES.format(
+                f"array_to_json(ARRAY("
                 f"SELECT CASE WHEN {_pg_null('e')} THEN NULL ELSE {element} END "
-                f"FROM (SELECT unnest({c}) AS e) AS u))::text")
+                f"FROM (SELECT unnest({c}) AS e) AS u))::text"))
     else:
         text = _pg_text(c, t.sql)
     return f"CASE WHEN {_pg_null(c)} THEN 'N' ELSE 'V' || {text} END"
