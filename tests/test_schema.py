@@ -115,11 +115,9 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
         "ADD COLUMN m text[] DEFAULT '{}'",
         f"UPDATE {table} SET k = '{{7}}', m = '{{\"a b\"}}' WHERE id = 52",
         # Existing rows keep the default they were added with after it is dropped (as Django
-        # adds a column), and a default set after a plain ADD COLUMN is not theirs.
+        # adds a column).
         f"ALTER TABLE {table} ADD COLUMN n int NOT NULL DEFAULT 0",
         f"ALTER TABLE {table} ALTER COLUMN n DROP DEFAULT",
-        f"ALTER TABLE {table} ADD COLUMN p int",
-        f"ALTER TABLE {table} ALTER COLUMN p SET DEFAULT 5",
         f"INSERT INTO {table} (id, a, n) VALUES (54, 54, 3)",
     ]
     with pg_conn.cursor() as cur:
@@ -132,7 +130,7 @@ def test_alter_table_between_changes_evolves_the_iceberg_table(
     assert schema == {"id": "int", "a": "long", "c2": "double", "d": "decimal(9, 2)",
                       "v": "string", "e": "int", "f": "string", "g": "timestamptz",
                       "h": "binary", "k": "list<int>", "m": "list<string>", "n": "int",
-                      "p": "int", "_walberg_lsn": "long"}
+                      "_walberg_lsn": "long"}
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
     # DuckDB reads the evolved table too (columns by field id: renamed, dropped, promoted).
     assert duckdb_rows(warehouse, target) == postgres_rows(pg_conn, table)

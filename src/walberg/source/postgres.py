@@ -280,9 +280,10 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
     which stays when the default is dropped later (as Django adds a column): that value. A
     volatile default (random(), nextval(), an identity) rewrites the table with values the
     replication stream never carries: (True, None). A constant default without a recorded
-    value was set after the column was added (the existing rows kept NULL) or the table was
-    rewritten since (which walberg cannot tell apart): (False, None), the rows are left NULL,
-    as they are in Postgres in the first (and likelier) case."""
+    value: the table was rewritten since the column was added (ALTER ... TYPE, VACUUM FULL:
+    the rows hold it now), or the default was set after the column was added, when they kept
+    NULL; the catalog as it is now cannot tell them apart, so the default is taken (as for the
+    rewrite, which a batch of several ALTERs meets)."""
     with conn.cursor() as cur:
         cur.execute(
             """SELECT a.atthasdef, a.atthasmissing, a.attmissingval::text,
@@ -300,7 +301,10 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
         cur.execute(f"EXPLAIN (VERBOSE, FORMAT JSON) SELECT {row[3]}")
         plan = cur.fetchone()[0]
         output = plan[0]["Plan"].get("Output", [""])[0]
-        return (False, None) if _CONSTANT.match(output) else (True, None)
+        if not _CONSTANT.match(output):
+            return True, None
+        cur.execute(f"SELECT ARRAY[({row[3]})]::text")
+        return True, cur.fetchone()[0]
 
 
 # Postgres's FirstNormalObjectId: OIDs below it belong to Postgres itself.
