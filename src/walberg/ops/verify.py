@@ -16,7 +16,7 @@ import psycopg2
 from walberg import verify as digest
 from walberg.apply import staging
 from walberg.buffer.files import inspect_directory
-from walberg.errors import SourceError, Terminal
+from walberg.errors import SourceError, Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.model import Lsn
 from walberg.source import postgres as pg
@@ -113,8 +113,12 @@ def _source_snapshot(conn: Any) -> Lsn:
 
 
 def _confirmed(conn: Any, slot: str) -> Lsn:
-    """How far the slot is confirmed (0: no slot): walberg confirms only what the lake holds."""
-    state = pg.slot_state(conn, slot)
+    """How far the slot is confirmed (0: no usable slot): walberg confirms only what the lake
+    holds."""
+    try:
+        state = pg.slot_state(conn, slot)
+    except WalbergError:  # (lost, or not walberg's: the run says so; verify compares anyway)
+        return Lsn(0)
     return Lsn(0) if state is None else state.confirmed_flush
 
 
