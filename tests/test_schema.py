@@ -169,23 +169,29 @@ def test_a_type_change_the_lake_cannot_see_is_said(
         caplog: pytest.LogCaptureFixture) -> None:
     """ALTER ... TYPE to a type the lake holds the same way: Postgres rewrites the values
     (timestamptz(0) rounds them), which is never streamed. Said, with the way out; a longer
-    varchar keeps every value and is not."""
+    varchar or a wider integer keeps every value and is not. (An identity column added: its
+    numbers come from a rewrite too, and are said.)"""
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, ts timestamptz, v varchar(5))")
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, ts timestamptz, v varchar(5), "
+                    "s smallint)")
         cur.execute(f"INSERT INTO {table} VALUES (1, '2024-01-01 00:00:00.7+00', 'a')")
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     run_once(config, spark)
     with pg_conn.cursor() as cur:
         cur.execute(f"INSERT INTO {table} VALUES (2, '2024-01-02 00:00:00+00', 'b')")
         cur.execute(f"ALTER TABLE {table} ALTER COLUMN ts TYPE timestamptz(0), "
-                    "ALTER COLUMN v TYPE varchar(9)")
+                    "ALTER COLUMN v TYPE varchar(9), ALTER COLUMN s TYPE int")
         cur.execute(f"INSERT INTO {table} VALUES (3, '2024-01-03 00:00:00+00', 'c')")
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN n bigint GENERATED ALWAYS AS IDENTITY")
+        cur.execute(f"INSERT INTO {table} (id) VALUES (4)")
     with caplog.at_level(logging.WARNING, logger="walberg"):
         run_once(config, spark)
     said = [r.getMessage() for r in caplog.records if "changed type in Postgres" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"column ts of {table}"), said
     assert "walberg resync" in said[0]
+    assert any(r.getMessage().startswith(f"column n of {table} was added with a volatile "
+                                         "default (or an identity)") for r in caplog.records)
 
 
 def test_arrays_of_two_dimensions_added_and_renamed_while_streaming(

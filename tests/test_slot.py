@@ -111,7 +111,7 @@ def test_resync_of_one_table_repairs_it(pg_conn: Any, postgres: Any, spark: Any,
     # touched (dropping it would stop that walberg).
     slot = config.source.postgres.slot
     with SegmentStore(config.segment_dir, 1 << 20), Lake(config, session=spark) as lake:
-        with pytest.raises(WalbergError, match=r"is running this pipeline"):
+        with pytest.raises(WalbergError, match=r"is in use by another walberg process"):
             resync(lake, plan(lake))
     assert _wal_status(pg_conn, slot) is not None
     # A slot of that name that is not walberg's (another plugin) is an error, never dropped.

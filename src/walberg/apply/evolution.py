@@ -64,8 +64,7 @@ def plan(current: Sequence[tuple[str, str]], wanted: Sequence[tuple[str, str]]) 
     while i < len(current) or j < len(wanted):
         if i < len(current) and j < len(wanted):
             (on, ot), (nn, nt) = current[i], wanted[j]
-            if added is not None and (on == nn or (on not in new_names and nn not in old_names
-                                                   and widens(ot, nt))):
+            if added is not None and on == nn:
                 # Postgres adds a column at the end: a column met after one added is not the
                 # one of that name (or place) before. RENAME price TO price_old, then ADD
                 # COLUMN price, reads as "add price_old" by name; which values are whose

@@ -5,12 +5,12 @@ drops the slot when every table is copied), then runs the pipeline once."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Optional
 
 from walberg.buffer import spill
-from walberg.buffer.files import inspect_directory
 from walberg.buffer.store import SegmentStore
-from walberg.errors import SlotLost, SourceError
+from walberg.errors import SlotLost
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.pipeline import Pipeline, RunReport
 from walberg.source import postgres as pg
@@ -75,28 +75,27 @@ def resync_source(lake: Lake, source: LakeSource,
     for t in tables or []:
         source.target(t)  # a table the source does not have: the error that lists them
     src = source.postgres
-    holder = inspect_directory(source.config.segment_dir).holder_pid
-    if holder is not None:
-        # (before the slot is touched: dropping it under a running walberg would stop it)
-        raise SourceError(f"a walberg (pid {holder}) is running this pipeline (it holds "
-                          f"{source.config.segment_dir}, buffer.dir); stop it before "
-                          "walberg resync, which runs the pipeline itself.")
-    conn = pg.connect(src.dsn)
-    try:
+    config = source.config
+    # The segment directory's lock, before the slot is touched (dropping it under a running
+    # walberg would stop that walberg) and until the old segments are gone; the run below
+    # takes it again.
+    with SegmentStore(config.segment_dir, config.buffer.max_segment_bytes):
+        conn = pg.connect(src.dsn)
         try:
-            state = pg.slot_state(conn, src.slot)
-            lost = False
-        except SlotLost:
-            state, lost = None, True
-        if tables is None or lost:
-            if lost or state is not None:
-                pg.drop_slot(conn, src.slot)
-            _discard_segments(source)
-            again = set(source.targets)
-        else:
-            again = set(tables)
-    finally:
-        conn.close()
+            try:
+                state = pg.slot_state(conn, src.slot)
+                lost = False
+            except SlotLost:
+                state, lost = None, True
+            if tables is None or lost:
+                if lost or state is not None:
+                    pg.drop_slot(conn, src.slot)
+                _discard_segments(config.segment_dir)
+                again = set(source.targets)
+            else:
+                again = set(tables)
+        finally:
+            conn.close()
     log.info("copying again: %s", ", ".join(sorted(again)))
     pipeline = Pipeline(source.config, session=lake.session())
     try:
@@ -106,20 +105,15 @@ def resync_source(lake: Lake, source: LakeSource,
         pipeline.close()
 
 
-def _discard_segments(source: LakeSource) -> None:
+def _discard_segments(directory: Path) -> None:
     """Every table is copied again in a new slot's snapshot: what the segments hold from the
     old slot is either in that copy or, from another server (a failover, a new DSN), not to be
     applied; and the reader would skip the new slot's transactions below the last one they
-    hold. Removed, with any spilled transaction."""
-    config = source.config
-    if not config.segment_dir.is_dir():
-        return
-    # (the directory's lock held meanwhile: no walberg starts on them)
-    with SegmentStore(config.segment_dir, config.buffer.max_segment_bytes):
-        old = [p for p in config.segment_dir.iterdir() if p.suffix in (".sealed", ".active")]
-        for path in old:
-            path.unlink()
-        spill.clear(config.segment_dir / "spill")
+    hold. Removed, with any spilled transaction (call with the directory's lock held)."""
+    old = [p for p in directory.iterdir() if p.suffix in (".sealed", ".active")]
+    for path in old:
+        path.unlink()
+    spill.clear(directory / "spill")
     if old:
         log.info("removed %d segment(s) of the old replication slot from %s", len(old),
-                 config.segment_dir)
+                 directory)

@@ -67,12 +67,31 @@ def create_slot(config: Config) -> Optional[CreatedSlot]:
 
 
 def _held(config: Config) -> dict[str, str]:
-    """The source's tables that walberg has committed to in the lake, with the LSN they hold
-    (read from the tables' metadata, as `walberg status` does: no Spark)."""
-    from walberg.lake.services import Lake
-    from walberg.ops.status import lake_summary
+    """The source's tables that walberg has committed to in the lake, with the LSN they hold,
+    read from the tables' metadata as `walberg status` reads it (no Spark; a catalog read only
+    through Spark, hive or glue, is not asked). Metadata that cannot be read is an error: the
+    table may hold rows."""
+    from walberg.apply.catalog.metadata import read_hadoop_table, summarize
+    from walberg.lake.services import LakeSource
 
-    with Lake(config) as lake:
-        [source] = lake.sources
-        found = {t: lake_summary(source, target) for t, target in source.targets.items()}
-    return {t: s.walberg_lsn for t, s in found.items() if s is not None and s.walberg_lsn}
+    # (named as in the pipeline file: a table shared by several sources marks each one's LSN)
+    source = LakeSource(config.source_name, config, "postgres",
+                        {t: config.target_for(t) for t in config.postgres.tables}, {})
+    held = {}
+    for t, target in source.targets.items():
+        local = source.local_metadata(target)
+        try:
+            if local is not None:
+                found = read_hadoop_table(*local, source.lsn_property)
+            else:
+                meta = source.catalog_metadata(target)
+                found = None if meta is None else summarize(meta, source.lsn_property)
+        except Exception as exc:  # (the catalog's or the storage's own error, said as it is)
+            raise SourceError(
+                f"the metadata of {target} could not be read ({' '.join(str(exc).split())[:300]}),"
+                f" so walberg cannot tell whether the lake holds {t}; creating the slot by hand "
+                "is refused until it can (`walberg status -c <pipeline.yaml>` reads the same)."
+            ) from exc
+        if found is not None and found.walberg_lsn:
+            held[t] = found.walberg_lsn
+    return held

@@ -101,7 +101,7 @@ def status(lake: Lake) -> list[Status]:
 
 
 def _status(source: LakeSource) -> Status:
-    summaries = {t: lake_summary(source, target) for t, target in source.targets.items()}
+    summaries = {t: _summary(source, target) for t, target in source.targets.items()}
     tables = {t: _table(source.targets[t], s) for t, s in summaries.items()}
     buffer = _buffer(source.config.segment_dir)
     if source.kind == "kafka":
@@ -190,7 +190,7 @@ def _buffer(directory: Path) -> BufferStatus:
                         oldest_waiting_s=waiting)
 
 
-def lake_summary(source: LakeSource, target: str) -> Optional[TableSummary]:
+def _summary(source: LakeSource, target: str) -> Optional[TableSummary]:
     """The table's metadata: the files of a local hadoop warehouse, else read through the
     catalog (None: the table does not exist yet, or the catalog could not be read, with a
     warning saying why)."""

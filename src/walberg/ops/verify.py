@@ -11,8 +11,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-import psycopg2
-
 from walberg import verify as digest
 from walberg.apply import staging
 from walberg.buffer.files import inspect_directory
@@ -78,7 +76,7 @@ def verify_source(lake: Lake, source: LakeSource, tables: Optional[list[str]] = 
                 try:
                     verdict = _verify_table(lake, source, conn, infos[t], limit, wait_seconds,
                                             last=attempt == tries - 1)
-                except psycopg2.Error as exc:
+                except pg.DatabaseError as exc:
                     conn.rollback()
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else \
                         type(exc).__name__

@@ -10,13 +10,29 @@ from typing import Any, Callable, Optional
 from walberg import metrics
 from walberg.apply import evolution
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.types import TEXT, VARCHAR, BadArray, TextPrep, TypeMap, parse_array
+from walberg.apply.types import (
+    INT2,
+    INT4,
+    INT8,
+    TEXT,
+    TIME,
+    TIMESTAMP,
+    TIMESTAMPTZ,
+    VARCHAR,
+    BadArray,
+    TextPrep,
+    TypeMap,
+    parse_array,
+)
 from walberg.config import Config
 from walberg.errors import Terminal, WalbergError
 from walberg.model import Column, Lsn, Relation
 from walberg.source import postgres as pg
 
 log = logging.getLogger("walberg")
+
+_INTEGERS = (INT2, INT4, INT8)  # narrowest first
+_TIMES = (TIME, TIMESTAMP, TIMESTAMPTZ, 1266)  # (1266: timetz) a precision, 0-6 or none
 
 # Table property holding the default of a column added in Postgres, until the lake's existing
 # rows have it.
@@ -122,9 +138,7 @@ class PgTables(Tables):
                 continue
             if self.types.spark_type(old, target) != self.types.spark_type(c, target):
                 continue  # a schema change of the lake's column: evolution's to follow or refuse
-            longer = ({old.type_oid, c.type_oid} <= {TEXT, VARCHAR} and
-                      (c.type_modifier < 0 or 0 <= old.type_modifier <= c.type_modifier))
-            if not longer:
+            if not self._keeps_values(old, c):
                 log.warning(
                     "column %s of %s changed type in Postgres (type %d modifier %d -> type %d "
                     "modifier %d, before LSN %s) and is held the same way in %s: the values "
@@ -243,6 +257,23 @@ class PgTables(Tables):
                             "%s).", name, source, parsed[0][:60], source)
                 return
             self.sink.set_property(target, FILL_PROPERTY + name, expr)
+
+    def _keeps_values(self, old: Column, new: Column) -> bool:
+        """Whether every value of type ``old`` is the same value of type ``new``: longer
+        text, a wider integer, more fractional digits of a time, a domain and its base type."""
+        def base(c: Column) -> tuple[int, int]:
+            t = self.types.types.get(c.type_oid)
+            if t is not None and t.kind == "d":
+                return t.base, (t.base_modifier if c.type_modifier < 0 else c.type_modifier)
+            return c.type_oid, c.type_modifier
+
+        (a, am), (b, bm) = base(old), base(new)
+        wider = bm < 0 or 0 <= am <= bm
+        if {a, b} <= {TEXT, VARCHAR}:
+            return wider
+        if a in _INTEGERS and b in _INTEGERS:
+            return _INTEGERS.index(a) <= _INTEGERS.index(b)
+        return a == b and (wider if a in _TIMES else am == bm)
 
     def finish_fills(self, source: str) -> None:
         """Columns added in Postgres with a default: existing rows get the default in the lake

@@ -20,6 +20,9 @@ from walberg.model import Column, Lsn, PgType
 
 log = logging.getLogger("walberg")
 
+# What the driver raises for a statement the server refused (for callers outside this stage).
+DatabaseError = psycopg2.Error
+
 # Every connection (copy, replication, checks) renders values the same way, so the initial copy
 # and the stream produce byte-identical text for the same value: one type path.
 SESSION_OPTIONS = (
@@ -287,7 +290,7 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
     with conn.cursor() as cur:
         cur.execute(
             """SELECT a.atthasdef, a.atthasmissing, a.attmissingval::text,
-                      pg_get_expr(d.adbin, d.adrelid)
+                      pg_get_expr(d.adbin, d.adrelid), a.attidentity <> ''
                FROM pg_attribute a
                LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
                WHERE a.attrelid = %s::regclass AND a.attname = %s AND NOT a.attisdropped""",
@@ -296,6 +299,8 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
         row = cur.fetchone()
         if row is not None and row[1]:
             return True, row[2]
+        if row is not None and row[4]:
+            return True, None  # an identity (no pg_attrdef row): numbered by the rewrite
         if row is None or not row[0]:
             return False, None
         cur.execute(f"EXPLAIN (VERBOSE, FORMAT JSON) SELECT {row[3]}")
