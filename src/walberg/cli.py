@@ -470,9 +470,7 @@ def _cmd_slot(args: argparse.Namespace) -> int:
         print(f"replication slot {slot} exists already")
         return 0
     print(f"created replication slot {created.name} at {created.consistent_point}; the first "
-          "walberg run copies the tables that the lake does not hold yet. A table the lake "
-          "holds already gets only what commits from now on: if this slot replaces a dropped "
-          "one, run `walberg resync` instead, or those tables miss what changed in between")
+          "walberg run copies the tables that the lake does not hold yet")
     return 0
 
 
