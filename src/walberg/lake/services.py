@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any, Literal, Optional
 
 from walberg.apply.catalog import catalog_reads
+from walberg.apply.catalog.metadata import TableSummary, read_hadoop_table, summarize
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.jvm.spark import stop_session
 from walberg.apply.session import LSN_PROPERTY
@@ -68,6 +69,16 @@ class LakeSource:
         _, namespace, table = target.split(".")
         return catalog_reads.table_metadata(cat.type, cat.name, config.warehouse, cat.uri,
                                             cat.options(), io, namespace, table)
+
+    def table_summary(self, target: str) -> Optional[TableSummary]:
+        """``target``'s summary from its metadata, with no Spark: the files of a local hadoop
+        warehouse, else read through the catalog (None: the table does not exist, or its
+        catalog is read only through Spark). Raises what the catalog or storage raised."""
+        local = self.local_metadata(target)
+        if local is not None:
+            return read_hadoop_table(*local, self.lsn_property)
+        meta = self.catalog_metadata(target)
+        return None if meta is None else summarize(meta, self.lsn_property)
 
     @property
     def postgres(self) -> PostgresSource:

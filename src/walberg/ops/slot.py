@@ -71,7 +71,6 @@ def _held(config: Config) -> dict[str, str]:
     read from the tables' metadata as `walberg status` reads it (no Spark; a catalog read only
     through Spark, hive or glue, is not asked). Metadata that cannot be read is an error: the
     table may hold rows."""
-    from walberg.apply.catalog.metadata import read_hadoop_table, summarize
     from walberg.lake.services import LakeSource
 
     # (named as in the pipeline file: a table shared by several sources marks each one's LSN)
@@ -79,13 +78,8 @@ def _held(config: Config) -> dict[str, str]:
                         {t: config.target_for(t) for t in config.postgres.tables}, {})
     held = {}
     for t, target in source.targets.items():
-        local = source.local_metadata(target)
         try:
-            if local is not None:
-                found = read_hadoop_table(*local, source.lsn_property)
-            else:
-                meta = source.catalog_metadata(target)
-                found = None if meta is None else summarize(meta, source.lsn_property)
+            found = source.table_summary(target)
         except Exception as exc:  # (the catalog's or the storage's own error, said as it is)
             raise SourceError(
                 f"the metadata of {target} could not be read ({' '.join(str(exc).split())[:300]}),"

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from walberg.apply.catalog.metadata import TableSummary, read_hadoop_table, summarize
+from walberg.apply.catalog.metadata import TableSummary
 from walberg.buffer.files import Mapped, inspect_directory, read_freshness
 from walberg.buffer.recovery import NAME
 from walberg.buffer.segment import Scanner, check_magic
@@ -194,16 +194,14 @@ def _summary(source: LakeSource, target: str) -> Optional[TableSummary]:
     """The table's metadata: the files of a local hadoop warehouse, else read through the
     catalog (None: the table does not exist yet, or the catalog could not be read, with a
     warning saying why)."""
-    local = source.local_metadata(target)
-    if local is not None:
-        return read_hadoop_table(*local, source.lsn_property)
     try:
-        meta = source.catalog_metadata(target)
+        return source.table_summary(target)
     except Exception as exc:  # status reports what it can; a catalog it cannot read is a line
+        if source.local_metadata(target) is not None:
+            raise  # (a file of a local warehouse: not the catalog's trouble)
         log.warning("could not read %s through the catalog (%s): %s", target,
                     source.config.sink.catalog.type, " ".join(str(exc).split())[:300])
         return None
-    return None if meta is None else summarize(meta, source.lsn_property)
 
 
 def _table(target: str, summary: Optional[TableSummary]) -> TableStatus:
