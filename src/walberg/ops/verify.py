@@ -158,17 +158,18 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
         lake_lsn = sink.committed_lsn(target)
         deadline = time.monotonic() + wait_seconds
 
-        def behind() -> bool:
+        def holds() -> bool:
             # The table's mark moves only when it changes; the slot's confirmed position moves
             # only past what every table's Iceberg commits hold: past ``at``, a quiet table
             # holds everything before it too.
-            if lake_lsn is None:
-                return True
-            return lake_lsn < at and _confirmed(conn, source.postgres.slot) < at
+            return lake_lsn is not None and (
+                lake_lsn >= at or _confirmed(conn, source.postgres.slot) >= at)
 
-        while running and behind() and time.monotonic() < deadline:
+        held = holds()
+        while running and not held and time.monotonic() < deadline:
             time.sleep(0.5)
             lake_lsn = sink.committed_lsn(target)
+            held = holds()
         if lake_lsn is None:
             return TableVerdict(table_name, target, False, 0, 0, str(at), None,
                                 note=f"{target} has no walberg commit yet: run walberg "
@@ -184,7 +185,7 @@ def _verify_table(lake: Lake, source: LakeSource, conn: Any, info: pg.TableInfo,
                                                    own)
         verdict = TableVerdict(table_name, target, (src_n, src_hash) == (lake_n, lake_hash),
                                src_n, lake_n, str(at), str(lake_lsn))
-        if lake_lsn < at and _confirmed(conn, source.postgres.slot) < at:
+        if not held:
             verdict.note = (f"the lake holds {table_name} up to LSN {lake_lsn}, the source was "
                             f"read at {at}; changes in between, if any, are not applied yet")
         if not verdict.equal and last:
