@@ -127,8 +127,7 @@ class PgTables(Tables):
         """Say so when a column's Postgres type changed (ALTER ... TYPE) to one the lake holds
         the same way (timestamptz(0), char(10), a domain, ... USING): Postgres rewrote the
         existing rows' values, which is never streamed, so the lake keeps the old ones where
-        the new type changed them. Only text made longer (varchar(n) to a larger n, or text)
-        keeps every value."""
+        the new type changed them (unless it keeps every value: ``_keeps_values``)."""
         before = {c.name: c for c in self._followed.get(source, ())}
         self._followed[source] = columns
         target = self.targets[source]

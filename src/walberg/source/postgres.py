@@ -521,14 +521,6 @@ def published_tables(conn: Any, publication: str) -> list[str]:
         return [r[0] for r in cur.fetchall()]
 
 
-def absent_publications(absent: list[str]) -> SourceError:
-    """The error for publications, of several named, that do not exist."""
-    return SourceError(
-        f"publication(s) {', '.join(absent)} (source.postgres.publication) do not exist. "
-        "walberg creates a publication only when the pipeline names one; with several, "
-        f"create each first (CREATE PUBLICATION {sql_identifier(absent[0])} FOR TABLE ...).")
-
-
 def publication_missing(conn: Any, publication: str, tables: list[str]) -> Optional[list[str]]:
     """The tables the publication (or, comma-separated, the publications together) lacks;
     None if it does not exist. Several named of which some do not exist: the error."""
@@ -538,7 +530,12 @@ def publication_missing(conn: Any, publication: str, tables: list[str]) -> Optio
                     (names,))
         found = dict(cur.fetchall())
         if len(names) > 1 and len(found) < len(names):
-            raise absent_publications([n for n in names if n not in found])
+            absent = [n for n in names if n not in found]
+            raise SourceError(
+                f"publication(s) {', '.join(absent)} (source.postgres.publication) do not "
+                "exist. walberg creates a publication only when the pipeline names one; with "
+                f"several, create each first (CREATE PUBLICATION {sql_identifier(absent[0])} "
+                "FOR TABLE ...).")
         if not found:
             return None
         if any(found.values()):
