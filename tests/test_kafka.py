@@ -643,6 +643,46 @@ def test_a_new_optional_field_in_the_schema_adds_a_column(
     assert iceberg_rows(warehouse, target)[-1] == {"id": 4, "name": "d", "email": None}
 
 
+def test_a_field_widened_in_the_schema_widens_the_column(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """The source's columns were widened (``ALTER ... TYPE bigint``, ``double precision``), so
+    Debezium's records carry int64 and float64 where they carried int32 and float32: the
+    Iceberg columns are widened in place (Iceberg's type promotion), key included, instead of
+    every later record going to the dead letters; records of the old schema still apply."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    old = row_schema([{"field": "id", "type": "int32"},
+                      {"field": "n", "type": "int32", "optional": True},
+                      {"field": "f", "type": "float32", "optional": True}])
+    new = row_schema([{"field": "id", "type": "int64"},
+                      {"field": "n", "type": "int64", "optional": True},
+                      {"field": "f", "type": "float64", "optional": True}])
+    big = 3_000_000_000
+    p.send(topic, {"id": 1}, envelope("c", None, {"id": 1, "n": 1, "f": 0.5}, schema=old))
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "n": 2, "f": 1.5}, schema=old))
+    p.send(topic, {"id": big}, envelope("c", None, {"id": big, "n": 2 * big, "f": 0.1},
+                                        schema=new))
+    p.send(topic, {"id": 1}, envelope("u", None, {"id": 1, "n": 2**40, "f": 0.5}, schema=new))
+    p.send(topic, {"id": 2}, envelope("d", {"id": 2, "n": 2, "f": 1.5}, None, schema=old))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0 and report.records == 5
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    table = hadoop_table(warehouse, target)
+    assert [(f.name, str(f.field_type)) for f in table.schema().fields][:3] == [
+        ("id", "long"), ("n", "long"), ("f", "double")]
+    assert iceberg_rows(warehouse, target) == [
+        {"id": 1, "n": 2**40, "f": 0.5}, {"id": big, "n": 2 * big, "f": 0.1}]
+    # A later run reads the wider columns from the table and takes records of either schema.
+    p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "n": 4, "f": 0.25}, schema=old))
+    p.send(topic, {"id": big}, envelope("d", {"id": big}, None, schema=new))
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0 and report.records == 2
+    assert iceberg_rows(warehouse, target) == [
+        {"id": 1, "n": 2**40, "f": 0.5}, {"id": 4, "n": 4, "f": 0.25}]
+
+
 def test_string_and_composite_keys_apply_by_position(
         kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -399,31 +399,53 @@ class KafkaStager:
 
     def _widened(self, topic: str, shape: _Shape, fields: tuple[tuple[str, dbz.FieldType], ...],
                  builder: BatchBuilder) -> _Shape:
-        """Additive schema evolution: fields of the record's schema the table lacks become new
-        (nullable) columns at its end, unless the pipeline file gives the columns or
-        ``sink.schema_evolution`` is strict. Raises _NewColumns when this batch already has
-        rows of the table with the old columns."""
-        names = {c.name for c in shape.columns}
+        """Schema evolution a record's schema asks for: fields the table lacks become new
+        (nullable) columns at its end, and a field whose type Iceberg can widen the column to
+        in place (int32 to int64, float32 to float64, a decimal of more digits at the same
+        scale: what Debezium sends after the source column's type was widened) widens it;
+        unless the pipeline file gives the columns or ``sink.schema_evolution`` is strict.
+        Raises _NewColumns when this batch already has rows of the table with the old
+        columns."""
+        target = self.targets[topic]
+        names = {c.name: i for i, c in enumerate(shape.columns)}
         new = [(n, t) for n, t in fields if n not in names]
+        wider: dict[int, dbz.FieldType] = {}
+        for n, t in fields:
+            if n in names:
+                col = shape.columns[names[n]]
+                mine = self._spark_type(Column(n, t.oid, t.modifier), target)
+                theirs = self._spark_type(col, target)
+                if mine != theirs and evolution.widens(theirs, mine):
+                    wider[names[n]] = t
         chosen = self.kafka.tables.get(topic)
         table = self.names[topic]
-        if not new or (chosen is not None and chosen.columns) or \
+        if not (new or wider) or (chosen is not None and chosen.columns) or \
                 self.config.layout_for(table).schema_evolution == "strict":
-            return shape  # (a field the table lacks is then a dead letter)
+            return shape  # (a field the table lacks, or of another type, is then a dead letter)
         if builder.columns_of(table) is not None:
             raise _NewColumns(topic)
-        target = self.targets[topic]
-        columns = shape.columns + tuple(Column(n, t.oid, t.modifier, False) for n, t in new)
+        kept = tuple(Column(c.name, wider[i].oid, wider[i].modifier, c.is_key) if i in wider
+                     else c for i, c in enumerate(shape.columns))
+        columns = kept + tuple(Column(n, t.oid, t.modifier, False) for n, t in new)
         for c in columns:
             self.types.spark_type(c, target)
-        widened = self._shapes[topic] = _Shape(columns, shape.types + tuple(t for _, t in new))
-        log.info("%s: the records' schema adds %s; %s follows", topic,
-                 ", ".join(n for n, _ in new), target)
+        types = tuple(wider.get(i, t) for i, t in enumerate(shape.types))
+        widened = self._shapes[topic] = _Shape(columns, types + tuple(t for _, t in new))
+        log.info("%s: the records' schema %s; %s follows", topic, "; ".join(
+            [f"adds {n}" for n, _ in new] +
+            [f"widens {shape.columns[i].name} to {self._spark_type(kept[i], target)}"
+             for i in sorted(wider)]), target)
         return widened
 
+    def _spark_type(self, col: Column, target: str) -> str:
+        return str(self.types.spark_type(col, target).describe())
+
     def _same_type(self, t: dbz.FieldType, col: Column, target: str) -> bool:
-        mine = self.types.spark_type(Column(col.name, t.oid, t.modifier), target).describe()
-        return mine == self.types.spark_type(col, target).describe()
+        """Whether a record's field lands in ``col`` as it is: the same Iceberg type, or a
+        narrower one the column was widened from (records written before the widening)."""
+        mine = self._spark_type(Column(col.name, t.oid, t.modifier), target)
+        theirs = self._spark_type(col, target)
+        return mine == theirs or evolution.widens(mine, theirs)
 
     def _fields(self, topic: str, event: dbz.Event) -> list[tuple[str, dbz.FieldType]]:
         """The table's columns: from the pipeline file, else the existing Iceberg table, else
@@ -506,7 +528,7 @@ class KafkaStager:
                 steps = evolution.plan(current, wanted)
             except evolution.NotEvolvable:
                 steps = []
-            if not steps or any(s.kind != "add" for s in steps):
+            if not steps or any(s.kind not in ("add", "widen") for s in steps):
                 raise ConfigError(f"{target} has columns {current}, not those walberg staged "
                                   f"for topic {topic}; give the table's columns in "
                                   f"source.kafka.tables.{topic}.columns")
