@@ -287,6 +287,8 @@ ROWS = [
     # id 4: more edges
     {"f4": "-Infinity", "f8": "Infinity", "n38": "-0.0000000001", "nu": "0", "tx": "𝄞" * 1000,
      "d": "9999-12-31", "ts": "2038-01-19 03:14:08", "tstz": "1969-07-20 20:17:40+00"},
+    # id 5: verify's column separator (0x1f) inside a text
+    {"tx": "a\x1fVb", "vc": "c"},
 ]
 # Rows that cannot be written exactly: they must land in the dead-letter table.
 BAD = {
@@ -448,6 +450,8 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
         # ... and a lake changed behind walberg's back is caught, with the keys.
         spark.sql(f"DELETE FROM {target} WHERE id = 2")
         spark.sql(f"UPDATE {target} SET f8 = -0.0 WHERE id = 104")  # only the sign of zero
+        # the separator moved from one text column into the next: the same text unescaped
+        spark.sql(f"UPDATE {target} SET tx = 'a', vc = concat('b', char(31), 'Vc') WHERE id = 5")
         spark.table(target).where("id = 3").selectExpr(
             *["999 AS id" if f == "id" else f"`{f}`" for f in spark.table(target).columns]
         ).writeTo(target).append()
@@ -461,6 +465,6 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
         assert not verdict.equal
         problems = {d["key"]["id"]: d["problem"] for d in verdict.differences}
         assert problems == {"2": "missing in the lake", "104": "values differ",
-                            "999": "in the lake, not in the source"}
+                            "5": "values differ", "999": "in the lake, not in the source"}
         assert [p.parent.parent for p in hashed] == [config.segment_dir]
         assert not hashed[0].parent.exists()

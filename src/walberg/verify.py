@@ -37,7 +37,10 @@ from walberg.apply.types import SparkType, quote
 from walberg.model import Column
 from walberg.source.postgres import sql_identifier
 
-SEP = "\x1f"  # between columns in the canonical row text
+# Between columns in the canonical row text. Each column's text starts with V (a value) or N
+# (NULL), and a separator inside a text value is doubled: then no two rows read the same text
+# ("a<SEP>Vb", "c" would otherwise read as "a", "b<SEP>Vc").
+SEP = "\x1f"
 # (Postgres hashes the text's UTF-8 bytes whatever the database's encoding, as Spark does)
 _MD5_PG = "md5(convert_to({}, 'UTF8'))"
 _HASH_PG = "('x' || substr(" + _MD5_PG + ", 1, 15))::bit(60)::bigint::numeric"
@@ -72,7 +75,9 @@ def _pg_text(v: str, sql: str) -> str:
         return f"to_char({v} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US')"
     if sql == "BINARY":
         return f"encode({v}, 'hex')"
-    return f"concat({v})"  # the type's output function (keeps char(n)'s padding)
+    # The type's output function (keeps char(n)'s padding); a separator in the text doubled,
+    # so that no value can shift a column boundary (see SEP).
+    return f"replace(concat({v}), chr(31), chr(31) || chr(31))"
 
 
 def _spark_text(v: str, sql: str) -> str:
@@ -87,6 +92,8 @@ def _spark_text(v: str, sql: str) -> str:
         return f"date_format({v}, 'yyyy-MM-dd HH:mm:ss.SSSSSS')"
     if sql == "BINARY":
         return f"lower(hex({v}))"
+    if sql == "STRING":
+        return f"replace({v}, char(31), concat(char(31), char(31)))"
     return f"CAST({v} AS STRING)"
 
 
