@@ -109,6 +109,9 @@ class StagedTable:
     moved_unchanged: bool = False
     # No key occurs twice among the staged rows: the batch needs no netting per key.
     unique_keys: bool = False
+    # pgoutput described the table (Relation) in this batch: a first description in a run, or
+    # one after a change to the table (DDL), which may have re-created a column.
+    described: bool = False
 
     @property
     def insert_only(self) -> bool:
@@ -345,6 +348,7 @@ class BatchBuilder:
         self.chunk_rows = chunk_rows
         self.prep = prep
         self._tables: dict[str, _TableStage] = {}
+        self._described: set[str] = set()
         directory.mkdir(parents=True, exist_ok=True)
 
     def _stage(self, source: str, columns: tuple[Column, ...]) -> _TableStage:
@@ -360,6 +364,15 @@ class BatchBuilder:
         """The columns ``source`` is staged with in this batch, if it has changes yet."""
         stage = self._tables.get(source)
         return stage.staged.columns if stage is not None else None
+
+    def describe(self, source: str, described: bool = True) -> None:
+        """The source described ``source`` (its columns) in this batch (see
+        StagedTable.described); or, ``described`` false, the batch ends before a description
+        and what the catalog says by then is not about its rows."""
+        if described:
+            self._described.add(source)
+        else:
+            self._described.discard(source)
 
     def add(self, source: str, columns: tuple[Column, ...], op: Op, seq: int, lsn: int,
             row: Row) -> None:
@@ -382,6 +395,7 @@ class BatchBuilder:
         change goes to a changelog)."""
         for name, stage in self._tables.items():
             stage.close(extent, name in net)
+            stage.staged.described = name in self._described
         return {name: stage.staged for name, stage in self._tables.items()}
 
     def discard(self) -> None:

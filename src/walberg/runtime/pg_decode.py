@@ -78,6 +78,11 @@ class Chunks:
             chunk.flush()
             del self._by_oid[rel.oid]
 
+    def holds(self, oid: int) -> bool:
+        """Whether changes of the relation wait in its chunk."""
+        chunk = self._by_oid.get(oid)
+        return chunk is not None and bool(chunk.payloads)
+
     def flush_all(self) -> None:
         for chunk in self._by_oid.values():
             chunk.flush()

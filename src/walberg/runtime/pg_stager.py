@@ -329,7 +329,7 @@ class PgStager:
     # ---- before and after the commits --------------------------------------------------------
 
     def follow(self, table: str, staged: StagedTable, batch: Batch) -> None:
-        self.tables.follow(table, staged.columns, batch.lsn)
+        self.tables.follow(table, staged.columns, batch.lsn, staged.described)
 
     def dead_letters(self, table: str, staged: StagedTable, batch: Batch) -> None:
         assert staged.dead_letters is not None
@@ -443,14 +443,23 @@ class _Staging:
         if self.txn is None:
             return False
         before = self.builder.columns_of(msg.qualified_name)
-        if before is not None and before != msg.columns and self._wants(msg, self.txn):
+        # (rows of the table in this batch: staged, or waiting in its chunk under this very
+        # description, which a changed description would have flushed)
+        held = before is not None or self.chunks.holds(msg.oid)
+        if held and self._wants(msg, self.txn) and (
+                (before is not None and before != msg.columns)
+                or self.stager.tables.renumbered(msg.qualified_name,
+                                                 unsure=self.last_end is not None)):
             if self.last_end is None:  # ALTER amid this transaction's changes
                 raise SchemaChanged(msg.qualified_name)
-            # The table's columns changed (ALTER TABLE): this batch ends with the
-            # transaction before; the next one starts with the new columns, after the
-            # Iceberg schema has followed.
+            # The table's columns changed (ALTER TABLE), or one was dropped and added again
+            # under its name and type: this batch ends with the transaction before; the next
+            # one starts with the new columns, after the Iceberg schema has followed. (This
+            # one's rows are from before, whatever the catalog says by its commit.)
+            self.builder.describe(msg.qualified_name, False)
             self.cut = True
             return True
+        self.builder.describe(msg.qualified_name)
         self.stager.tables.learn_relation(msg)
         self.wanted = self._wanted_chunks(self.txn)
         return False

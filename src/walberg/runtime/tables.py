@@ -4,8 +4,10 @@ source's column types."""
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 from walberg import metrics
 from walberg.apply import evolution
@@ -37,6 +39,11 @@ _TIMES = (TIME, TIMESTAMP, TIMESTAMPTZ, 1266)  # (1266: timetz) a precision, 0-6
 # Table property holding the default of a column added in Postgres, until the lake's existing
 # rows have it.
 FILL_PROPERTY = "walberg.fill."
+# Table property: the numbers (pg_attribute.attnum) of the source's columns the lake's follow,
+# as JSON {name: number}; per source (".<name>" after it) in a table shared by several. A
+# column dropped and added again under the same name and type gets a new number, while
+# pgoutput describes it as before.
+ATTNUM_PROPERTY = "walberg.attnums"
 
 
 class SchemaStop(Terminal):
@@ -78,6 +85,7 @@ class PgTables(Tables):
         self._sink = sink
         self.source_unreachable = source_unreachable
         self._followed: dict[str, tuple[Column, ...]] = {}  # the columns of each last batch
+        self._attnums: dict[str, dict[str, int]] = {}  # ATTNUM_PROPERTY's, as read or written
 
     @property
     def sink(self) -> IcebergSink:
@@ -112,16 +120,90 @@ class PgTables(Tables):
                              "; ".join(changed))
         if layout.mode != "append" and not made[0][1]:
             self.finish_fills(source)
+        if layout.mode != "append" and (made[0][1] or self._recorded(source) is None):
+            self._record(source, info.attnums)  # (from now on: see ``follow``)
         if layout.mode == "both" and changelog is not None:
             self.changelog_held[source] = self.sink.committed_lsn(changelog)
 
-    def follow(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> None:
-        """Before a commit: the table (and its changelog) take the staged columns."""
+    def follow(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
+               described: bool = False) -> None:
+        """Before a commit: the table (and its changelog) take the staged columns. In a batch
+        in which pgoutput described the table (``described``), the columns' numbers in the
+        catalog tell a column dropped and added again (under the same name and type, or as
+        what the names read as a rename) from the same column (``Numbers``)."""
         target, changelog = self.targets[source], self.changelogs.get(source)
         self._retyped_in_place(source, columns, lsn)
+        numbers = self._numbers_of(source) if described else None
+        again = numbers.again(columns) if numbers is not None else ()
+        for name in again:
+            log.warning("column %s of %s was dropped and added again in Postgres (before LSN "
+                        "%s): its values are gone there, so %s drops and adds it too", name,
+                        source, lsn, target)
         for t in ([target] if changelog in (None, target) else [changelog, target]):
-            if not self.sink.columns_match(t, columns):
-                self.evolve(source, columns, lsn, t)
+            # A changelog keeps a column added again (its rows are the changes as they were
+            # made) unless its columns change anyway.
+            if not self.sink.columns_match(t, columns) or (
+                    again and t == target and changelog != target):
+                self.evolve(source, columns, lsn, t, numbers)
+        if numbers is not None:
+            self._record(source, numbers.now)
+
+    def _numbers_of(self, source: str) -> Optional[Numbers]:
+        """The columns' numbers the lake follows, and the catalog's now (not as they were at
+        the batch's changes); None without a mirror (mode append: the changelog keeps the
+        changes as they were made) or when either is missing."""
+        if self.config.layout_for(source).mode == "append":
+            return None
+        now = self._numbers(source)
+        known = self._recorded(source)
+        return Numbers(known, now) if now is not None and known is not None else None
+
+    def renumbered(self, source: str, unsure: bool) -> bool:
+        """(While staging) pgoutput described ``source`` again with the same columns: whether
+        one of them was dropped and added again meanwhile, so that the batch must end before.
+        ``unsure``: the answer while the lake's numbers are not read yet (staging begins
+        before Spark is up); true ends the batch there, and the next one's ``follow`` tells."""
+        if self.config.layout_for(source).mode == "append":
+            return False
+        known = self._attnums.get(source)
+        if known is None:
+            return unsure
+        now = self._numbers(source)
+        return now is not None and bool(Numbers(known, now).again([Column(n, 0) for n in now]))
+
+    def _numbers(self, source: str) -> Optional[dict[str, int]]:
+        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds,
+                                    f"the column numbers of {source}",
+                                    waiting=self.source_unreachable)
+        try:
+            return pg.column_numbers(conn, source)
+        finally:
+            conn.close()
+
+    def _attnum_key(self) -> str:
+        shared_by = self.sink.source
+        return ATTNUM_PROPERTY if shared_by is None else f"{ATTNUM_PROPERTY}.{shared_by}"
+
+    def _recorded(self, source: str) -> Optional[dict[str, int]]:
+        """The column numbers the lake's table follows (None: not recorded yet)."""
+        known = self._attnums.get(source)
+        if known is None:
+            key = self._attnum_key()
+            value = self.sink.properties(self.targets[source], key).get(key)
+            try:
+                known = {str(k): int(v) for k, v in json.loads(value).items()} if value else None
+            except (ValueError, TypeError, AttributeError):
+                known = None  # (not walberg's: recorded again)
+            if known is not None:
+                self._attnums[source] = known
+        return known
+
+    def _record(self, source: str, numbers: dict[str, int]) -> None:
+        if not numbers or self._recorded(source) == numbers:
+            return
+        self.sink.set_property(self.targets[source], self._attnum_key(),
+                               json.dumps(numbers, sort_keys=True))
+        self._attnums[source] = dict(numbers)
 
     def _retyped_in_place(self, source: str, columns: tuple[Column, ...], lsn: Lsn) -> None:
         """Say so when a column's Postgres type changed (ALTER ... TYPE) to one the lake holds
@@ -148,15 +230,18 @@ class PgTables(Tables):
                     old.type_modifier, c.type_oid, c.type_modifier, lsn, target, source, source)
 
     def evolve(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
-               target: Optional[str] = None) -> None:
+               target: Optional[str] = None, numbers: Optional[Numbers] = None) -> None:
         """Make the Iceberg table's schema follow the source's columns (after ALTER TABLE),
-        as far as ``sink.schema_evolution`` allows; otherwise stop with what to do."""
+        as far as ``sink.schema_evolution`` allows; otherwise stop with what to do. With
+        ``numbers``, columns that Postgres dropped and added again are dropped and added here
+        (not kept, nor read as renamed)."""
         target = target or self.targets[source]
         wanted = [(c.name, self.types.spark_type(c, target).describe()) for c in columns]
         current = self.sink.schema(target)
         mode = self.config.layout_for(source).schema_evolution
         try:
-            steps = evolution.plan(current, wanted)
+            steps = numbers.plan(current, wanted, columns) if numbers is not None \
+                else evolution.plan(current, wanted)
             refused = [s for s in steps if mode == "strict"
                        or (mode == "add_columns" and s.kind != "add")]
             if refused:
@@ -228,6 +313,9 @@ class PgTables(Tables):
             for key in self.sink.properties(t, FILL_PROPERTY):
                 self.sink.set_property(t, key, None)
             changed = True
+        if self.config.layout_for(source).mode != "append":
+            self._attnums.pop(source, None)  # (a replaced table has no properties of before)
+            self._record(source, info.attnums)  # the copy's rows have the columns of now
         return changed
 
     def _record_fill(self, conn: Any, source: str, target: str, columns: tuple[Column, ...],
@@ -341,6 +429,43 @@ class PgTables(Tables):
 
     def prep(self, source: str, columns: tuple[Column, ...]) -> TextPrep:
         return self.types.prep(columns, self.targets[source])
+
+
+@dataclass(frozen=True)
+class Numbers:
+    """A table's column numbers (pg_attribute.attnum), as the lake follows them (``known``) and
+    as the catalog has them ``now``: a column keeps its number through a rename or a type
+    change; one dropped and added again has a new one."""
+
+    known: dict[str, int]
+    now: dict[str, int]
+
+    def again(self, columns: Sequence[Column]) -> tuple[str, ...]:
+        """The columns dropped and added again under the same name."""
+        return tuple(c.name for c in columns if c.name in self.known and c.name in self.now
+                     and self.known[c.name] != self.now[c.name])
+
+    def plan(self, current: Sequence[tuple[str, str]], wanted: Sequence[tuple[str, str]],
+             columns: Sequence[Column]) -> list[evolution.Step]:
+        """``evolution.plan``, told by the numbers: a column added again is dropped first and
+        planned as new (Postgres puts it at the end); a rename whose two names have other
+        numbers is a column dropped and another added."""
+        again = set(self.again(columns))
+        gone = [n for n, _ in current if n in again]
+        steps = evolution.plan([(n, k) for n, k in current if n not in again], wanted)
+        kinds = dict(wanted)
+        out = [evolution.Step("drop", n) for n in gone]
+        added: set[str] = set()
+        for step in steps:
+            if step.kind == "rename" and step.name in self.known and \
+                    step.new_name in self.now and \
+                    self.known[step.name] != self.now[step.new_name]:
+                out += [evolution.Step("drop", step.name),
+                        evolution.Step("add", step.new_name, kinds[step.new_name])]
+                added.add(step.new_name)
+            elif not (step.kind == "widen" and step.name in added):
+                out.append(step)
+        return out
 
 
 def count_dead(sink: IcebergSink, source: str, target: str, rows: int) -> None:

@@ -110,6 +110,9 @@ class TableInfo:
     # A partitioned table (its rows are its partitions', published under its name); an
     # ordinary table's rows are its own, without those of any inheritance children.
     partitioned: bool = False
+    # Each column's number (pg_attribute.attnum): a column dropped and added again under the
+    # same name and type has a new one, though pgoutput describes it the same.
+    attnums: dict[str, int] = field(default_factory=dict)
 
     @property
     def qualified_name(self) -> str:
@@ -169,7 +172,8 @@ def describe_table(conn: Any, table: str, publications: Sequence[str] = ()) -> T
         oid, identity, estimate, has_pk, partitioned = row
         cur.execute(
             """SELECT a.attname, a.atttypid, a.atttypmod,
-                      coalesce(a.attnum = ANY(i.indkey), false), a.attndims, a.attgenerated <> ''
+                      coalesce(a.attnum = ANY(i.indkey), false), a.attndims, a.attgenerated <> '',
+                      a.attnum
                FROM pg_attribute a
                LEFT JOIN LATERAL (
                    SELECT ix.indkey FROM pg_index ix
@@ -193,7 +197,23 @@ def describe_table(conn: Any, table: str, publications: Sequence[str] = ()) -> T
     )
     return TableInfo(schema, name, oid, identity, cols, max(int(estimate), 0),
                      {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk),
-                     published.row_filter, published.column_list, bool(partitioned))
+                     published.row_filter, published.column_list, bool(partitioned),
+                     {r[0]: int(r[6]) for r in rows})
+
+
+def column_numbers(conn: Any, table: str) -> Optional[dict[str, int]]:
+    """Each column's number (attnum) as the catalog has it now; None if the table is gone."""
+    schema, name = split_name(table)
+    with conn.cursor() as cur:
+        cur.execute(
+            """SELECT a.attname, a.attnum FROM pg_attribute a
+               JOIN pg_class c ON c.oid = a.attrelid
+               JOIN pg_namespace n ON n.oid = c.relnamespace
+               WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0
+                 AND NOT a.attisdropped""",
+            (schema, name))
+        rows = cur.fetchall()
+    return {r[0]: int(r[1]) for r in rows} or None
 
 
 def inheritance_children(conn: Any, table: str) -> list[str]:
