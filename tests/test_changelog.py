@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import pytest
 
 from conftest import as_file, make_config, run_once
@@ -92,6 +93,34 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
     assert [(r["_walberg_op"], r["id"], r["v"]) for r in _rows(warehouse, changelog)[len(rows):]] \
         == [("update", 1, "again"), ("insert", 4, "d")]
     assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, both)
+
+
+def test_a_transaction_whose_commit_follows_the_batchs_last_is_in_the_changelog(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """A transaction open while a batch ends at another's commit, and committed right after it:
+    its commit record begins where the batch's last ends (the position the changelog holds),
+    and it is the next batch's, in the changelog too."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
+    raw["sink"]["tables"] = {table: {"mode": "both"}}
+    config = parse_config(raw, tmp_path)
+    run_once(config, spark)
+    other = psycopg2.connect(postgres.dsn)
+    try:
+        with other.cursor() as open_txn, pg_conn.cursor() as cur:
+            open_txn.execute(f"INSERT INTO {table} VALUES (1)")  # (open: not in the next batch)
+            cur.execute(f"INSERT INTO {table} VALUES (2)")
+            run_once(config, spark)
+            other.commit()
+    finally:
+        other.close()
+    run_once(config, spark)
+    assert [r["id"] for r in iceberg_rows(warehouse, config.target_for(table))] == [1, 2]
+    assert [(r["_walberg_op"], r["id"]) for r in _rows(warehouse, config.changelog_for(table))] \
+        == [("insert", 2), ("insert", 1)]
 
 
 def test_changelog_append_whose_outcome_is_unknown_is_not_made_twice(

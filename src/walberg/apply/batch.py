@@ -6,8 +6,9 @@ Staged columns: ``c0..cN`` hold each source column's value (NULL as null): parse
 for numbers, booleans, dates and timestamps, else Postgres's text (``apply.types.TextPrep``),
 ``_wb_seq`` orders the
 changes of the batch (commit order, then position in the transaction), ``_wb_op`` is I/U/D,
-``_wb_lsn`` is the end LSN of the change's transaction, ``_wb_unchanged`` lists (as ",i,j,")
-columns an UPDATE left untouched (unchanged TOAST values). The netting (last change per key
+``_wb_lsn`` is the commit LSN of the change's transaction (where its commit record begins: a
+transaction committed right after a batch's last has the batch's end LSN), ``_wb_unchanged``
+lists (as ",i,j,") columns an UPDATE left untouched (unchanged TOAST values). The netting (last change per key
 wins) happens here at the end of staging when the keys' text is their identity and the batch's
 extent is known (``BatchBuilder.finish``), else in Spark, see ``apply.writes``.
 """

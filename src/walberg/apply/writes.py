@@ -145,12 +145,12 @@ class Writes:
             df = self.lake.read_staged(staged.files)
             df = df.where(seq_filter(max_seq, void, []))
             if held is not None:
-                df = df.where(f"_wb_lsn > {int(held)}")
+                df = df.where(f"_wb_lsn >= {int(held)}")
             df = df.join(broadcast(info), df["_wb_lsn"] == info["t_lsn"], "left")
             parts.append(self.lake.typed(df, target, columns, "_wb_lsn", keep=meta))
         cuts = [(seq, staged.truncate_lsns.get(seq, 0)) for seq in staged.truncates
                 if seq <= max_seq and not any(lo <= seq <= hi for lo, hi in void)
-                and (held is None or staged.truncate_lsns.get(seq, 0) > held)]
+                and (held is None or staged.truncate_lsns.get(seq, 0) >= held)]
         if cuts:
             df = self.lake.spark.createDataFrame(cuts, "_wb_seq BIGINT, _wb_lsn BIGINT")
             df = df.selectExpr("*", f"'{Op.TRUNCATE.value}' AS _wb_op",
@@ -372,7 +372,7 @@ class Writes:
                           f"DELETE FROM {quote_target(dlq)} "
                           f"WHERE {quote(OP_COLUMN)} = 'snapshot' AND {mine}")
         elif held is not None:
-            df = df.where(f"_wb_lsn > {int(held)}")
+            df = df.where(f"_wb_lsn >= {int(held)}")
         exprs = [f"{value_column(i)} AS {quote(c.name)}" for i, c in enumerate(columns)]
         exprs += [f"{OP_LABEL_SQL} AS {quote(OP_COLUMN)}",
                   f"_wb_lsn AS {quote(LSN_COLUMN)}",
