@@ -16,6 +16,7 @@ import pytest
 
 from conftest import as_file, make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
+from walberg import faults
 from walberg.apply.position import datafiles, keyed
 from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.keyindex import KeyIndex
@@ -255,6 +256,76 @@ def test_another_writer_between_the_index_and_the_commit_is_never_a_second_row(
     assert "rebuilt from the lake" in caplog.text  # the index caught up with the other writer
     assert KeyIndex(config.index_dir / target).snapshot == \
         hadoop_table(warehouse, target).current_snapshot().snapshot_id
+
+
+def test_a_compaction_the_commit_landed_on_is_not_taken_for_the_index(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer compacts the table after walberg looked its batch up, before the row
+    delta commits. The batch deletes nothing of the compacted files, so Iceberg puts the commit
+    on top of the compaction; the index, which knows the files from before it, is not taken
+    as the new snapshot's (a later update would delete the row from a file no longer in the
+    table, and the key would have two rows)."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 200) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (1001, 1)")
+        cur.execute(f"UPDATE {table} SET v = 2 WHERE id = 1001")
+    compacted: list[int] = []
+    real = keyed.crash_point
+    _, namespace, name = target.split(".")
+
+    def compaction(point: str, *args: Any, **kwargs: Any) -> None:
+        if point == "row-delta" and not compacted:  # the lookup is done, the commit not yet
+            spark.sql(f"CALL {target.split('.')[0]}.system.rewrite_data_files(table => "
+                      f"'{namespace}.{name}', options => map('rewrite-all', 'true'))")
+            compacted.append(hadoop_table(warehouse, target).current_snapshot().snapshot_id)
+        real(point, *args, **kwargs)
+
+    monkeypatch.setattr(keyed, "crash_point", compaction)
+    run_once(config, spark)
+    monkeypatch.undo()
+    assert compacted
+    landed = hadoop_table(warehouse, target).current_snapshot()
+    assert landed.parent_snapshot_id == compacted[0]  # (the commit went on top of it)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = -5 WHERE id = 5")
+        cur.execute(f"DELETE FROM {table} WHERE id = 6")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+
+def test_a_row_delta_that_landed_though_its_commit_failed_keeps_its_files(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row delta's commit lands, then fails as an unknown outcome does (a timeout after the
+    catalog's swap): its files stay (the table refers to them now), the retry finds the
+    commit landed, and the table reads as the source."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 100) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = -v WHERE id <= 10")
+        cur.execute(f"INSERT INTO {table} VALUES (500, 500)")
+    monkeypatch.setattr(faults, "_FAIL", ("row-delta", 1))
+    monkeypatch.setattr(faults, "_fails", {})
+    run_once(config, spark)
+    assert faults._FAIL is None  # the failure point was passed
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert spark.table(target).count() == 101
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 0 WHERE id IN (1, 500)")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
 
 def _normal(value: Any) -> Any:

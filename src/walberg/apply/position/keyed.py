@@ -530,10 +530,21 @@ class KeyedApply:
             else:
                 added = _concat(list(written_entries(spark, result.added_files, key_names,
                                                      codec, Path(scratch))))
-        index.commit(result.snapshot_id, hits.keys, added)
-        if live is not None:
-            live.committed(result.data_files, result.delete_files, result.snapshot_id)
-        self._keep(target, table, index)
+        if result.parent == index.snapshot or (
+                result.parent is not None
+                and self._appends_since(table, index.snapshot, result.parent) == []):
+            # (on the index's snapshot, or on other sources' commits to a shared table after it)
+            index.commit(result.snapshot_id, hits.keys, added)
+            if live is not None:
+                live.committed(result.data_files, result.delete_files, result.snapshot_id)
+            self._keep(target, table, index)
+        else:
+            # Iceberg put the commit on top of another writer's that did not conflict with it
+            # (a compaction of other files, say): the index does not know what that one did,
+            # and is built again for the next batch.
+            log.info("%s by position: another writer committed between the key index's "
+                     "snapshot and this batch's commit; the index is read again", target)
+            self.forget(target)
         clock.append(time.monotonic())
         log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
                  "(new rows %.2f s, beside them the lookup and delete file %.2f s; deletes "

@@ -54,6 +54,7 @@ from walberg.apply.position.keyindex import Entry
 from walberg.apply.position.livefiles import LiveFiles
 from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
 from walberg.errors import ApplyError
+from walberg.faults import failure_point
 
 # Field ids the Iceberg spec reserves for the columns of a position-delete file.
 FILE_PATH_ID = 2147483546
@@ -68,6 +69,10 @@ class RowDeltaResult:
     data_files: JavaFiles  # the data files the commit wrote
     delete_files: JavaFiles  # the delete files it added
     seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # deletes, new rows, commit
+    # The snapshot the commit landed on (None: none, or not found): the base snapshot unless
+    # another writer's commit landed between (Iceberg retries a commit on top of one it does
+    # not conflict with, such as a compaction of other files).
+    parent: Optional[int] = None
 
     @property
     def added_files(self) -> tuple[str, ...]:
@@ -216,6 +221,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     written: list[str] = new_files.locations
     staged: Any = None
     clock = [time.monotonic()]
+    committing = False
     try:
         replaced = spark._jvm.java.util.ArrayList()
         if isinstance(deletes, Vectors):
@@ -268,19 +274,60 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                 txn.expireSnapshots().expireSnapshotId(staged.snapshotId()) \
                     .expireOlderThan(0).cleanExpiredFiles(False).commit()
             txn.commitTransaction()
+            failure_point("row-delta")
 
+        committing = True
         spark_call(f"committing a row delta to {target}",
                    lambda: one_commit_at_a_time(target, commit))
         clock.append(time.monotonic())
-    except BaseException:
-        remove_files(spark, written)
+    except BaseException as exc:
+        # Not after a commit that may have landed (its outcome unknown: a timeout after the
+        # catalog's swap, a storage outage): the table may hold these files now, and a retry
+        # that finds the commit landed must find them too. An orphan is left at worst, for
+        # `walberg maintain`.
+        if not committing or _not_committed(exc):
+            remove_files(spark, written)
         raise
     if expire:
         _remove_staged_metadata(spark, table, staged)
     table.refresh()
-    return RowDeltaResult(int(table.currentSnapshot().snapshotId()), added, deleted,
+    mine = _committed(table, properties)
+    parent = None if mine is None or mine.parentId() is None else int(mine.parentId())
+    return RowDeltaResult(int((mine or table.currentSnapshot()).snapshotId()), added, deleted,
                           new_files, files,
-                          (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]))
+                          (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]),
+                          parent)
+
+
+def _committed(table: Any, properties: Mapping[str, str]) -> Any:
+    """The snapshot this commit made: the newest whose summary carries its marks (a later
+    commit may be current already), or None."""
+    at = table.currentSnapshot()
+    for _ in range(100):
+        if at is None or not properties:
+            return None
+        summary = at.summary()
+        if all(str(summary.get(k)) == v for k, v in properties.items()):
+            return at
+        parent = at.parentId()
+        at = None if parent is None else table.snapshot(parent)
+    return None
+
+
+def _not_committed(exc: BaseException) -> bool:
+    """Whether a failed commit surely did not land: Iceberg refused it (a validation, or
+    another commit first) and said so, not that its outcome is unknown."""
+    names: set[str] = set()
+    cause: Optional[BaseException] = exc
+    while cause is not None:
+        java = getattr(cause, "java_exception", None)
+        seen = 0
+        while java is not None and seen < 20:
+            names.add(str(java.getClass().getSimpleName()))
+            java, seen = java.getCause(), seen + 1
+        cause = cause.__cause__
+    return bool(names & {"CommitFailedException", "ValidationException"}) and \
+        "CommitStateUnknownException" not in names
 
 
 def _conflicts(spark: Any, keys: Optional[tuple[str, Any, Any]], source: Optional[str]) -> Any:
