@@ -8,10 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
+import pytest
 
-from conftest import insert_lsn, make_config, run_once, run_once_within, running
+from conftest import as_file, insert_lsn, make_config, run_once, run_once_within, running
 from lake import iceberg_rows, postgres_rows
 from tcp_proxy import Proxy
+from walberg.config import parse_config
+from walberg.errors import ApplyError
 from walberg.pipeline import Pipeline
 
 
@@ -67,6 +70,46 @@ def test_streamed_in_progress_transactions(pg_conn: Any, postgres: Any, spark: A
         assert iceberg_rows(warehouse, config.target_for(t)) == postgres_rows(pg_conn, t)
     assert len(postgres_rows(pg_conn, table)) == 19900
     assert not list((config.segment_dir / "spill").glob("*.spill"))
+
+
+def test_a_streamed_transaction_sent_again_after_a_failed_run_describes_its_table(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        immutable: Any) -> None:
+    """A streamed transaction is in the segments, not applied (its commit failed); the next run
+    is sent it again and drops it, but pgoutput counts the table as described by it, so the
+    next change comes with no Relation message of its own: the table is still known when a
+    later batch's segment holds that change (the run stopped, every time: "relation oid ...
+    has not been described")."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        cur.execute(f"INSERT INTO {table} VALUES (0, 'before')")
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
+    raw["buffer"].update(max_segment_bytes=64 * 1024, max_batch_bytes=64 * 1024)
+    config = parse_config(raw, tmp_path)
+    target = config.target_for(table)
+    run_once(config, spark)
+    raw["sink"]["commit_max_attempts"] = 1
+    failing = parse_config(raw, tmp_path)
+    try:
+        with pg_conn.cursor() as cur:
+            cur.execute("ALTER SYSTEM SET logical_decoding_work_mem = '64kB'")
+            cur.execute("SELECT pg_reload_conf()")
+            cur.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 5000) g")
+        _, namespace, name = target.split(".")
+        immutable(warehouse / namespace / name / "metadata")
+        with pytest.raises(ApplyError, match="could not commit"):
+            run_once(failing, spark)
+        immutable.release()
+        with pg_conn.cursor() as cur:
+            cur.execute(f"UPDATE {table} SET v = 'after' WHERE id = 42")
+        run_once(config, spark)
+    finally:
+        with pg_conn.cursor() as cur:
+            cur.execute("ALTER SYSTEM RESET logical_decoding_work_mem")
+            cur.execute("SELECT pg_reload_conf()")
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert len(postgres_rows(pg_conn, table)) == 5001
 
 
 def test_a_transaction_larger_than_the_reader_holds_back_for_is_applied_whole(

@@ -653,7 +653,13 @@ class PgReader:
         tag = payload[0]
         if streamed.takes(tag):
             done = streamed.message(tag, payload, wal_start)
-            if done is not None:
+            if done is not None and done.held:
+                # Already in the segments: pgoutput counts its descriptions as sent, so the
+                # next segments start with them.
+                for _, frame in done.frames:
+                    if frame[0] == Tag.RELATION:
+                        self.relations.raw[relation_oid(frame)] = frame
+            elif done is not None:
                 at.received = self._write_streamed(done)
             return False
         if tag == Tag.RELATION:

@@ -17,6 +17,7 @@ from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, seq_fi
 from walberg.apply.iceberg import IcebergSink
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
+from walberg.errors import DecodeError
 from walberg.faults import crash_point
 from walberg.model import Begin, Commit, Lsn, Relation, Truncate
 from walberg.runtime.applier import Batch, grow_batch, let_go
@@ -479,6 +480,16 @@ class _Staging:
 
     def _truncate(self, msg: Truncate) -> None:
         for oid in msg.relation_oids:
+            if oid not in self.decoder.relations:
+                # pgoutput describes every table before truncating it: the description was
+                # lost, and which table this is cannot be told (skipping it would leave the
+                # table's rows in the lake).
+                raise DecodeError(
+                    f"a TRUNCATE in the transaction committed at LSN {Lsn(self.txn_lsn)} names "
+                    f"relation oid {oid}, which the stream has not described (pgoutput sends a "
+                    "Relation message before a table's first change on every connection). "
+                    "Report this as a walberg bug; `walberg resync` of the tables of the "
+                    "publication copies them afresh.")
             if oid in self.wanted:
                 self.seq += 2
                 rel = self.wanted[oid].relation

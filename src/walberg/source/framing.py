@@ -77,6 +77,9 @@ class Committed:
 
     end: Lsn
     frames: Iterator[tuple[int, bytes]]  # (WAL position, pgoutput message)
+    # Already in the segments (sent again after a restart): only its Relation messages count,
+    # which the reader must know as the server will not send them again.
+    held: bool = False
 
 
 class StreamedTransactions:
@@ -128,10 +131,8 @@ class StreamedTransactions:
             txn = self._spills.pop(xid, None)
             if txn is None:
                 return None
-            if Lsn(commit_lsn) < self._skip_before:
-                txn.discard()  # already in the segments
-                return None
-            return Committed(Lsn(end_lsn), _frames(txn, xid, commit_lsn, end_lsn, commit_ts))
+            return Committed(Lsn(end_lsn), _frames(txn, xid, commit_lsn, end_lsn, commit_ts),
+                             Lsn(commit_lsn) < self._skip_before)
         else:
             # A change (or relation, type, message) inside a streamed chunk: Int32 xid after
             # the tag.
