@@ -299,3 +299,28 @@ def test_two_sources_merging_into_one_table_at_once_keep_their_batches_apart(
     assert got == want
     for name, sink in sinks.items():
         assert sink.committed_lsn(target) == Lsn(rounds), name
+
+
+def test_a_chunk_of_large_values_is_decoded_before_it_grows_past_its_bytes(
+        tmp_path: Path) -> None:
+    """Changes wait in their relation's chunk until 100,000 of them or ``max_bytes`` of them
+    are there: a chunk of large values is decoded before one column's values near what one
+    Arrow string array holds (2 GiB), and every value is staged whole."""
+    import pgoutput_encoder as enc
+    from walberg.model import Insert, Relation
+    from walberg.runtime.pg_decode import Chunk
+
+    rel = Relation(7, "public", "t", "d", (Column("id", 23, -1, True), Column("v", 25)))
+    builder = BatchBuilder(tmp_path / "batch")
+    chunk = Chunk(rel, builder, 100_000, max_bytes=1 << 20)
+    values = [bytes([65 + i]) * 300_000 for i in range(10)]
+    waiting = []
+    for i, v in enumerate(values):
+        chunk.add(enc.encode(Insert(7, (str(i).encode(), v))), 2 * (i + 1), 100)
+        waiting.append(len(chunk.payloads))
+    chunk.flush()
+    assert max(waiting) == 3  # (the fourth's bytes pass 1 MiB: the four are decoded)
+    staged = builder.finish()["public.t"]
+    got = pq.read_table(staged.files).to_pydict()
+    assert got["c0"] == [str(i) for i in range(10)]
+    assert [v.encode() for v in got["c1"]] == values

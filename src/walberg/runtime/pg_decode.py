@@ -19,11 +19,18 @@ from walberg.source.pgoutput import Decoder, Tag
 class Chunk:
     """Change messages of one relation waiting to be decoded together."""
 
-    def __init__(self, relation: Relation, builder: BatchBuilder, size: int) -> None:
+    def __init__(self, relation: Relation, builder: BatchBuilder, size: int,
+                 max_bytes: int = 64 << 20) -> None:
+        """``size`` changes, or ``max_bytes`` of them, at most: a column's values of a chunk
+        stay far below Arrow's 2 GiB for one string array (a chunk of 100,000 changes of
+        large values reached it), and the decoding's index arrays (8 bytes for each byte of
+        values) small."""
         self.relation = relation
         self.name = relation.qualified_name
         self.builder = builder
         self.size = size
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.payloads: list[bytes] = []
         self.seqs: list[int] = []
         self.lsns: list[int] = []
@@ -32,7 +39,8 @@ class Chunk:
         self.payloads.append(payload)
         self.seqs.append(seq)
         self.lsns.append(lsn)
-        if len(self.payloads) >= self.size:
+        self.bytes += len(payload)
+        if len(self.payloads) >= self.size or self.bytes >= self.max_bytes:
             self.flush()
 
     def flush(self) -> None:
@@ -52,7 +60,7 @@ class Chunk:
         crash_point("decode")
         stage_changes(self.builder, rel, decoded, np.asarray(self.seqs, dtype=np.int64),
                       np.asarray(self.lsns, dtype=np.int64))
-        self.payloads, self.seqs, self.lsns = [], [], []
+        self.payloads, self.seqs, self.lsns, self.bytes = [], [], [], 0
 
 
 class Chunks:
