@@ -328,6 +328,32 @@ def test_a_row_delta_that_landed_though_its_commit_failed_keeps_its_files(
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
 
+def test_deletes_in_a_null_partition_and_a_null_texts_are_apart(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """A table partitioned by a text column holding NULL in some rows and the text 'null' in
+    others: one batch deletes a row of each; each partition gets its own delete file (one
+    delete file of the first partition held both, so the other row stayed, twice after an
+    update)."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, region text, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, CASE g % 3 WHEN 0 THEN NULL WHEN 1 THEN "
+                    "'null' ELSE 'eu' END, g FROM generate_series(1, 30) g")
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
+    raw["sink"]["tables"] = {table: {"partition_by": ["region"]}}
+    config = parse_config(raw, tmp_path)
+    target = config.target_for(table)
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = -v WHERE id IN (3, 4)")  # NULL, 'null'
+        cur.execute(f"DELETE FROM {table} WHERE id IN (6, 7)")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    assert sorted((r["id"], r["v"]) for r in spark.table(target).collect()) == \
+        sorted((r["id"], r["v"]) for r in postgres_rows(pg_conn, table))
+
+
 def _normal(value: Any) -> Any:
     """One form for a value read from Postgres or from the lake."""
     import datetime as dt

@@ -6,6 +6,7 @@
 // Arguments and answers that are many values travel as one JSON string.
 package walberg;
 
+import java.nio.ByteBuffer;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.HashMap;
@@ -35,6 +36,7 @@ import org.apache.iceberg.OverwriteFiles;
 import org.apache.iceberg.PartitionSpec;
 import org.apache.iceberg.RowDelta;
 import org.apache.iceberg.Snapshot;
+import org.apache.iceberg.StructLike;
 import org.apache.iceberg.Table;
 import org.apache.iceberg.TableScan;
 import org.apache.iceberg.io.CloseableIterable;
@@ -275,8 +277,8 @@ public class Batch {
     }
 
     /** What the driver needs of content files, as JSON: per file [location, spec id,
-     * partition (as text), records, referenced data file, content offset, content size,
-     * format]. */
+     * partition (as text, one for each partition), records, referenced data file, content
+     * offset, content size, format]. */
     public String describe(List files) throws Exception {
         List out = new ArrayList();
         for (int i = 0; i < files.size(); i++) {
@@ -289,7 +291,7 @@ public class Batch {
         List row = new ArrayList();
         row.add(file.location());
         row.add(Integer.valueOf(file.specId()));
-        row.add(String.valueOf(file.partition()));
+        row.add(partitionText(file.partition()));
         row.add(Long.valueOf(file.recordCount()));
         if (file instanceof DeleteFile) {
             DeleteFile delete = (DeleteFile) file;
@@ -303,6 +305,37 @@ public class Batch {
         }
         row.add(file.format().toString());
         return row;
+    }
+
+    /** A partition's values as text that no other partition has: a JSON list of each value
+     * by its type and text, or null (StructLike's own text writes a null and the string
+     * "null" alike). */
+    private static String partitionText(StructLike partition) {
+        StringBuilder out = new StringBuilder("[");
+        for (int i = 0; i < partition.size(); i++) {
+            Object value = partition.get(i, Object.class);
+            if (i > 0) {
+                out.append(',');
+            }
+            if (value == null) {
+                out.append("null");
+                continue;
+            }
+            String text;
+            if (value instanceof ByteBuffer) {
+                ByteBuffer bytes = (ByteBuffer) ((ByteBuffer) value).duplicate();
+                StringBuilder hex = new StringBuilder();
+                while (bytes.hasRemaining()) {
+                    hex.append(String.format("%02x", bytes.get() & 0xff));
+                }
+                text = hex.toString();
+            } else {
+                text = String.valueOf(value);
+            }
+            out.append('"').append(value.getClass().getSimpleName()).append(':')
+                .append(text.replace("\\", "\\\\").replace("\"", "\\\"")).append('"');
+        }
+        return out.append(']').toString();
     }
 
     /** Every live data file {@code scan} plans, put in {@code live} under its location, and
