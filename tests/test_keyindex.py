@@ -41,13 +41,13 @@ _commit = st.tuples(st.lists(_keys, max_size=30), st.lists(_keys, max_size=30))
 
 @settings(max_examples=60, deadline=None)
 @given(start=st.lists(_keys, max_size=120, unique=True), commits=st.lists(_commit, max_size=12),
-       chunk=st.integers(1, 40), max_delta=st.integers(1, 60))
+       chunk=st.integers(1, 40), max_delta=st.integers(1, 60), max_runs=st.integers(1, 4))
 def test_lookups_follow_every_commit(tmp_path_factory: object, start: list[int],
                                      commits: list[tuple[list[int], list[int]]], chunk: int,
-                                     max_delta: int) -> None:
+                                     max_delta: int, max_runs: int) -> None:
     folder: Path = tmp_path_factory.mktemp("index")  # type: ignore[attr-defined]
     model: Model = {k: (f"file-{k % 3}", k * 10) for k in start}
-    index = KeyIndex(folder, chunk=chunk, max_delta=max_delta)
+    index = KeyIndex(folder, chunk=chunk, max_delta=max_delta, max_runs=max_runs)
     index.rebuild(1, _batches(model, 7))
     probe = list(range(-60, 410))
     assert _answers(index, probe) == model
@@ -63,6 +63,8 @@ def test_lookups_follow_every_commit(tmp_path_factory: object, start: list[int],
                      (np.array(fresh, np.int64), None, [f"new-{n}"] * len(fresh),
                       np.arange(len(fresh), dtype=np.int64)))
         assert _answers(index, probe) == model
+        # (the deltas joined past max_runs, however many commits: one delta file each)
+        assert len(list(folder.glob("delta-*.npz"))) <= max_runs
     reopened = KeyIndex(folder, chunk=chunk, max_delta=max_delta)
     assert reopened.snapshot == index.snapshot
     assert _answers(reopened, probe) == model

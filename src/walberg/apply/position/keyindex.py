@@ -8,9 +8,10 @@ others. The index is sorted and searched by ``key``; a hit counts only when ``ch
 too, and two different keys with one ``key`` raise ``KeyClash`` (the caller merges instead).
 
 The index is a sorted *base* (flat arrays on disk: keys, checks, file ids, positions) and a
-few small sorted *delta* runs, one per commit since the base was written; a delta entry
-shadows the base, and a tombstone (file id -1) says the key is gone. When the deltas hold more
-than ``max_delta`` entries they are merged into a new base.
+few small sorted *delta* runs, one per commit since the base was written (joined into one when
+there are more than ``max_runs``); a delta entry shadows the base, and a tombstone (file id -1)
+says the key is gone. When the deltas hold more than ``max_delta`` entries they are merged
+into a new base.
 
 Memory stays flat whatever the table's size: the base is read in chunks of ``chunk`` keys
 (8 bytes a key), the deltas are bounded by ``max_delta`` (28 bytes an entry: 56 MB at most).
@@ -135,15 +136,18 @@ class KeyIndex:
     """The index of one table, in ``directory``."""
 
     def __init__(self, directory: Path, chunk: int = 1 << 20, max_delta: int = 2_000_000,
-                 encoding: str = "int", keys: Optional[Sequence[str]] = None) -> None:
+                 encoding: str = "int", keys: Optional[Sequence[str]] = None,
+                 max_runs: int = 16) -> None:
         """``encoding``: the key codec's name (``keycodec.KeyCodec.name``); ``keys``: the key
         columns' names (None: those of the index on disk). An index on disk made for another
-        encoding or other columns is not read (the caller rebuilds it)."""
+        encoding or other columns is not read (the caller rebuilds it). More than
+        ``max_runs`` deltas are joined into one."""
         self.directory = directory
         self.encoding = encoding
         self.keys: Optional[tuple[str, ...]] = None if keys is None else tuple(keys)
         self.chunk = chunk
         self.max_delta = max_delta
+        self.max_runs = max_runs
         self.snapshot: Optional[int] = None
         self._files: list[str] = []
         self._file_ids: dict[str, int] = {}
@@ -362,6 +366,23 @@ class KeyIndex:
         all_pos = np.concatenate([np.zeros(len(gone), np.int64),
                                   np.asarray(positions, dtype=np.int64)])
         run = _Run(*_sorted_unique_last(all_keys, all_checks, all_ids, all_pos))
+        self._deltas.append(run)
+        self._delta_names.append(self._write_run(run))
+        self.snapshot = snapshot
+        if sum(len(d.keys) for d in self._deltas) > self.max_delta:
+            self._merge()
+        else:
+            if len(self._deltas) > self.max_runs:
+                # A run for each commit, and small commits (a quiet table, one source's of a
+                # shared table) never reach max_delta: every lookup, start and keep would read
+                # more of them the longer walberg runs. Joined, tombstones kept (they shadow
+                # the base).
+                joined = self._joined()
+                self._deltas, self._delta_names = [joined], [self._write_run(joined)]
+            self._save()
+
+    def _write_run(self, run: _Run) -> str:
+        """A delta run written (and synced) beside the manifest; its file's name."""
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"delta-{uuid.uuid4().hex}.npz"
         with open(self.directory / name, "wb") as out:
@@ -369,21 +390,19 @@ class KeyIndex:
                      positions=run.positions)
             out.flush()
             os.fsync(out.fileno())
-        self._deltas.append(run)
-        self._delta_names.append(name)
-        self.snapshot = snapshot
-        if sum(len(d.keys) for d in self._deltas) > self.max_delta:
-            self._merge()
-        else:
-            self._save()
+        return name
 
-    def _merge(self) -> None:
-        """Fold the deltas into a new base, chunk by chunk of the old one."""
-        delta = _Run(*_sorted_unique_last(
+    def _joined(self) -> _Run:
+        """The deltas as one run: each key's newest entry."""
+        return _Run(*_sorted_unique_last(
             np.concatenate([d.keys for d in self._deltas]),
             np.concatenate([d.checks for d in self._deltas]),
             np.concatenate([d.file_ids for d in self._deltas]),
             np.concatenate([d.positions for d in self._deltas])))
+
+    def _merge(self) -> None:
+        """Fold the deltas into a new base, chunk by chunk of the old one."""
+        delta = self._joined()
         base = f"base-{uuid.uuid4().hex}"
         folder = self.directory / base
         folder.mkdir()
