@@ -4,6 +4,8 @@ change (no data rewritten, no stop); what Iceberg cannot express stops with the 
 from __future__ import annotations
 
 import logging
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ from walberg.apply.evolution import NotEvolvable, Step, plan, widens
 from walberg.errors import Terminal
 from walberg.lake.services import Lake
 from walberg.model import Insert, Lsn, Relation
+from walberg.ops.resync import plan as resync_plan
+from walberg.ops.resync import resync
 from walberg.ops.verify import verify
 from walberg.pipeline import Pipeline
 from walberg.runtime.pg_reader import PgReader
@@ -186,6 +190,47 @@ def test_a_column_dropped_and_added_again_under_its_name_loses_its_values(
     with Lake(config, session=spark) as lake:
         [verdict] = verify(lake)
     assert verdict.equal, verdict
+
+
+def test_a_table_that_loses_its_key_stops_with_the_way_out(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """The primary key dropped while walberg streams: Postgres refuses the table's updates and
+    deletes from then on, but inserts and TRUNCATE go on. The table stops with the way out
+    (a batch without a key to net by kept one row of a TRUNCATE and three inserts); the way
+    out works. (A start finds the table without a key before anything runs.)"""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} VALUES (1, 1), (2, 2)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+    pipeline = Pipeline(config, session=spark)
+    with running(pipeline) as failures:
+        with pg_conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {table} VALUES (6, 6)")
+            pipeline.wait_for(insert_lsn(pg_conn), timeout=120)
+            cur.execute(f"ALTER TABLE {table} DROP CONSTRAINT {unique}_pkey")
+            cur.execute(f"TRUNCATE {table}")
+            cur.execute(f"INSERT INTO {table} VALUES (3, 3), (4, 4), (5, 5)")
+        deadline = time.monotonic() + 120
+        while not failures and table not in pipeline._state.halted() and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        why = pipeline._state.halted().get(table) or str(failures)
+    assert re.search(rf"{table} lost its key in Postgres .*REPLICA IDENTITY FULL.*walberg "
+                     "resync", why), why
+    assert iceberg_rows(warehouse, target) == [{"id": 1, "v": 1}, {"id": 2, "v": 2},
+                                               {"id": 6, "v": 6}]
+    with pg_conn.cursor() as cur:
+        cur.execute(f"ALTER TABLE {table} REPLICA IDENTITY FULL")
+    with Lake(config, session=spark) as lake:
+        resync(lake, resync_plan(lake, [table]))
+    with pg_conn.cursor() as cur:
+        cur.execute(f"DELETE FROM {table} WHERE id = 4")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
 
 def test_the_dead_letter_table_follows_added_columns(

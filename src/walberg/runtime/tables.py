@@ -132,6 +132,18 @@ class PgTables(Tables):
         catalog tell a column dropped and added again (under the same name and type, or as
         what the names read as a rename) from the same column (``Numbers``)."""
         target, changelog = self.targets[source], self.changelogs.get(source)
+        if not any(c.is_key for c in columns) and changelog != target:
+            # (the stream then says nothing of which row an update or delete is: the source
+            # refuses those, but inserts and TRUNCATE go on, and a batch with no key to
+            # net by would keep one of them)
+            raise SchemaStop(
+                f"{source} lost its key in Postgres before LSN {lsn} (its primary key was "
+                "dropped, or REPLICA IDENTITY set to NOTHING): the replication stream no "
+                f"longer tells its rows apart, and {target} cannot follow. Add a primary key, "
+                f"or run ALTER TABLE {pg.quote_table(source)} REPLICA IDENTITY FULL; then copy "
+                f"the table afresh: `walberg resync -c <pipeline file> {source}`. Nothing "
+                "after the last commit was confirmed to the slot, so nothing is lost "
+                "meanwhile.")
         self._retyped_in_place(source, columns, lsn)
         numbers = self._numbers_of(source) if described else None
         again = numbers.again(columns) if numbers is not None else ()
