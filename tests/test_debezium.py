@@ -158,3 +158,47 @@ def test_a_numeric_sent_as_a_string_reads_as_the_columns_numeric() -> None:
     assert dbz.as_column(dbz.FieldType(dbz.TEXT), note, dbz.FieldType(dbz.TEXT)) == \
         dbz.FieldType(dbz.TEXT)
     assert dbz.as_column(dbz.FieldType(dbz.INT8), price, own) == dbz.FieldType(dbz.INT8)
+
+
+def test_the_unavailable_placeholder_in_every_form_debezium_sends_is_unchanged() -> None:
+    """Debezium's placeholder for a TOASTed value an update left alone: a string for text, and
+    other forms for other types (bytea, arrays of text and of numbers, hstore). Each keeps the
+    lake's value; none is stored as data."""
+    placeholder = dbz.UNAVAILABLE
+    forms = [(base64.b64encode(placeholder.encode()).decode(), dbz.BYTEA),
+             ([placeholder], dbz.JSONB), (list(placeholder.encode()), dbz.JSONB),
+             ({placeholder: placeholder}, dbz.JSONB), (placeholder, dbz.NUMERIC)]
+    for value, oid in forms:
+        assert dbz.to_text(value, dbz.FieldType(oid)) is UNCHANGED, (value, oid)
+    assert dbz.to_text(["x"], dbz.FieldType(dbz.JSONB)) == b'["x"]'
+    event = dbz.parse_event(json.dumps(
+        {"op": "u", "before": None, "after": {"id": 1, "b": forms[0][0], "a": [placeholder]}}
+    ).encode())
+    assert event.after is not None
+    assert dbz.to_text(event.after["a"], dbz.FieldType(dbz.JSONB)) is UNCHANGED
+
+
+def test_a_decimal_sent_as_a_json_number_keeps_its_digits() -> None:
+    """Kafka Connect's ``decimal.format: NUMERIC`` writes a decimal as a JSON number: read from
+    its digits, not through a double (which holds about 16)."""
+    numeric = dbz.FieldType(dbz.NUMERIC, dbz.numeric_modifier(20, 2), None, 2)
+    event = dbz.parse_event(b'{"op": "c", "before": null, "after": {"id": 123456789012345678.91, '
+                            b'"n": 1.123456789012345678, "f": 0.1}}')
+    assert event.after is not None
+    assert dbz.to_text(event.after["id"], numeric) == b"123456789012345678.91"
+    assert dbz.to_text(event.after["n"], dbz.FieldType(dbz.NUMERIC)) == b"1.123456789012345678"
+    assert dbz.to_text(event.after["f"], dbz.FieldType(dbz.FLOAT8)) == b"0.1"
+    key = dbz.parse_key(b'{"id": 123456789012345678.91}')
+    assert key is not None and dbz.to_text(key["id"], numeric) == b"123456789012345678.91"
+
+
+def test_a_time_past_a_day_or_below_zero_is_not_wrapped() -> None:
+    """Postgres's time 24:00:00 and MySQL's TIME of -838 to 838 hours, as Debezium sends them
+    (microseconds, or milliseconds for Connect's Time)."""
+    micro = dbz.FieldType(dbz.TIME, -1, "io.debezium.time.MicroTime")
+    assert dbz.to_text(86_400_000_000, micro) == b"24:00:00.000000"
+    assert dbz.to_text(-3_600_000_000, micro) == b"-01:00:00.000000"
+    assert dbz.to_text(838 * 3_600_000_000 + 59 * 60_000_000 + 59_000_001, micro) == \
+        b"838:59:59.000001"
+    assert dbz.to_text(45_296_789, dbz.FieldType(dbz.TIME, -1, "io.debezium.time.Time")) == \
+        b"12:34:56.789000"

@@ -33,6 +33,10 @@ TIMESTAMP, TIMESTAMPTZ, NUMERIC, UUID, JSONB = 1114, 1184, 1700, 2950, 3802
 
 # What Debezium sends for an unchanged TOASTed value it could not read: the lake keeps its own.
 UNAVAILABLE = "__debezium_unavailable_value"
+# The same placeholder as Debezium sends it for other column types: bytea (base64 of its bytes),
+# arrays of text and of numbers (its bytes), hstore (a map of it to itself).
+_UNAVAILABLE_BASE64 = base64.b64encode(UNAVAILABLE.encode()).decode()
+_UNAVAILABLE_FORMS = ([UNAVAILABLE], list(UNAVAILABLE.encode()), {UNAVAILABLE: UNAVAILABLE})
 
 _EPOCH = datetime(1970, 1, 1)
 _EPOCH_DATE = date(1970, 1, 1)
@@ -167,9 +171,23 @@ def infer_type(value: Any) -> FieldType:
     return FieldType(TEXT)
 
 
+class _Number(float):
+    """A JSON number with a fraction or exponent, as a float that keeps its text: a decimal
+    sent as a number (Kafka Connect's ``decimal.format: NUMERIC``, a record without schema)
+    is read from its digits, not through a double."""
+
+    __slots__ = ("text",)
+    text: str
+
+    def __new__(cls, text: str) -> "_Number":
+        number = float.__new__(cls, text)
+        number.text = text
+        return number
+
+
 def _json(raw: bytes, what: str) -> Any:
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_float=_Number)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRecord(f"the {what} is not JSON: {exc}") from None
     except RecursionError:
@@ -253,8 +271,8 @@ def _decimal_text(value: Any, t: FieldType) -> str:
     elif isinstance(value, str) and t.logical == "org.apache.kafka.connect.data.Decimal":
         number = Decimal(_unscaled(value)).scaleb(-t.scale)
     elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        try:  # decimal.handling.mode string or double
-            number = Decimal(str(value))
+        try:  # decimal.handling.mode string or double, decimal.format NUMERIC
+            number = Decimal(value.text if isinstance(value, _Number) else str(value))
         except InvalidOperation:
             raise BadRecord(f"{value!r} is not a number") from None
     else:
@@ -291,10 +309,16 @@ def _temporal(value: Any, t: FieldType) -> str:
                     raise BadRecord(f"{value!r} has no time zone")
             return moment.astimezone(timezone.utc).replace(tzinfo=None).isoformat(
                 " ", "microseconds") + "+00"
-        # TIME
+        # TIME: hours past 24 and below 0 as they are (Postgres's 24:00:00, MySQL's TIME of
+        # -838 to 838 hours), not wrapped around a day
         if isinstance(value, int) and not isinstance(value, bool):
-            return _instant(value, _PER_SECOND.get(t.logical or "", 1_000_000)).time().isoformat(
-                "microseconds")
+            per_second = _PER_SECOND.get(t.logical or "", 1_000_000)
+            micros = abs(value) * 1_000_000 // per_second
+            seconds, fraction = divmod(micros, 1_000_000)
+            minutes, second = divmod(seconds, 60)
+            hours, minute = divmod(minutes, 60)
+            return (f"{'-' if value < 0 else ''}{hours:02d}:{minute:02d}:{second:02d}."
+                    f"{fraction:06d}")
         return str(value)
     except (ValueError, OverflowError) as exc:
         if isinstance(exc, BadRecord):
@@ -328,7 +352,7 @@ def to_text(value: Any, t: FieldType) -> Value:
             return str.encode(value)
     elif kind is int and t.oid in _INTEGERS:
         return str(value).encode()
-    if value == UNAVAILABLE:
+    if value == UNAVAILABLE or (kind is not str and value in _UNAVAILABLE_FORMS):
         return UNCHANGED
     oid = t.oid
     if oid == BOOL:
@@ -355,6 +379,8 @@ def to_text(value: Any, t: FieldType) -> Value:
     if oid in (DATE, TIMESTAMP, TIMESTAMPTZ, TIME):
         return _temporal(value, t).encode()
     if oid == BYTEA:
+        if value == _UNAVAILABLE_BASE64:
+            return UNCHANGED
         if not isinstance(value, str):
             raise BadRecord(f"{value!r} is not base64 bytes")
         try:
