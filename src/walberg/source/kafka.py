@@ -90,13 +90,16 @@ class Consumer:
         self.servers = bootstrap_servers
         settings = {"bootstrap.servers": bootstrap_servers, "group.id": group_id,
                     "enable.auto.commit": False, "enable.auto.offset.store": False,
-                    "auto.offset.reset": "earliest",
                     # Joins and heartbeats of the group are short, so a committing consumer
                     # never waits long on a broker that rebalances slowly.
                     "session.timeout.ms": 6000, "heartbeat.interval.ms": 300,
                     **properties,
                     # Where each partition's end was reached (see ``reached``).
-                    "enable.partition.eof": True}
+                    "enable.partition.eof": True,
+                    # Reading starts at the lake's offsets (or the beginning): one the
+                    # partition no longer has (retention deleted records not yet read while
+                    # walberg ran, or the topic was made again) is an error, never a jump.
+                    "auto.offset.reset": "error"}
         self._consumer = ck.Consumer(settings)
         # Per partition, the offset at which reading last reached its end: past a transaction's
         # commit marker, which takes an offset and is never a record, and past aborted records.
@@ -149,6 +152,14 @@ class Consumer:
                 if error.code() == self._ck.KafkaError._PARTITION_EOF:
                     self.reached[(m.topic(), m.partition())] = m.offset()
                     continue
+                if error.code() == self._ck.KafkaError._AUTO_OFFSET_RESET:
+                    raise SourceError(
+                        f"{m.topic()} partition {m.partition()} no longer has the records "
+                        f"walberg reads next ({error.str()}): retention deleted records "
+                        "walberg had not read, or the topic was deleted and made again, and "
+                        "the table misses their changes. Raise the topic's retention.ms to "
+                        "cover walberg's lag; to repair the table, drop it and have the "
+                        "connector send a snapshot again.")
                 if error.fatal():
                     raise SourceError(f"Kafka consumer failed on {m.topic()} partition "
                                       f"{m.partition()}: {error.str()}")
