@@ -151,7 +151,8 @@ def test_a_column_dropped_and_added_again_under_its_name_loses_its_values(
     default). The lake's column goes and comes back too, by the column's number in the
     catalog: the last column between runs (the batch cut where the table is described again
     amid its changes), then a middle one (which comes back at the end) with a default, then
-    the last one dropped and another of its type added (which the names read as a rename)."""
+    the last one dropped and another of its type added (which the names read as a rename);
+    and where the order cannot be told, a stop with the way out."""
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, a int, c int)")
@@ -190,6 +191,23 @@ def test_a_column_dropped_and_added_again_under_its_name_loses_its_values(
     with Lake(config, session=spark) as lake:
         [verdict] = verify(lake)
     assert verdict.equal, verdict
+    # The last column dropped and added again after the table's last change: the stream's one
+    # description comes before that change and shows the same columns, and whether the
+    # column went before or after it cannot be told: the table stops, with the way out.
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET d = 2 WHERE id = 5")
+        cur.execute(f"ALTER TABLE {table} DROP COLUMN d")
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN d int")
+    with pytest.raises(Terminal, match=r"column\(s\) d were dropped and added again .*walberg "
+                                       r"resync"):
+        run_once(config, spark)
+    with Lake(config, session=spark) as lake:
+        resync(lake, resync_plan(lake, [table]))
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET d = 3 WHERE id = 6")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
 
 def test_a_table_that_loses_its_key_stops_with_the_way_out(

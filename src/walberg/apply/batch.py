@@ -110,9 +110,11 @@ class StagedTable:
     moved_unchanged: bool = False
     # No key occurs twice among the staged rows: the batch needs no netting per key.
     unique_keys: bool = False
-    # pgoutput described the table (Relation) in this batch: a first description in a run, or
-    # one after a change to the table (DDL), which may have re-created a column.
-    described: bool = False
+    # pgoutput described the table (Relation) in this batch: "first" (its first description in
+    # the run, which may come before or after a change to the table), "again" (a later one,
+    # which the server sends after a change to the table: DDL, which may have re-created a
+    # column), "" (not described).
+    described: str = ""
 
     @property
     def insert_only(self) -> bool:
@@ -349,7 +351,7 @@ class BatchBuilder:
         self.chunk_rows = chunk_rows
         self.prep = prep
         self._tables: dict[str, _TableStage] = {}
-        self._described: set[str] = set()
+        self._described: dict[str, str] = {}
         directory.mkdir(parents=True, exist_ok=True)
 
     def _stage(self, source: str, columns: tuple[Column, ...]) -> _TableStage:
@@ -366,14 +368,14 @@ class BatchBuilder:
         stage = self._tables.get(source)
         return stage.staged.columns if stage is not None else None
 
-    def describe(self, source: str, described: bool = True) -> None:
-        """The source described ``source`` (its columns) in this batch (see
-        StagedTable.described); or, ``described`` false, the batch ends before a description
-        and what the catalog says by then is not about its rows."""
-        if described:
-            self._described.add(source)
-        else:
-            self._described.discard(source)
+    def describe(self, source: str, kind: str) -> None:
+        """The source described ``source`` (its columns) in this batch: ``kind`` as
+        StagedTable.described ("again" outweighs "first"); "": the batch ends before a
+        description, and what the catalog says by then is not about its rows."""
+        if not kind:
+            self._described.pop(source, None)
+        elif self._described.get(source) != "again":
+            self._described[source] = kind
 
     def add(self, source: str, columns: tuple[Column, ...], op: Op, seq: int, lsn: int,
             row: Row) -> None:
@@ -396,7 +398,7 @@ class BatchBuilder:
         change goes to a changelog)."""
         for name, stage in self._tables.items():
             stage.close(extent, name in net)
-            stage.staged.described = name in self._described
+            stage.staged.described = self._described.get(name, "")
         return {name: stage.staged for name, stage in self._tables.items()}
 
     def discard(self) -> None:

@@ -403,7 +403,8 @@ class KafkaStager:
         (nullable) columns at its end, and a field whose type Iceberg can widen the column to
         in place (int32 to int64, float32 to float64, a decimal of more digits at the same
         scale: what Debezium sends after the source column's type was widened) widens it;
-        unless the pipeline file gives the columns or ``sink.schema_evolution`` is strict.
+        unless the pipeline file gives the columns or ``sink.schema_evolution`` is strict (or,
+        for a widening, add_columns).
         Raises _NewColumns when this batch already has rows of the table with the old
         columns."""
         target = self.targets[topic]
@@ -419,8 +420,10 @@ class KafkaStager:
                     wider[names[n]] = t
         chosen = self.kafka.tables.get(topic)
         table = self.names[topic]
-        if not (new or wider) or (chosen is not None and chosen.columns) or \
-                self.config.layout_for(table).schema_evolution == "strict":
+        mode = self.config.layout_for(table).schema_evolution
+        if mode != "full":
+            wider = {}  # (add_columns: additions only)
+        if not (new or wider) or (chosen is not None and chosen.columns) or mode == "strict":
             return shape  # (a field the table lacks, or of another type, is then a dead letter)
         if builder.columns_of(table) is not None:
             raise _NewColumns(topic)

@@ -457,10 +457,11 @@ class _Staging:
             # under its name and type: this batch ends with the transaction before; the next
             # one starts with the new columns, after the Iceberg schema has followed. (This
             # one's rows are from before, whatever the catalog says by its commit.)
-            self.builder.describe(msg.qualified_name, False)
+            self.builder.describe(msg.qualified_name, "")
             self.cut = True
             return True
-        self.builder.describe(msg.qualified_name)
+        self.builder.describe(msg.qualified_name,
+                              self.stager.tables.description(msg.qualified_name, self.txn_lsn))
         self.stager.tables.learn_relation(msg)
         self.wanted = self._wanted_chunks(self.txn)
         return False

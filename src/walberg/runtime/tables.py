@@ -86,6 +86,8 @@ class PgTables(Tables):
         self.source_unreachable = source_unreachable
         self._followed: dict[str, tuple[Column, ...]] = {}  # the columns of each last batch
         self._attnums: dict[str, dict[str, int]] = {}  # ATTNUM_PROPERTY's, as read or written
+        # (staging) the transaction of each table's first description in this run
+        self._first_described: dict[str, int] = {}
 
     @property
     def sink(self) -> IcebergSink:
@@ -125,8 +127,15 @@ class PgTables(Tables):
         if layout.mode == "both" and changelog is not None:
             self.changelog_held[source] = self.sink.committed_lsn(changelog)
 
+    def description(self, source: str, txn_lsn: int) -> str:
+        """(While staging) what kind of description pgoutput's Relation message in the
+        transaction committed at ``txn_lsn`` is: "first" in this run (sent again as the batch is
+        staged again), else "again" (see StagedTable.described)."""
+        first = self._first_described.setdefault(source, txn_lsn)
+        return "first" if first == txn_lsn else "again"
+
     def follow(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
-               described: bool = False) -> None:
+               described: str = "") -> None:
         """Before a commit: the table (and its changelog) take the staged columns. In a batch
         in which pgoutput described the table (``described``), the columns' numbers in the
         catalog tell a column dropped and added again (under the same name and type, or as
@@ -145,12 +154,13 @@ class PgTables(Tables):
                 "after the last commit was confirmed to the slot, so nothing is lost "
                 "meanwhile.")
         self._retyped_in_place(source, columns, lsn)
-        numbers = self._numbers_of(source) if described else None
+        numbers = self._numbers_of(source, described, columns) if described else None
         again = numbers.again(columns) if numbers is not None else ()
-        for name in again:
-            log.warning("column %s of %s was dropped and added again in Postgres (before LSN "
-                        "%s): its values are gone there, so %s drops and adds it too", name,
-                        source, lsn, target)
+        if numbers is not None and numbers.refusal is None:
+            for name in again:
+                log.warning("column %s of %s was dropped and added again in Postgres (before "
+                            "LSN %s): its values are gone there, so %s drops and adds it too",
+                            name, source, lsn, target)
         for t in ([target] if changelog in (None, target) else [changelog, target]):
             # A changelog keeps a column added again (its rows are the changes as they were
             # made) unless its columns change anyway.
@@ -160,15 +170,30 @@ class PgTables(Tables):
         if numbers is not None:
             self._record(source, numbers.now)
 
-    def _numbers_of(self, source: str) -> Optional[Numbers]:
+    def _numbers_of(self, source: str, described: str, columns: tuple[Column, ...]
+                    ) -> Optional[Numbers]:
         """The columns' numbers the lake follows, and the catalog's now (not as they were at
         the batch's changes); None without a mirror (mode append: the changelog keeps the
-        changes as they were made) or when either is missing."""
+        changes as they were made) or when either is missing. A column dropped and added
+        again is followed only where the order is sure and the column is this source's alone;
+        else the table stops with the way out (``Numbers.refusal``)."""
         if self.config.layout_for(source).mode == "append":
             return None
         now = self._numbers(source)
         known = self._recorded(source)
-        return Numbers(known, now) if now is not None and known is not None else None
+        if now is None or known is None:
+            return None
+        refusal = None
+        if self.sink.source is not None:
+            refusal = ("in a table shared by several sources, whose other sources' values "
+                       "there must stay")
+        elif described == "first" and self.sink.columns_match(self.targets[source], columns):
+            # (a first description is as the table was at its first change since: one that
+            # shows the columns the lake has may come before the change or after it; one that
+            # shows others, a column moved to the end say, comes after it)
+            refusal = ("while walberg was stopped or behind, and which of the table's changes "
+                       "since the lake's last came before that cannot be told from the stream")
+        return Numbers(known, now, refusal)
 
     def renumbered(self, source: str, unsure: bool) -> bool:
         """(While staging) pgoutput described ``source`` again with the same columns: whether
@@ -451,6 +476,7 @@ class Numbers:
 
     known: dict[str, int]
     now: dict[str, int]
+    refusal: Optional[str] = None  # why a column dropped and added again is not followed
 
     def again(self, columns: Sequence[Column]) -> tuple[str, ...]:
         """The columns dropped and added again under the same name."""
@@ -464,6 +490,7 @@ class Numbers:
         numbers is a column dropped and another added."""
         again = set(self.again(columns))
         gone = [n for n, _ in current if n in again]
+        self._allowed(gone)
         steps = evolution.plan([(n, k) for n, k in current if n not in again], wanted)
         kinds = dict(wanted)
         out = [evolution.Step("drop", n) for n in gone]
@@ -472,12 +499,19 @@ class Numbers:
             if step.kind == "rename" and step.name in self.known and \
                     step.new_name in self.now and \
                     self.known[step.name] != self.now[step.new_name]:
+                self._allowed([step.new_name])
                 out += [evolution.Step("drop", step.name),
                         evolution.Step("add", step.new_name, kinds[step.new_name])]
                 added.add(step.new_name)
             elif not (step.kind == "widen" and step.name in added):
                 out.append(step)
         return out
+
+    def _allowed(self, names: Sequence[str]) -> None:
+        if names and self.refusal is not None:
+            raise evolution.NotEvolvable(
+                f"column(s) {', '.join(names)} were dropped and added again in Postgres (their "
+                f"numbers in the catalog changed) {self.refusal}")
 
 
 def count_dead(sink: IcebergSink, source: str, target: str, rows: int) -> None:
