@@ -4,10 +4,11 @@ source's column types."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from walberg import metrics
 from walberg.apply import evolution
@@ -155,7 +156,7 @@ class PgTables(Tables):
                 "meanwhile.")
         self._retyped_in_place(source, columns, lsn)
         numbers = self._numbers_of(source, described, columns) if described else None
-        again = numbers.again(columns) if numbers is not None else ()
+        again = numbers.again(c.name for c in columns) if numbers is not None else ()
         if numbers is not None and numbers.refusal is None:
             for name in again:
                 log.warning("column %s of %s was dropped and added again in Postgres (before "
@@ -168,7 +169,9 @@ class PgTables(Tables):
                     again and t == target and changelog != target):
                 self.evolve(source, columns, lsn, t, numbers)
         if numbers is not None:
-            self._record(source, numbers.now)
+            # (the published columns', as ensure and reshape record them)
+            self._record(source, {c.name: numbers.now[c.name] for c in columns
+                                  if c.name in numbers.now})
 
     def _numbers_of(self, source: str, described: str, columns: tuple[Column, ...]
                     ) -> Optional[Numbers]:
@@ -206,14 +209,20 @@ class PgTables(Tables):
         if known is None:
             return unsure
         now = self._numbers(source)
-        return now is not None and bool(Numbers(known, now).again([Column(n, 0) for n in now]))
+        return now is not None and bool(Numbers(known, now).again(now))
 
     def _numbers(self, source: str) -> Optional[dict[str, int]]:
-        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds,
-                                    f"the column numbers of {source}",
+        with self._catalog(f"the column numbers of {source}") as conn:
+            return pg.column_numbers(conn, source)
+
+    @contextlib.contextmanager
+    def _catalog(self, what: str) -> Iterator[Any]:
+        """A connection to the source for reading its catalog (``what``: for the message
+        while it cannot be made), closed after."""
+        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds, what,
                                     waiting=self.source_unreachable)
         try:
-            return pg.column_numbers(conn, source)
+            yield conn
         finally:
             conn.close()
 
@@ -288,15 +297,10 @@ class PgTables(Tables):
         except evolution.NotEvolvable as exc:
             raise self.schema_error(source, columns, lsn, str(exc)) from None
         after = {name: (wanted[i - 1][0] if i else "") for i, (name, _) in enumerate(wanted)}
-        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds,
-                                    f"the added columns' defaults of {source}",
-                                    waiting=self.source_unreachable)
-        try:
+        with self._catalog(f"the added columns' defaults of {source}") as conn:
             for step in steps:
                 if step.kind == "add":
                     self._record_fill(conn, source, target, columns, step.name)
-        finally:
-            conn.close()
         self.sink.evolve(target, steps, after)
         log.info("evolved the schema of %s to follow %s (before LSN %s): %s", target, source,
                  lsn, "; ".join(s.describe() for s in steps))
@@ -442,18 +446,13 @@ class PgTables(Tables):
                 all((target, c.name) in self.types.dims for c in rel.columns
                     if types[c.type_oid].element):
             return
-        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds,
-                                    f"the column types of {rel.qualified_name}",
-                                    waiting=self.source_unreachable)
-        try:
+        with self._catalog(f"the column types of {rel.qualified_name}") as conn:
             try:
                 dims = pg.describe_table(conn, rel.qualified_name).dims
             except WalbergError:
                 dims = {}  # dropped or renamed since: the OIDs still tell the types
             found = pg.describe_types(conn, {c.type_oid for c in rel.columns})
             self.types.learn(found, target, dims)
-        finally:
-            conn.close()
 
     def learn_types(self, conn: Any, infos: dict[str, pg.TableInfo]) -> None:
         """Tell the type map what the source catalog says about the tables' column types, and
@@ -478,17 +477,17 @@ class Numbers:
     now: dict[str, int]
     refusal: Optional[str] = None  # why a column dropped and added again is not followed
 
-    def again(self, columns: Sequence[Column]) -> tuple[str, ...]:
-        """The columns dropped and added again under the same name."""
-        return tuple(c.name for c in columns if c.name in self.known and c.name in self.now
-                     and self.known[c.name] != self.now[c.name])
+    def again(self, names: Iterable[str]) -> tuple[str, ...]:
+        """Those of ``names`` dropped and added again (their number changed)."""
+        return tuple(n for n in names if n in self.known and n in self.now
+                     and self.known[n] != self.now[n])
 
     def plan(self, current: Sequence[tuple[str, str]], wanted: Sequence[tuple[str, str]],
              columns: Sequence[Column]) -> list[evolution.Step]:
         """``evolution.plan``, told by the numbers: a column added again is dropped first and
         planned as new (Postgres puts it at the end); a rename whose two names have other
         numbers is a column dropped and another added."""
-        again = set(self.again(columns))
+        again = set(self.again(c.name for c in columns))
         gone = [n for n, _ in current if n in again]
         self._allowed(gone)
         steps = evolution.plan([(n, k) for n, k in current if n not in again], wanted)
