@@ -576,15 +576,24 @@ _TRANSIENT = ("IOException", "UncheckedIOException", "RuntimeIOException", "File
               "SocketTimeoutException", "ServiceUnavailableException")
 
 
-def _transient(exc: BaseException) -> bool:
-    # (a Py4JJavaError's; pyspark's own converted exceptions, IllegalArgumentException and
-    # the like, keep theirs as _origin)
-    java_exc = getattr(exc, "java_exception", None) or getattr(exc, "_origin", None)
-    if java_exc is None:
-        return False
-    try:
-        cause, seen = java_exc, 0
+def java_causes(exc: BaseException) -> Iterator[Any]:
+    """The Java exceptions behind ``exc`` and the exceptions it was raised from (``raise ...
+    from``), each followed by its causes (at most 20 of each)."""
+    at: Optional[BaseException] = exc
+    while at is not None:
+        # (a Py4JJavaError's; pyspark's own converted exceptions, IllegalArgumentException and
+        # the like, keep theirs as _origin)
+        cause = getattr(at, "java_exception", None) or getattr(at, "_origin", None)
+        seen = 0
         while cause is not None and seen < 20:
+            yield cause
+            cause, seen = cause.getCause(), seen + 1
+        at = at.__cause__
+
+
+def _transient(exc: BaseException) -> bool:
+    try:
+        for cause in java_causes(exc):
             name = cause.getClass().getSimpleName()
             if name in _TRANSIENT:
                 return True
@@ -601,7 +610,6 @@ def _transient(exc: BaseException) -> bool:
                     word in str(cause.getMessage() or "")
                     for word in ("is not an ancestor of", "Cannot determine history between")):
                 return True
-            cause, seen = cause.getCause(), seen + 1
     except Exception:
         return False
     return False

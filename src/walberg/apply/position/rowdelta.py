@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.jvm.helper import JavaFiles, batch_helper
-from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call
+from walberg.apply.jvm.spark import java_causes, one_commit_at_a_time, spark_call
 from walberg.apply.position import dv
 from walberg.apply.position.datafiles import (
     data_folder,
@@ -317,15 +317,7 @@ def _committed(table: Any, properties: Mapping[str, str]) -> Any:
 def _not_committed(exc: BaseException) -> bool:
     """Whether a failed commit surely did not land: Iceberg refused it (a validation, or
     another commit first) and said so, not that its outcome is unknown."""
-    names: set[str] = set()
-    cause: Optional[BaseException] = exc
-    while cause is not None:
-        java = getattr(cause, "java_exception", None)
-        seen = 0
-        while java is not None and seen < 20:
-            names.add(str(java.getClass().getSimpleName()))
-            java, seen = java.getCause(), seen + 1
-        cause = cause.__cause__
+    names = {str(cause.getClass().getSimpleName()) for cause in java_causes(exc)}
     return bool(names & {"CommitFailedException", "ValidationException"}) and \
         "CommitStateUnknownException" not in names
 
