@@ -48,6 +48,10 @@ class Relations:
 
     raw: dict[int, bytes] = field(default_factory=dict)
 
+    def keep(self, frame: bytes) -> None:
+        """A Relation message: its relation's last description from now on."""
+        self.raw[relation_oid(frame)] = frame
+
     def preamble(self) -> list[tuple[int, int, bytes]]:
         return [(0, FRAME_PREAMBLE, raw) for raw in self.raw.values()]
 
@@ -658,12 +662,12 @@ class PgReader:
                 # next segments start with them.
                 for _, frame in done.frames:
                     if frame[0] == Tag.RELATION:
-                        self.relations.raw[relation_oid(frame)] = frame
+                        self.relations.keep(frame)
             elif done is not None:
                 at.received = self._write_streamed(done)
             return False
         if tag == Tag.RELATION:
-            self.relations.raw[relation_oid(payload)] = bytes(payload)
+            self.relations.keep(bytes(payload))
         elif tag == Tag.BEGIN:
             at.in_txn = True
             at.skipping = begin_final_lsn(payload) < at.skip_before
@@ -695,7 +699,7 @@ class PgReader:
         for lsn, frame in done.frames:
             tag = frame[0]
             if tag == Tag.RELATION:
-                self.relations.raw[relation_oid(frame)] = frame
+                self.relations.keep(frame)
             store.append(lsn, FRAME_PGOUTPUT, frame)
             if tag == Tag.COMMIT:
                 self._active_commit = done.end
