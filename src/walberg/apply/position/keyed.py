@@ -530,9 +530,7 @@ class KeyedApply:
             else:
                 added = _concat(list(written_entries(spark, result.added_files, key_names,
                                                      codec, Path(scratch))))
-        if result.parent == index.snapshot or (
-                result.parent is not None
-                and self._appends_since(table, index.snapshot, result.parent) == []):
+        if self._appends_since(table, index.snapshot, result.parent) == []:
             # (on the index's snapshot, or on other sources' commits to a shared table after it)
             index.commit(result.snapshot_id, hits.keys, added)
             if live is not None:
