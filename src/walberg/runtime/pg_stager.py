@@ -389,8 +389,9 @@ class _Staging:
         """Stage the segments' transactions up to ``end`` (or a later end ``grow`` hands);
         returns the end reached."""
         store = self.stager.store
+        relations = self.decoder.relations
         for info in segments:  # (grows while read)
-            for lsn, _kind, payload in store.read(info):
+            for lsn, kind, payload in store.read(info):
                 tag = payload[0]
                 if tag in CHANGE_TAGS:
                     if self.txn is None:
@@ -405,7 +406,13 @@ class _Staging:
                     self.touched.add(chunk.name)
                     self.changes += 1
                     continue
+                before = relations.get(relation_oid(payload)) if kind == FRAME_PREAMBLE else None
                 msg = self.decoder.decode(payload, lsn)
+                if before is not None and msg == before:
+                    # A segment's repetition of what an earlier one of the batch described, not
+                    # a description by the server (which may end the batch: see _relation).
+                    relations[before.oid] = before
+                    continue
                 if isinstance(msg, Relation):
                     if self._relation(msg):
                         assert self.last_end is not None
