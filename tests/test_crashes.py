@@ -203,6 +203,48 @@ def test_a_restart_stages_its_first_batch_while_the_lake_is_checked_and_keeps_it
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
 
 
+def test_a_restarts_backlog_over_many_segments_is_one_batch(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A --once restart's backlog that fits a batch is one commit, though its transactions
+    run over many segments and the lake is read while the stream still writes them: the batch
+    staged early grows until the reader has sealed all it reads, and the descriptions each
+    segment repeats at its start (walberg's, so that a file decodes on its own) do not end it
+    as pgoutput's own would (a column dropped and added again, see test_schema)."""
+    from walberg.runtime.tables import PgTables
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
+        cur.execute(f"INSERT INTO {table} SELECT g, 0, 'x' FROM generate_series(1, 2000) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table],
+                         max_segment_bytes=64 * 1024)
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        for round_ in range(4):  # (each transaction over several segments of 64 KiB)
+            cur.execute(f"UPDATE {table} SET v = v + 1, note = repeat('y', 100) "
+                        f"WHERE id % 4 = {round_}")
+            cur.execute(f"INSERT INTO {table} SELECT g, {round_}, 'new' FROM generate_series("
+                        f"{3000 + 1000 * round_}, {3799 + 1000 * round_}) g")
+    # The lake is read once the first batch is being staged, as on a cold start.
+    ensure = PgTables.ensure
+    staging_dir = config.segment_dir
+
+    def slow_ensure(self: Any, source: str, info: Any) -> None:
+        deadline = time.monotonic() + 60
+        while (not any(p.name.startswith("batch-") for p in staging_dir.iterdir())
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        ensure(self, source, info)
+
+    monkeypatch.setattr(PgTables, "ensure", slow_ensure)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        report = run_once(config, spark)
+    assert "was staged while the lake was read" in caplog.text
+    assert report.batches == 1 and report.changes > 5000
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+
 def _copied(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
             unique: str) -> tuple[str, Any, Path]:
     """A table of 2,000 rows copied into the lake by a run in this process (the slot exists

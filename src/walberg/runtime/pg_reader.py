@@ -71,10 +71,11 @@ class PgReader:
 
     def __init__(self, config: Config, store: SegmentStore, state: RunState, tables: PgTables,
                  copier: InitialCopy, relations: Relations, recopy: set[str],
-                 slot_wait_seconds: float, streaming_early: Callable[[], None] = lambda: None
-                 ) -> None:
+                 slot_wait_seconds: float,
+                 streaming_early: Callable[[bool], None] = lambda once: None) -> None:
         """``streaming_early``: called when the stream starts before the lake is read (the
-        applier's side may stage what it writes meanwhile)."""
+        applier's side may stage what it writes meanwhile), with whether the run reads to a
+        target (--once)."""
         self.config = config
         self.pg = config.postgres
         self.store = store
@@ -374,10 +375,13 @@ class PgReader:
             except BaseException as exc:  # raised in the main thread by ``stream``
                 self._early_error = exc
                 self.state.wake.set()
+            finally:
+                self.state.reading_early.clear()
 
         self._early = threading.Thread(target=run, name="walberg-read", daemon=True)
+        self.state.reading_early.set()
         self._early.start()
-        self._streaming_early()
+        self._streaming_early(target is not None)
 
     def _resume_after_segments(self) -> None:
         """Before the stream starts: what the sealed segments hold (or the lake, through the

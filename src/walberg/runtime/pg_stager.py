@@ -90,7 +90,9 @@ class PgStager:
         # A first batch staged while the lake is still being read (see start_early).
         self._early: Optional[threading.Thread] = None
         self._early_batch: Optional[Batch] = None
-        self._early_done = threading.Event()  # the lake is read: the early batch stops growing
+        self._early_done = threading.Event()  # the early batch stops growing now
+        self._lake_read = threading.Event()  # the lake is read: the early batch is awaited
+        self._early_once = False  # (a --once run: its early batch grows until all is read)
 
     # ---- which segments ----------------------------------------------------------------------
 
@@ -199,31 +201,38 @@ class PgStager:
 
     # ---- staging before the lake is read --------------------------------------------------------
 
-    def start_early(self) -> None:
+    def start_early(self, once: bool = False) -> None:
         """The stream started before the lake was read (a slot that exists, see the reader's
         ``_start_early``): stage the first batch now, in a thread, from the segments it writes,
         while the Spark session starts and the tables are checked. It is staged as if every
         table's mark lay before the first transaction it holds (the case after a clean stop),
         and used only if the lake, once read, says so (``_take_early``); otherwise it is thrown
-        away and the batch staged again. Nothing is committed or confirmed from here."""
+        away and the batch staged again. Nothing is committed or confirmed from here.
+        ``once``: the reader stops at a target (--once), see ``_stage_early``."""
         self.discard_early()  # (a start tried again)
         self._early_done.clear()
+        self._lake_read.clear()
+        self._early_once = once
         self._early = threading.Thread(target=self._stage_early, name="walberg-prestage",
                                        daemon=True)
         self._early.start()
 
     def _stage_early(self) -> None:
         """The early batch: the sealed segments up to the last whole transaction, growing by the
-        segments sealed meanwhile until the lake is read, the batch is full, or a --once run's
-        reader has sealed all it reads (then the batch is finished before the lake is read)."""
+        segments sealed meanwhile until the batch is full, a --once run's reader has sealed all
+        it reads (or stopped), or, in a run that streams on, the lake is read. A --once run's
+        backlog that fits a batch is then one commit: cut where the lake happened to be read,
+        its rest was a second batch, whose commit (a third of the first's for a tenth of its
+        changes) the run waited for after the first."""
         waited = 0.0
 
         def grow(staged: list[SegmentInfo]) -> Optional[tuple[list[SegmentInfo], Lsn]]:
             nonlocal waited
             started = time.monotonic()
             try:
-                return self._grow(staged, lambda: not (self.state.read_to_target.is_set()
-                                                       or self._early_done.wait(0.05)))
+                return self._grow(staged, lambda: not (
+                    self.state.read_to_target.is_set() or self._early_done.wait(0.05)
+                    or (self._lake_read.is_set() and not self.state.reading_early.is_set())))
             finally:
                 waited += time.monotonic() - started
 
@@ -233,7 +242,8 @@ class PgStager:
                 if end is not None:
                     self.state.staging_early.set()
                     break
-                if self._early_done.wait(0.05) or self.state.stop.is_set():
+                if (self._early_done.wait(0.05) or self._lake_read.is_set()
+                        or self.state.stop.is_set()):
                     return
             batch = self.stage(segments, end, Lsn(0), grow, early=True)
             batch.staged_s -= waited  # (the time it staged, not the time it waited for more)
@@ -247,7 +257,7 @@ class PgStager:
         mark (none was owed a copy), no mark lies after the first transaction the batch holds
         (so every transaction it staged is one the lake lacks: the same batch the usual way
         would stage) and no table was met that the pipeline did not know."""
-        batch = self._finish_early()
+        batch = self._finish_early(grown=True)
         if batch is None:
             return None
         crash_point("early-staged")
@@ -271,9 +281,12 @@ class PgStager:
         if batch is not None:
             batch.builder.discard()
 
-    def _finish_early(self) -> Optional[Batch]:
-        """Have the early staging end its batch (it stops growing) and hand it over, if any."""
-        self._early_done.set()
+    def _finish_early(self, grown: bool = False) -> Optional[Batch]:
+        """Have the early staging end its batch and hand it over, if any: at once, or with
+        ``grown`` once it has grown as far as it does (see ``_stage_early``)."""
+        self._lake_read.set()
+        if not (grown and self._early_once):
+            self._early_done.set()
         self.state.staging_early.clear()
         thread, self._early = self._early, None
         if thread is not None:

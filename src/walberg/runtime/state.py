@@ -42,6 +42,9 @@ class RunState:
         self.staging_early = threading.Event()
         # reader -> stager: a --once run has sealed every change up to where it stops.
         self.read_to_target = threading.Event()
+        # reader -> stager: the stream that started before the lake was read runs (a --once
+        # run's early batch grows only while it does).
+        self.reading_early = threading.Event()
         # reader -> stager (Kafka): the topics are being read up to their ends as they were
         # when reading began; a run's first batch grows until then (one commit for a backlog
         # that fits a batch, not one for each segment sealed before the first was staged).
