@@ -118,10 +118,10 @@ class OffsetMarks:
         topic = self.topics.get(table)
         skip: list[tuple[int, int]] = []
         before = False  # whether the record before (of this topic) is skipped too
-        for seq, t, p, o in batch.records:
-            if t != topic:
+        for seq, record in batch.records.items():
+            if record.topic != topic:
                 continue
-            if o >= held.get((t, p), 0):
+            if record.offset >= held.get((record.topic, record.partition), 0):
                 before = False
             elif before:
                 skip[-1] = (skip[-1][0], seq)
@@ -268,7 +268,7 @@ class KafkaStager:
         return Batch(read, builder, staged, tables, into.seq,
                      sum(st.rows for st in staged.values()),
                      time.monotonic() - started - waited,
-                     offsets=into.upto, dead=into.dead, cut=cut, records=into.positions)
+                     offsets=into.upto, dead=into.dead, cut=cut, records=into.by_seq)
 
     def _stage_records(self, into: _Staging, records: list[kafka.Record]) -> bool:
         """Stage the records in order: runs of a topic's records in columns where the decoder
@@ -330,7 +330,6 @@ class KafkaStager:
             if self._stage_record(into.builder, record, into.seq + 2):
                 into.seq += 2  # room for the delete half of a key change
                 into.by_seq[into.seq] = record
-                into.positions.append((into.seq, *tp, record.offset))
         except dbz.BadRecord as exc:
             into.dead.append((record, str(exc)))
         except _NewColumns:
@@ -348,8 +347,6 @@ class KafkaStager:
         into.seq = int(seqs[-1])
         numbers = seqs.tolist()
         into.by_seq.update(zip(numbers, records, strict=True))
-        into.positions += [(seq, r.topic, r.partition, r.offset)
-                           for seq, r in zip(numbers, records, strict=True)]
         # (a partition's offsets grow: its last record is its furthest)
         into.upto.update({(r.topic, r.partition): r.offset + 1 for r in records})
 
@@ -618,8 +615,8 @@ class _Staging:
     seq: int = 0  # of the last change staged (a record takes two: see _stage_one)
     upto: dict[Partition, int] = field(default_factory=dict)  # next offset read, per partition
     dead: list[tuple[kafka.Record, str]] = field(default_factory=list)
+    # Each record staged, by the last seq of its changes (Batch.records)
     by_seq: dict[int, kafka.Record] = field(default_factory=dict)
-    positions: list[tuple[int, str, int, int]] = field(default_factory=list)
 
 
 class _NewColumns(Exception):
