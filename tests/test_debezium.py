@@ -55,6 +55,26 @@ def test_a_record_frame_reads_back(record: kafka.Record) -> None:
     assert kafka.decode(kafka.encode(record)) == record
 
 
+_RECORDS = st.builds(kafka.Record, st.sampled_from(["orders", "é.items", "t" * 300]),
+                     st.integers(0, 2**31 - 1), st.integers(0, 2**62), st.integers(-1, 2**62),
+                     st.one_of(st.none(), st.binary(max_size=50)),
+                     st.one_of(st.none(), st.binary(max_size=200)))
+
+
+@given(st.lists(_RECORDS, max_size=40))
+def test_a_run_of_records_reads_back(records: list[kafka.Record]) -> None:
+    frames = list(kafka.runs(records))
+    assert [r for _, frame in frames for r in kafka.decode_run(frame)] == records
+    assert [last for last, _ in frames] == ([max(r.offset for r in records)] if records else [])
+
+
+def test_runs_hold_about_a_megabyte_each() -> None:
+    big = [kafka.Record("t", 0, n, 0, b"k", bytes(400_000)) for n in range(7)]
+    frames = list(kafka.runs(big))
+    assert [last for last, _ in frames] == [1, 3, 5, 6]
+    assert [r for _, frame in frames for r in kafka.decode_run(frame)] == big
+
+
 def test_types_from_the_schema_part() -> None:
     assert dbz.type_from_schema({"type": "int16"}).oid == dbz.INT2
     assert dbz.type_from_schema({"type": "int64"}).oid == dbz.INT8

@@ -18,7 +18,7 @@ from walberg.apply.types import TypeMap
 from walberg.buffer.store import SegmentStore
 from walberg.config import parse_config
 from walberg.runtime.applier import Batch
-from walberg.runtime.kafka_stager import FRAME_KAFKA, KafkaReport, KafkaStager
+from walberg.runtime.kafka_stager import FRAME_KAFKA, FRAME_KAFKA_RUN, KafkaReport, KafkaStager
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 
@@ -100,10 +100,19 @@ def _stager(tmp: Path, state: RunState) -> tuple[KafkaStager, SegmentStore]:
 
 def _write(store: SegmentStore, records: list[tuple[str, Optional[bytes], Optional[bytes]]],
            first: int = 0) -> None:
-    """The records as the reader writes them (offsets from ``first``), sealed."""
-    for offset, (topic, key, value) in enumerate(records, first):
-        store.append(offset, FRAME_KAFKA, kafka.encode(kafka.Record(topic, 0, offset, 0, key,
-                                                                     value)))
+    """The records as the reader writes them (offsets from ``first``), in runs of a poll's
+    length and some one at a time (as walberg wrote them before runs), sealed."""
+    rng = random.Random(first)
+    todo = [kafka.Record(topic, 0, offset, 0, key, value)
+            for offset, (topic, key, value) in enumerate(records, first)]
+    while todo:
+        size = rng.choice([1, rng.randrange(1, 500)])
+        run, todo = todo[:size], todo[size:]
+        if size == 1:
+            store.append(run[0].offset, FRAME_KAFKA, kafka.encode(run[0]))
+        else:
+            for last, frame in kafka.runs(run):
+                store.append(last, FRAME_KAFKA_RUN, frame)
         if store.should_seal():
             store.seal()
     store.seal()

@@ -1,5 +1,5 @@
 """The Kafka reader: the configured topics read from the offsets the lake holds (never from
-the consumer group's committed offsets) into segment files, one frame per record. It runs in
+the consumer group's committed offsets) into segment files, a frame per run of records. It runs in
 the pipeline's main thread, beside the applier."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.errors import Terminal, Transient
 from walberg.runtime.applier import Partition
-from walberg.runtime.kafka_stager import FRAME_KAFKA
+from walberg.runtime.kafka_stager import FRAME_KAFKA_RUN
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 
@@ -63,6 +63,9 @@ class KafkaReader:
                            for (t, p), o in sorted(start.items())) or "-")
         interval = self.config.buffer.max_interval_seconds
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
+        # (a run frame of a poll's records, no more than a quarter segment: segments stay about
+        # the size asked for)
+        run_bytes = min(kafka.RUN_BYTES, self.config.buffer.max_segment_bytes // 4)
         try:
             while not state.stop.is_set() and state.error is None:
                 limit = kafka.POLL_LIMIT
@@ -85,11 +88,12 @@ class KafkaReader:
                     state.progress.clear()
                     continue
                 records = consumer.poll(min(interval, 0.5), limit)
-                for record in records:
-                    store.append(record.offset, FRAME_KAFKA, kafka.encode(record))
-                    self._read[(record.topic, record.partition)] = record.offset + 1
+                for last, frame in kafka.runs(records, run_bytes):
+                    store.append(last, FRAME_KAFKA_RUN, frame)
                     if store.should_seal():
                         self.seal()
+                # (a partition's offsets grow: its last record is its furthest)
+                self._read.update({(r.topic, r.partition): r.offset + 1 for r in records})
                 if store.active_age_seconds() >= interval:
                     self.seal()
                 self._tell_group()

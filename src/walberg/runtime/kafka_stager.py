@@ -36,7 +36,8 @@ from walberg.source.debezium_columns import Columns, Decoded, is_envelope, split
 
 log = logging.getLogger("walberg")
 
-FRAME_KAFKA = 2  # one consumed Kafka record (source.kafka.encode)
+FRAME_KAFKA = 2  # one consumed Kafka record (source.kafka.encode; written before run frames)
+FRAME_KAFKA_RUN = 3  # a run of consumed Kafka records (source.kafka.encode_run)
 _RUN = 50_000  # records decoded in columns at once, at most
 _SCHEMAS = 64  # schema texts remembered per table, at most
 
@@ -246,11 +247,14 @@ class KafkaStager:
                 read.append(info)
                 records: list[kafka.Record] = []
                 for _, kind, payload in self.store.read(info):
-                    if kind != FRAME_KAFKA:
+                    if kind == FRAME_KAFKA_RUN:
+                        run = kafka.decode_run(payload)
+                    elif kind == FRAME_KAFKA:  # (one record: segments an earlier walberg wrote)
+                        run = [kafka.decode(payload)]
+                    else:
                         continue
-                    record = kafka.decode(payload)
-                    if record.offset >= below.get((record.topic, record.partition), 0):
-                        records.append(record)
+                    records += [r for r in run
+                                if r.offset >= below.get((r.topic, r.partition), 0)]
                 if self._stage_records(into, records):
                     cut = True  # the record that adds columns starts the next batch
                     break

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
 
 from walberg.errors import ConfigError, SourceError, Transient
 
@@ -66,6 +68,82 @@ def decode(payload: bytes) -> Record:
         at += klen
     value = None if vlen == _NULL else payload[at:at + vlen]
     return _new_record(Record, (topic, partition, offset, ts, key, value))
+
+
+# A run of records in one frame (``encode_run``): the count and the number of topic names,
+# then the names (length and UTF-8), then per record in columns: the topic's index, partition,
+# offset, timestamp (ms), key length and value length (-1: null); then the keys and the values.
+_RUN_HEAD = struct.Struct(">IH")
+_NAME = struct.Struct(">H")
+_RUN_COLUMNS = (">u2", ">i4", ">i8", ">i8", ">i4", ">i4")
+RUN_BYTES = 1 << 20  # a run frame's keys and values, about at most (a record larger goes alone)
+
+
+def runs(records: Sequence[Record], limit: int = RUN_BYTES) -> Iterator[tuple[int, bytes]]:
+    """The records as frames of runs (``encode_run``) of about ``limit`` bytes of keys and
+    values at most, with the largest offset each holds (the frame's position in its segment)."""
+    start = size = 0
+    for i, r in enumerate(records):
+        took = len(r.value or b"") + len(r.key or b"")
+        if size and size + took > limit:
+            run = records[start:i]
+            yield max(x.offset for x in run), encode_run(run)
+            start, size = i, 0
+        size += took
+    if start < len(records):
+        run = records[start:]
+        yield max(x.offset for x in run), encode_run(run)
+
+
+def encode_run(records: Sequence[Record]) -> bytes:
+    """Records as one frame's payload: columns of numbers, then the keys and the values (a
+    poll's records are framed once, not each on its own)."""
+    names: dict[str, int] = {}
+    for r in records:
+        if r.topic not in names:
+            names[r.topic] = len(names)
+    keys = [r.key for r in records]
+    values = [r.value for r in records]
+    columns = ([names[r.topic] for r in records], [r.partition for r in records],
+               [r.offset for r in records], [r.timestamp for r in records],
+               [-1 if k is None else len(k) for k in keys],
+               [-1 if v is None else len(v) for v in values])
+    encoded = [name.encode() for name in names]
+    return b"".join((
+        _RUN_HEAD.pack(len(records), len(names)),
+        *(_NAME.pack(len(e)) + e for e in encoded),
+        *(np.asarray(c, dtype=t).tobytes() for c, t in zip(columns, _RUN_COLUMNS, strict=True)),
+        b"".join(k for k in keys if k), b"".join(v for v in values if v)))
+
+
+def decode_run(payload: bytes) -> list[Record]:
+    """The inverse of ``encode_run``."""
+    n, count = _RUN_HEAD.unpack_from(payload, 0)
+    at = _RUN_HEAD.size
+    names = []
+    for _ in range(count):
+        (size,) = _NAME.unpack_from(payload, at)
+        names.append(payload[at + 2:at + 2 + size].decode())
+        at += 2 + size
+    columns = []
+    for t in _RUN_COLUMNS:
+        column = np.frombuffer(payload, dtype=t, count=n, offset=at)
+        columns.append(column)
+        at += column.nbytes
+    topic, partition, offset, ts, klen, vlen = columns
+
+    def pieces(lengths: "np.ndarray[Any, Any]", start: int) -> tuple[list[Optional[bytes]], int]:
+        ends = start + np.cumsum(np.maximum(lengths, 0))
+        starts = (ends - np.maximum(lengths, 0)).tolist()
+        out = [payload[a:b] if size >= 0 else None
+               for a, b, size in zip(starts, ends.tolist(), lengths.tolist(), strict=True)]
+        return out, int(ends[-1]) if n else start
+
+    keys, at = pieces(klen, at)
+    values, at = pieces(vlen, at)
+    topics = [names[i] for i in topic.tolist()]
+    return [_new_record(Record, fields) for fields in zip(
+        topics, partition.tolist(), offset.tolist(), ts.tolist(), keys, values, strict=True)]
 
 
 def _module() -> Any:
