@@ -11,8 +11,9 @@ as integers (as Iceberg's own writer does), its compression and level, files rol
 (``apply.copyfiles``) in an overwrite, a batch applied by position (``apply.position.keyed``) in its
 row delta.
 
-Which tables: of one source (not a fan-in table), unpartitioned, without a sort order, whose
-Iceberg columns are the source's plus ``_walberg_lsn``, with columns staged in their final
+Which tables (``why_not``): without a sort order, partitioned by transforms ``Partitioner``
+computes or not at all, whose Iceberg columns are the source's plus ``_walberg_lsn`` (and, in
+a table several sources share, ``_walberg_source``), with columns staged in their final
 type (every Postgres type is: integers, floats, numeric, boolean, date, timestamps, bytea
 decoded from its hex form, arrays as lists, and text-like types held as strings) and a
 compression this writer makes. Files go straight into a warehouse on this machine's disk, and
