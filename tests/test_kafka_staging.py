@@ -86,7 +86,9 @@ def _stager(tmp: Path, state: RunState) -> tuple[KafkaStager, SegmentStore]:
         "buffer": {"dir": str(tmp / "segments"), "max_segment_bytes": 300_000,
                    "max_batch_bytes": 1_000_000},
         "sink": {"catalog": {"name": "lake", "type": "hadoop", "warehouse": str(tmp / "lake")},
-                 "namespace": "shop"},
+                 "namespace": "shop",
+                 # (a changelog beside one table: its records' positions are kept)
+                 "tables": {"public.orders": {"mode": "both"}}},
         "source": {"kafka": {"bootstrap_servers": "localhost:9092", "topics": [BARE, WRAPPED],
                              "tables": {t: {"columns": COLUMNS, "key": ["id"]}
                                         for t in (BARE, WRAPPED)}}}}, tmp)
@@ -146,6 +148,7 @@ def test_a_batch_in_columns_is_the_batch_one_record_at_a_time(
     for a, b in zip(fast, slow, strict=True):
         assert (a.max_seq, a.changes, a.offsets, a.records, a.cut) == \
             (b.max_seq, b.changes, b.offsets, b.records, b.cut)
+        assert {t for _, t, _, _ in a.records} <= {BARE}
         assert [(r.offset, why) for r, why in a.dead] == [(r.offset, why) for r, why in b.dead]
         rows_a, rows_b = _rows(a), _rows(b)
         assert rows_a.keys() == rows_b.keys()
@@ -161,6 +164,7 @@ def test_a_batch_in_columns_is_the_batch_one_record_at_a_time(
     prices = items.column("c2").drop_null()
     assert pa.types.is_decimal(prices.type) and len(prices) > 1000
     assert sum(len(b.dead) for b in fast) > 50
+    assert sum(len(b.records) for b in fast) > 1000  # (the orders' positions: mode both)
 
 
 def test_a_runs_first_batch_grows_while_the_reader_catches_up(tmp_path: Path) -> None:

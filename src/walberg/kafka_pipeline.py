@@ -1,7 +1,7 @@
 """The Kafka pipeline: Debezium change events from Kafka topics into Iceberg, through the same
 segment files and the same applier as the Postgres pipeline.
 
-    Kafka (source.kafka) -> segment files (one frame per record) -> staged batch -> Iceberg
+    Kafka (source.kafka) -> segment files (a frame per run of records) -> staged batch -> Iceberg
 
 Delivery contract. Kafka delivers at least once from wherever a consumer starts; walberg makes
 it exactly once in the lake:

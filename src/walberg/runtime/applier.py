@@ -60,8 +60,9 @@ class Batch:
     unknown: bool = False  # Postgres, staged before the lake was read: met a table not known
     offsets: dict[Partition, int] = field(default_factory=dict)  # Kafka: next offset read
     dead: list[Any] = field(default_factory=list)  # Kafka: records that could not be staged
-    # Kafka: each record staged, by the last seq of its changes (in seq order)
-    records: dict[int, Any] = field(default_factory=dict)
+    # Kafka: (last seq, topic, partition, offset) of each record staged, in seq order, of the
+    # topics whose table has a changelog beside it (mode both: see OffsetMarks.in_changelog)
+    records: list[tuple[int, str, int, int]] = field(default_factory=list)
     # Set once its commit is over (or failed): the next batch stops growing then.
     committed: threading.Event = field(default_factory=threading.Event)
 

@@ -119,10 +119,10 @@ class OffsetMarks:
         topic = self.topics.get(table)
         skip: list[tuple[int, int]] = []
         before = False  # whether the record before (of this topic) is skipped too
-        for seq, record in batch.records.items():
-            if record.topic != topic:
+        for seq, t, p, o in batch.records:
+            if t != topic:
                 continue
-            if record.offset >= held.get((record.topic, record.partition), 0):
+            if o >= held.get((t, p), 0):
                 before = False
             elif before:
                 skip[-1] = (skip[-1][0], seq)
@@ -264,6 +264,11 @@ class KafkaStager:
                     waited += waited_now
             staged = builder.finish()
             into.dead += _refused(staged, into.by_seq)
+            # (not the records themselves: the batch lives on through its commit, beside the
+            # next one's staging)
+            both = {t for t in self.topics if self.config.layout_for(self.names[t]).mode == "both"}
+            positions = [(seq, r.topic, r.partition, r.offset) for seq, r in into.by_seq.items()
+                         if r.topic in both] if both else []
         except BaseException:
             builder.discard()
             raise
@@ -272,7 +277,7 @@ class KafkaStager:
         return Batch(read, builder, staged, tables, into.seq,
                      sum(st.rows for st in staged.values()),
                      time.monotonic() - started - waited,
-                     offsets=into.upto, dead=into.dead, cut=cut, records=into.by_seq)
+                     offsets=into.upto, dead=into.dead, cut=cut, records=positions)
 
     def _stage_records(self, into: _Staging, records: list[kafka.Record]) -> bool:
         """Stage the records in order: runs of a topic's records in columns where the decoder
@@ -619,7 +624,7 @@ class _Staging:
     seq: int = 0  # of the last change staged (a record takes two: see _stage_one)
     upto: dict[Partition, int] = field(default_factory=dict)  # next offset read, per partition
     dead: list[tuple[kafka.Record, str]] = field(default_factory=list)
-    # Each record staged, by the last seq of its changes (Batch.records)
+    # Each record staged, by the last seq of its changes (for Batch.records and _refused)
     by_seq: dict[int, kafka.Record] = field(default_factory=dict)
 
 
