@@ -256,12 +256,14 @@ class PgStager:
         """The early batch, once finished, if the lake holds what it assumed: every table has a
         mark (none was owed a copy), no mark lies after the first transaction the batch holds
         (so every transaction it staged is one the lake lacks: the same batch the usual way
-        would stage) and no table was met that the pipeline did not know."""
-        batch = self._finish_early(grown=True)
+        would stage) and no table was met that the pipeline did not know. (One that cannot hold,
+        a table owed a copy, is not waited for to grow.)"""
+        marks = self.state.committed()
+        batch = self._finish_early(grown=not self.state.halted() and all(
+            t in marks for t in self.tables.targets))
         if batch is None:
             return None
         crash_point("early-staged")
-        marks = self.state.committed()
         first = min((Lsn(t[0]) for t in batch.txns), default=None)
         holds = (not batch.unknown and first is not None and not self.state.halted()
                  and all(t in marks and marks[t] <= first for t in self.tables.targets))
