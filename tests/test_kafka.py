@@ -295,6 +295,35 @@ def test_lake_commands_on_a_kafka_pipeline_file(
                                    "end_offset": 5, "lag": 0}]
 
 
+def test_a_truncate_that_opens_a_run_finds_the_tables_key(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """Debezium sends a TRUNCATE with no message key. As a run's first record, with no key in
+    the pipeline file, nothing said the table's key and the truncate went to the dead letters:
+    the table kept the rows the source had truncated. The key is kept with the table
+    (``walberg.key``), for tables made before it too."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    for i in (1, 2, 3):
+        p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": f"v{i}"}))
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic])
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert [r["id"] for r in iceberg_rows(warehouse, target)] == [1, 2, 3]
+    assert hadoop_table(warehouse, target).properties["walberg.key"] == '["id"]'
+    # A table made before the key was kept: the next run records it.
+    spark.sql(f"ALTER TABLE {target} UNSET TBLPROPERTIES ('walberg.key')")
+    p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "v": "v4"}))
+    run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert hadoop_table(warehouse, target).properties["walberg.key"] == '["id"]'
+
+    p.send(topic, None, envelope("t", None, None))
+    p.send(topic, {"id": 9}, envelope("c", None, {"id": 9, "v": "after"}))
+    report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.dead_letters == 0
+    assert [(r["id"], r["v"]) for r in iceberg_rows(warehouse, target)] == [(9, "after")]
+
+
 def _wide_records(p: Producer, topic: str, ids: range, v: str) -> None:
     for i in ids:
         p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": v * 400}))

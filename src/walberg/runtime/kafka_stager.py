@@ -5,6 +5,8 @@ read (``walberg.offset.<topic>.<partition>``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import tempfile
 import threading
@@ -39,6 +41,9 @@ log = logging.getLogger("walberg")
 FRAME_KAFKA = 2  # one consumed Kafka record (source.kafka.encode; written before run frames)
 FRAME_KAFKA_RUN = 3  # a run of consumed Kafka records (source.kafka.encode_run)
 _RUN = 50_000  # records decoded in columns at once, at most
+# A topic's table's key columns (a JSON list), for a run whose first record names none: a
+# Debezium truncate has no message key.
+KEY_PROPERTY = "walberg.key"
 _SCHEMAS = 64  # schema texts remembered per table, at most
 
 DEAD_LETTER_SCHEMA = pa.schema([
@@ -498,6 +503,8 @@ class KafkaStager:
             if len(keys) != len(key):
                 raise dbz.BadRecord(f"missing key: the message key's fields {', '.join(key)} "
                                     f"are not all columns of {target}")
+        elif self.sink.table_exists(target):
+            keys = [k for k in self._recorded_key(target) if k in names]
         if not keys:
             raise dbz.BadRecord(f"missing key: the record has no message key and {where}.key "
                                 "is not set")
@@ -525,9 +532,20 @@ class KafkaStager:
                          self.sink.ensure_changelog)
         self._follow(topic, self.targets[topic], staged, self.sink.ensure_table)
 
+    def _recorded_key(self, target: str) -> list[str]:
+        value = self.sink.properties(target, KEY_PROPERTY).get(KEY_PROPERTY)
+        try:
+            return [str(k) for k in json.loads(value)] if value else []
+        except (ValueError, TypeError):
+            return []  # (not walberg's)
+
     def _follow(self, topic: str, target: str, staged: StagedTable,
                 ensure: Callable[[str, tuple[Column, ...], Layout], bool]) -> None:
-        if ensure(target, staged.columns, self.config.layout_for(self.names[topic])):
+        keys = [c.name for c in staged.columns if c.is_key]
+        layout = self.config.layout_for(self.names[topic])
+        made = dataclasses.replace(layout, properties={**layout.properties,
+                                                       KEY_PROPERTY: json.dumps(keys)})
+        if ensure(target, staged.columns, made):
             log.info("created %s", target)
         elif not self.sink.columns_match(target, staged.columns):
             current = self.sink.schema(target)
@@ -545,6 +563,8 @@ class KafkaStager:
             self.sink.evolve(target, steps, after)
             log.info("evolved the schema of %s to follow topic %s: %s", target, topic,
                      "; ".join(s.describe() for s in steps))
+        if keys and self._recorded_key(target) != keys:  # (a table made before it was kept)
+            self.sink.set_property(target, KEY_PROPERTY, json.dumps(keys))
 
     def replays_inserts(self, table: str) -> bool:
         # A connector that crashed sends its last events again, creates included: a `c`
