@@ -155,8 +155,6 @@ def test_a_restart_stages_its_first_batch_while_the_lake_is_checked_and_keeps_it
     the lake agrees. After a kill between an Iceberg commit and the slot's confirmation the
     slot sends again what the lake holds: that batch is thrown away and staged again the usual
     way. Either way every change is applied once."""
-    from walberg.runtime.tables import PgTables
-
     table, config, path = _copied(pg_conn, postgres, spark, warehouse, tmp_path, unique)
 
     def change(round_: int) -> None:
@@ -170,19 +168,7 @@ def test_a_restart_stages_its_first_batch_while_the_lake_is_checked_and_keeps_it
     change(1)
     _killed_once_at(path, "committed:1")
 
-    # A lake check that lasts until the first batch is being staged, as a cold start's does
-    # (a Spark session starting); in this process the session is warm.
-    ensure = PgTables.ensure
-    staging_dir = config.segment_dir
-
-    def slow_ensure(self: Any, source: str, info: Any) -> None:
-        deadline = time.monotonic() + 60
-        while (not any(p.name.startswith("batch-") for p in staging_dir.iterdir())
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        ensure(self, source, info)
-
-    monkeypatch.setattr(PgTables, "ensure", slow_ensure)
+    _lake_checked_once_staging(monkeypatch, config.segment_dir)
 
     # 2. The next run streams the killed run's transactions again with new ones: the batch it
     # staged early holds transactions the lake has, so it is staged again.
@@ -211,8 +197,6 @@ def test_a_restarts_backlog_over_many_segments_is_one_batch(
     staged early grows until the reader has sealed all it reads, and the descriptions each
     segment repeats at its start (walberg's, so that a file decodes on its own) do not end it
     as pgoutput's own would (a column dropped and added again, see test_schema)."""
-    from walberg.runtime.tables import PgTables
-
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
@@ -226,9 +210,20 @@ def test_a_restarts_backlog_over_many_segments_is_one_batch(
                         f"WHERE id % 4 = {round_}")
             cur.execute(f"INSERT INTO {table} SELECT g, {round_}, 'new' FROM generate_series("
                         f"{3000 + 1000 * round_}, {3799 + 1000 * round_}) g")
-    # The lake is read once the first batch is being staged, as on a cold start.
+    _lake_checked_once_staging(monkeypatch, config.segment_dir)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        report = run_once(config, spark)
+    assert "was staged while the lake was read" in caplog.text
+    assert report.batches == 1 and report.changes > 5000
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+
+def _lake_checked_once_staging(monkeypatch: pytest.MonkeyPatch, staging_dir: Path) -> None:
+    """A lake check that lasts until the first batch is being staged, as a cold start's does
+    (a Spark session starting); in this process the session is warm."""
+    from walberg.runtime.tables import PgTables
+
     ensure = PgTables.ensure
-    staging_dir = config.segment_dir
 
     def slow_ensure(self: Any, source: str, info: Any) -> None:
         deadline = time.monotonic() + 60
@@ -238,11 +233,6 @@ def test_a_restarts_backlog_over_many_segments_is_one_batch(
         ensure(self, source, info)
 
     monkeypatch.setattr(PgTables, "ensure", slow_ensure)
-    with caplog.at_level(logging.INFO, logger="walberg"):
-        report = run_once(config, spark)
-    assert "was staged while the lake was read" in caplog.text
-    assert report.batches == 1 and report.changes > 5000
-    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
 
 
 def _copied(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
