@@ -196,7 +196,9 @@ def test_a_restarts_backlog_over_many_segments_is_one_batch(
     run over many segments and the lake is read while the stream still writes them: the batch
     staged early grows until the reader has sealed all it reads, and the descriptions each
     segment repeats at its start (walberg's, so that a file decodes on its own) do not end it
-    as pgoutput's own would (a column dropped and added again, see test_schema)."""
+    as pgoutput's own would (a column dropped and added again, see test_schema); nor does a
+    description of pgoutput's own with the same columns, the numbers compared once the lake is
+    read."""
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, note text)")
@@ -210,6 +212,11 @@ def test_a_restarts_backlog_over_many_segments_is_one_batch(
                         f"WHERE id % 4 = {round_}")
             cur.execute(f"INSERT INTO {table} SELECT g, {round_}, 'new' FROM generate_series("
                         f"{3000 + 1000 * round_}, {3799 + 1000 * round_}) g")
+            if round_ == 1:
+                # pgoutput describes the table again (the same columns) after DDL that leaves
+                # them as they are, or a relcache invalidation such as autovacuum's: whether a
+                # column was dropped and added again is asked once the lake is read.
+                cur.execute(f"ALTER TABLE {table} SET (fillfactor = 90)")
     _lake_checked_once_staging(monkeypatch, config.segment_dir)
     with caplog.at_level(logging.INFO, logger="walberg"):
         report = run_once(config, spark)

@@ -58,6 +58,9 @@ class Batch:
     first_commit_ts: dict[str, int] = field(default_factory=dict)
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
     unknown: bool = False  # Postgres, staged before the lake was read: met a table not known
+    # Postgres, staged before the lake was read: tables pgoutput described again amid their
+    # rows, whose column numbers are compared once it is read (PgStager._take_early)
+    described_early: set[str] = field(default_factory=set)
     offsets: dict[Partition, int] = field(default_factory=dict)  # Kafka: next offset read
     dead: list[Any] = field(default_factory=list)  # Kafka: records that could not be staged
     # Kafka: (last seq, topic, partition, offset) of each record staged, in seq order, of the

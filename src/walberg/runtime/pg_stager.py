@@ -266,7 +266,9 @@ class PgStager:
         crash_point("early-staged")
         first = min((Lsn(t[0]) for t in batch.txns), default=None)
         holds = (not batch.unknown and first is not None and not self.state.halted()
-                 and all(t in marks and marks[t] <= first for t in self.tables.targets))
+                 and all(t in marks and marks[t] <= first for t in self.tables.targets)
+                 and not any(self.tables.renumbered(t, unsure=True)
+                             for t in sorted(batch.described_early)))
         if not holds:
             log.info("the batch staged while the lake was read does not match what the lake "
                      "holds (a table's mark after %s): staging it again", first)
@@ -330,7 +332,7 @@ class PgStager:
                      time.monotonic() - started, lsn=end, start=floor, void=run.void,
                      txns=[(lsn, *t) for lsn, t in run.txns.items()],
                      last_commit_ts=run.last_commit_ts, first_commit_ts=run.first_commit_ts,
-                     cut=run.cut, unknown=run.unknown)
+                     cut=run.cut, unknown=run.unknown, described_early=run.described_early)
 
     def wanted(self, rel: Relation, txn: Begin, early: bool = False) -> bool:
         if early:
@@ -382,6 +384,7 @@ class _Staging:
         self.floor = floor
         self.early = early
         self.unknown = False  # (early) a relation of a table the pipeline does not know
+        self.described_early: set[str] = set()  # (early) see Batch.described_early
         self.chunks = Chunks(builder)
         self.decoder = Decoder()
         self.seq = 0
@@ -468,11 +471,15 @@ class _Staging:
         before = self.builder.columns_of(msg.qualified_name)
         # (rows of the table in this batch: staged, or waiting in its chunk under this very
         # description, which a changed description would have flushed)
-        held = before is not None or self.chunks.holds(msg.oid)
-        if held and self._wants(msg, self.txn) and (
-                (before is not None and before != msg.columns)
-                or self.stager.tables.renumbered(msg.qualified_name,
-                                                 unsure=self.last_end is not None)):
+        held = (before is not None or self.chunks.holds(msg.oid)) and self._wants(msg, self.txn)
+        changed = before is not None and before != msg.columns
+        if held and not changed and self.early:
+            # Before the lake is read, the numbers it follows are not known: whether a column
+            # went and came back is asked once they are (_take_early stages the batch again
+            # if so), not answered by ending the batch here.
+            self.described_early.add(msg.qualified_name)
+        elif held and (changed or self.stager.tables.renumbered(
+                msg.qualified_name, unsure=self.last_end is not None)):
             if self.last_end is None:  # ALTER amid this transaction's changes
                 raise SchemaChanged(msg.qualified_name)
             # The table's columns changed (ALTER TABLE), or one was dropped and added again
