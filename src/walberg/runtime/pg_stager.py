@@ -259,14 +259,14 @@ class PgStager:
         would stage) and no table was met that the pipeline did not know. (One that cannot hold,
         a table owed a copy, is not waited for to grow.)"""
         marks = self.state.committed()
-        batch = self._finish_early(grown=not self.state.halted() and all(
-            t in marks for t in self.tables.targets))
+        possible = not self.state.halted() and all(t in marks for t in self.tables.targets)
+        batch = self._finish_early(grown=possible)
         if batch is None:
             return None
         crash_point("early-staged")
         first = min((Lsn(t[0]) for t in batch.txns), default=None)
-        holds = (not batch.unknown and first is not None and not self.state.halted()
-                 and all(t in marks and marks[t] <= first for t in self.tables.targets)
+        holds = (possible and not batch.unknown and first is not None
+                 and all(marks[t] <= first for t in self.tables.targets)
                  and not any(self.tables.renumbered(t, unsure=True)
                              for t in sorted(batch.described_early)))
         if not holds:
