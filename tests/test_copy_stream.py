@@ -5,10 +5,12 @@ COPY or a writer that fails midway leaves no file behind and does not hang."""
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from pathlib import Path
 from typing import Any
 
+import psycopg2
 import pytest
 
 from conftest import as_file, make_config, run_once, run_once_within
@@ -19,6 +21,7 @@ from walberg.config import parse_config
 from walberg.errors import SourceError
 from walberg.runtime import initial_copy
 from walberg.source import snapshot
+from walberg.source.postgres import describe_table
 
 
 def _table(pg_conn: Any, name: str, rows: int) -> None:
@@ -206,3 +209,74 @@ def test_a_table_rewritten_while_an_earlier_one_is_copied_is_copied_in_a_snapsho
         cur.execute(f"UPDATE {second} SET v = -1 WHERE id = 3")
     run_once(config, spark)
     assert iceberg_rows(warehouse, config.target_for(second)) == postgres_rows(pg_conn, second)
+
+
+def _tricky_table(pg_conn: Any, name: str) -> None:
+    """Values whose text depends on the session's settings or on CSV's quoting rules."""
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, t text, ts timestamptz, "
+                    "d date, f float8, b bytea, i interval)")
+        cur.execute(f"INSERT INTO {name} VALUES "
+                    "(1, NULL, '2024-03-01 12:00:00+05', '2024-03-01', 0.1, '\\x00ff', "
+                    "'1 day 2 hours'), "
+                    "(2, '', NULL, NULL, 1e-300, NULL, NULL), "
+                    "(3, E'two\\nlines, \"quoted\" and ünïcode', '1999-12-31 23:59:59.999999+00', "
+                    "'0044-03-15 BC', 'NaN', '', '-3 months')")
+
+
+def test_a_copy_goes_through_psql_when_psycopg2_connected_in_the_clear(
+        pg_conn: Any, postgres: Any, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's server has no TLS, so psql copies: the bytes psycopg2 writes (the session's
+    settings and CSV's quoting the same), in the snapshot it is given, the row count left to
+    the reader; WALBERG_COPY_CLIENT=psycopg2 keeps psycopg2."""
+    table = f"public.{unique}"
+    _tricky_table(pg_conn, table)
+    info = describe_table(pg_conn, table)
+    held = psycopg2.connect(postgres.dsn)
+    try:
+        held.set_session(isolation_level="REPEATABLE READ", readonly=True)
+        with held.cursor() as cur:
+            cur.execute("SELECT pg_export_snapshot()")
+            exported = cur.fetchone()[0]
+        with pg_conn.cursor() as cur:  # after the snapshot: not in the copy
+            cur.execute(f"INSERT INTO {table} (id, t) VALUES (4, 'later')")
+        by_psql = snapshot.copy_table(postgres.dsn, info, tmp_path / "psql.csv", exported)
+        monkeypatch.setenv("WALBERG_COPY_CLIENT", "psycopg2")
+        by_driver = snapshot.copy_table(postgres.dsn, info, tmp_path / "driver.csv", exported)
+    finally:
+        held.close()
+    assert by_psql is None and by_driver == 3
+    sent = (tmp_path / "psql.csv").read_bytes()
+    assert sent == (tmp_path / "driver.csv").read_bytes()
+    assert b"later" not in sent and b'""' in sent and b"+00" in sent and b"\\x00ff" in sent
+    assert sent.count(b"\n") == 4  # three rows, one of two lines
+
+
+def test_psql_that_cannot_connect_leaves_the_copy_to_psycopg2_and_a_failed_copy_is_said(
+        pg_conn: Any, postgres: Any, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """psql refused a connection writes nothing (psycopg2 then copies, a warning says why); a
+    COPY that fails in psql is an error for people: the table, the server's reason, what to
+    do, not psql's own prefixes."""
+    table = f"public.{unique}"
+    _tricky_table(pg_conn, table)
+    info = describe_table(pg_conn, table)
+    psql = snapshot.pg_bin_dir() / "psql"
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    query = f"COPY (SELECT * FROM {table}) TO STDOUT WITH (FORMAT csv)"
+    with open(tmp_path / "none.csv", "wb") as out, \
+            caplog.at_level(logging.WARNING, logger="walberg"):
+        assert not snapshot._copy_by_psql(psql, f"host=127.0.0.1 port={closed} dbname=app",
+                                          query, out, None, info)
+    assert (tmp_path / "none.csv").read_bytes() == b""
+    assert f"the initial copy of {table} goes through psycopg2: psql could not connect" \
+        in caplog.text
+    with pytest.raises(SourceError, match=f"initial copy of {table} failed: snapshot "
+                                          '"00000003-0000001B-1" does not exist.*run walberg '
+                                          "again") as failed, \
+            open(tmp_path / "gone.csv", "wb") as out:
+        snapshot._copy_by_psql(psql, postgres.dsn, query, out, "00000003-0000001B-1", info)
+    assert "psql:" not in str(failed.value)

@@ -97,9 +97,11 @@ def _make_certificates(directory: Path) -> tuple[Path, Path, Path]:
 DEBIAN_PG = Path("/usr/lib/postgresql/15/bin")
 
 
-def test_tls_with_verify_full(spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+def test_tls_with_verify_full(spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+                              caplog: pytest.LogCaptureFixture) -> None:
     """Against a server with TLS on (Debian's PostgreSQL: the embedded build has no SSL), with a
-    certificate made here and signed by a CA made here."""
+    certificate made here and signed by a CA made here. The initial copy keeps to psycopg2
+    (psql, which copies over connections in the clear, has no TLS)."""
     import psycopg2
 
     from walberg.embedded_pg import EmbeddedPostgres
@@ -131,7 +133,9 @@ def test_tls_with_verify_full(spark: Any, warehouse: Path, tmp_path: Path, uniqu
             assert cur.fetchone()[0] is True
         config = _with_dsn(make_config(server, warehouse, tmp_path / "segments", unique,
                                        [table]), dsn)
-        run_once(config, spark)
+        with caplog.at_level(logging.DEBUG, logger="walberg"):
+            run_once(config, spark)
+        assert "goes through" not in caplog.text and ": 1 rows in" in caplog.text
         with conn.cursor() as cur:
             cur.execute(f"INSERT INTO {table} VALUES (2, 'b')")
             cur.execute("SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) "

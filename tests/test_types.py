@@ -324,7 +324,8 @@ def _same(a: Any, b: Any, column: str) -> bool:
 # Every column is staged in its type, so the copy and the batches' new rows are written on the
 # driver (apply.copyfiles). A table with a sort order (or a compression the driver does not
 # write) has them written by Spark; the test asks for that path directly. The matrix goes both
-# ways.
+# ways. COPY's rows come through psql where psycopg2's connection is in the clear (this suite's
+# server), through psycopg2 otherwise: the Spark way reads them through psycopg2.
 
 
 @pytest.mark.parametrize("copy_by", ["spark", "driver"])
@@ -335,6 +336,7 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     if copy_by == "spark":
         monkeypatch.setattr(datafiles, "why_not", lambda *args: "the test asks for Spark")
+        monkeypatch.setenv("WALBERG_COPY_CLIENT", "psycopg2")
     table = f"public.{unique}"
     types = {"price": f"price_{unique}", "mood": f"mood_{unique}", "pair": f"pair_{unique}"}
     with pg_conn.cursor() as cur:

@@ -355,6 +355,7 @@ class InitialCopy:
         gauge.set(0)
 
         def copied(rows: int) -> None:
+            stream.read = rows
             progress.update(rows)
             if info.estimated_rows:
                 gauge.set(min(rows / info.estimated_rows, 0.99))
@@ -365,7 +366,7 @@ class InitialCopy:
 
         def produce() -> None:
             try:
-                stream.rows = copy_table(self.pg.dsn, info, stream.path, snapshot)
+                stream.sent = copy_table(self.pg.dsn, info, stream.path, snapshot)
             except BaseException as exc:
                 failure.append(exc)
                 # A reader still waiting for the pipe to open sees it end; one that has gone
@@ -404,5 +405,11 @@ class _CopyStream:
 
     path: Path  # the named pipe COPY writes CSV into
     copied: Callable[[int], None]  # to be told the rows read so far
-    rows: int = 0  # the rows COPY sent, once the block has ended
+    sent: Optional[int] = None  # the rows COPY sent, if its client said (psql does not)
+    read: int = 0  # the rows read
     abandoned: bool = False  # the reader stopped reading on purpose
+
+    @property
+    def rows(self) -> int:
+        """The rows copied, once the block has ended."""
+        return self.read if self.sent is None else self.sent
