@@ -18,6 +18,7 @@ from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply import batch
 from walberg.apply.position import datafiles
 from walberg.config import parse_config
+from walberg.embedded_pg import psql_client
 from walberg.errors import SourceError
 from walberg.runtime import initial_copy
 from walberg.source import snapshot
@@ -241,9 +242,11 @@ def test_a_copy_goes_through_psql_when_psycopg2_connected_in_the_clear(
             exported = cur.fetchone()[0]
         with pg_conn.cursor() as cur:  # after the snapshot: not in the copy
             cur.execute(f"INSERT INTO {table} (id, t) VALUES (4, 'later')")
-        by_psql = snapshot.copy_table(postgres.dsn, info, tmp_path / "psql.csv", exported)
+        psql = psql_client()
+        by_psql = snapshot.copy_table(postgres.dsn, info, tmp_path / "psql.csv", exported, psql)
         monkeypatch.setenv("WALBERG_COPY_CLIENT", "psycopg2")
-        by_driver = snapshot.copy_table(postgres.dsn, info, tmp_path / "driver.csv", exported)
+        by_driver = snapshot.copy_table(postgres.dsn, info, tmp_path / "driver.csv", exported,
+                                        psql)
     finally:
         held.close()
     assert by_psql is None and by_driver == 3
@@ -262,7 +265,8 @@ def test_psql_that_cannot_connect_leaves_the_copy_to_psycopg2_and_a_failed_copy_
     table = f"public.{unique}"
     _tricky_table(pg_conn, table)
     info = describe_table(pg_conn, table)
-    psql = snapshot.pg_bin_dir() / "psql"
+    psql = psql_client()
+    assert psql is not None
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]

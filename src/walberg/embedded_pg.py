@@ -61,6 +61,16 @@ def pg_bin_dir() -> Path:
     return bin_dir
 
 
+def psql_client() -> Optional[Path]:
+    """The embedded PostgreSQL's ``psql`` (the initial copy's client, source.snapshot), or None
+    where it is not installed."""
+    try:
+        found = pg_bin_dir() / "psql"
+    except EnvironmentProblem:
+        return None
+    return found if found.exists() else None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

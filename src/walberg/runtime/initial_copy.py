@@ -22,6 +22,7 @@ from walberg.apply.batch import DeadLetters, csv_tables, csv_to_parquet
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
 from walberg.apply.types import TextPrep
 from walberg.config import Config
+from walberg.embedded_pg import psql_client
 from walberg.faults import crash_point
 from walberg.model import Lsn, Relation
 from walberg.progress import CopyProgress
@@ -366,7 +367,7 @@ class InitialCopy:
 
         def produce() -> None:
             try:
-                stream.sent = copy_table(self.pg.dsn, info, stream.path, snapshot)
+                stream.sent = copy_table(self.pg.dsn, info, stream.path, snapshot, psql_client())
             except BaseException as exc:
                 failure.append(exc)
                 # A reader still waiting for the pipe to open sees it end; one that has gone

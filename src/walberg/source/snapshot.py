@@ -19,8 +19,7 @@ import psycopg2
 import psycopg2.extensions
 from psycopg2 import sql
 
-from walberg.embedded_pg import pg_bin_dir
-from walberg.errors import EnvironmentProblem, SourceError
+from walberg.errors import SourceError
 from walberg.source.postgres import SESSION_OPTIONS, TableInfo, connect, quote_table
 
 log = logging.getLogger("walberg")
@@ -65,15 +64,15 @@ def hold_and_check(conn: Any, table: TableInfo) -> list[str]:
         return [str(r[0]) for r in cur.fetchall()]
 
 
-def copy_table(dsn: str, table: TableInfo, out_path: Path,
-               snapshot_name: Optional[str]) -> Optional[int]:
+def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Optional[str],
+               psql: Optional[Path] = None) -> Optional[int]:
     """Write every row of ``table`` to ``out_path`` as CSV (NULL unquoted-empty, empty string
     quoted). Returns the number of rows, or None when ``psql`` sent them (it does not say
     how many; the reader counts them). With ``snapshot_name`` the read sees exactly that
     snapshot.
 
-    The rows go through ``psql`` (the embedded PostgreSQL's client) where it can make the
-    same connection: psycopg2 hands each row to Python (an object and a call a row, taking
+    The rows go through ``psql`` (the embedded PostgreSQL's client, given by the caller) where
+    it can make the same connection: psycopg2 hands each row to Python (an object and a call a row, taking
     the interpreter's lock each time: about 3 CPU-seconds per 10M rows, on the copy's
     critical path), while psql writes them straight into the pipe. That client has no TLS or
     GSSAPI, so it is used only when psycopg2's own connection to the server is not encrypted
@@ -90,9 +89,8 @@ def copy_table(dsn: str, table: TableInfo, out_path: Path,
         # left a reader that came later waiting for a writer for good.
         with open(out_path, "wb", buffering=1 << 20) as out, \
                 in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
-            psql = _psql_for(conn, dsn)
-            if psql is not None and _copy_by_psql(psql, dsn, query.as_string(conn), out,
-                                                  snapshot_name, table):
+            if psql is not None and _in_the_clear(conn, dsn) and \
+                    _copy_by_psql(psql, dsn, query.as_string(conn), out, snapshot_name, table):
                 return None
             cur.copy_expert(query, out, size=1 << 20)
             return int(cur.rowcount)
@@ -103,27 +101,22 @@ def copy_table(dsn: str, table: TableInfo, out_path: Path,
         ) from None
 
 
-def _psql_for(conn: Any, dsn: str) -> Optional[Path]:
-    """The ``psql`` to copy through for ``conn``'s server, or None (see ``copy_table``)."""
+def _in_the_clear(conn: Any, dsn: str) -> bool:
+    """Whether psql may copy for ``conn`` (see ``copy_table``): the connection is not
+    encrypted, the DSN names one host and no service file, and WALBERG_COPY_CLIENT allows."""
     if os.environ.get("WALBERG_COPY_CLIENT", "").lower() == "psycopg2":
-        return None
+        return False
     params = psycopg2.extensions.parse_dsn(dsn)
     if any("," in params.get(k, "") for k in ("host", "hostaddr", "port")) or \
-            "service" in params or "PGSERVICE" in os.environ:
-        return None
-    try:
-        psql = pg_bin_dir() / "psql"
-    except EnvironmentProblem:
-        return None
-    if not psql.exists() or conn.info.ssl_in_use:
-        return None
+            "service" in params or "PGSERVICE" in os.environ or conn.info.ssl_in_use:
+        return False
     if conn.server_version >= 120000:
         with conn.cursor() as cur:
             cur.execute("SELECT encrypted FROM pg_stat_gssapi WHERE pid = pg_backend_pid()")
             found = cur.fetchone()
             if found is not None and found[0]:
-                return None
-    return psql
+                return False
+    return True
 
 
 def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Optional[str],
@@ -138,11 +131,14 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
         sslmode="disable", gssencmode="disable")
     script = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY;\n"
     if snapshot_name:
-        script += f"SET TRANSACTION SNAPSHOT '{snapshot_name}';\n"
+        quoted = snapshot_name.replace("'", "''")
+        script += f"SET TRANSACTION SNAPSHOT '{quoted}';\n"
     script += f"{query};\nROLLBACK;\n"
     out.flush()
     log.debug("the initial copy of %s goes through %s", table.qualified_name, psql)
-    done = subprocess.run([str(psql), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", "-", conninfo],
+    # (-w: never ask for a password on a terminal; one psycopg2 found, psql finds the same way)
+    done = subprocess.run([str(psql), "-X", "-q", "-w", "-v", "ON_ERROR_STOP=1", "-f", "-",
+                           conninfo],
                           input=script.encode(), stdout=out.fileno(), stderr=subprocess.PIPE)
     if done.returncode == 0:
         return True
