@@ -139,7 +139,7 @@ def test_a_copy_that_fails_midway_leaves_nothing(
     _table(pg_conn, table, 500_000 if fails == "writer midway" else 1000)
     real_tables = initial_copy.csv_tables
 
-    def cut_copy(dsn: str, info: Any, out: Path, snapshot: Any) -> int:
+    def cut_copy(dsn: str, info: Any, out: Path, snapshot: Any, psql: Any) -> int:
         with open(out, "wb") as pipe:
             pipe.write(b"1,1,0.01,x1\n2,2,0.02,x2\n")
         raise SourceError("the initial copy was cut off (test)")

@@ -114,12 +114,16 @@ def test_rebuild_from_files_sorts_on_disk(tmp_path_factory: object, files: list[
 
 @settings(max_examples=40, deadline=None)
 @given(files=st.lists(st.lists(st.integers(-10**12, 10**12), max_size=40), max_size=6),
-       run=st.integers(1, 50), group=st.integers(1, 15), seed=st.integers(0, 2**32 - 1))
+       run=st.integers(1, 50), group=st.integers(1, 15), seed=st.integers(0, 2**32 - 1),
+       early=st.booleans())
 def test_keys_taken_as_a_copy_writes_them(tmp_path_factory: object, files: list[list[int]],
-                                          run: int, group: int, seed: int) -> None:
+                                          run: int, group: int, seed: int,
+                                          early: bool) -> None:
     """A copy's parts handed over as they are written (the parts of several files, as a
     partitioned copy's, interleaved), encoded and sorted in a thread: the index answers as if
-    rebuilt from the files, whatever the run and part sizes."""
+    rebuilt from the files, whatever the run and part sizes. With ``early`` the runs are
+    merged once every part was handed over (``written``, before the copy's commit); the
+    table's index stays as it was until ``finish`` (the commit's snapshot)."""
     folder: Path = tmp_path_factory.mktemp("copykeys")  # type: ignore[attr-defined]
     seen: set[int] = set()
     model: Model = {}
@@ -140,10 +144,17 @@ def test_keys_taken_as_a_copy_writes_them(tmp_path_factory: object, files: list[
         taken.add(f"data-{n}.parquet", first,
                   pa.table({"id": pa.array(keys, pa.int64()), "v": [0] * len(keys)}))
     index = KeyIndex(folder / "index", chunk=7)
+    index.rebuild(3, iter([(np.array([10**13]), None, ["before.parquet"], np.array([0]))]))
+    if early:
+        taken.written()
+        assert KeyIndex(folder / "index").snapshot == 3
     taken.finish(index, 9)
     assert index.snapshot == 9 and index.size == len(model)
     assert _answers(index, sorted(model) + [10**13]) == model
+    assert _answers(KeyIndex(folder / "index"), sorted(model) + [10**13]) == model
     assert not (folder / "scratch").exists()
+    assert [p.name for p in (folder / "index").iterdir() if p.name.startswith("base-")] == \
+        [KeyIndex(folder / "index")._base]  # (the index before: gone)
 
 
 def test_keys_a_copy_cannot_index_are_said_at_its_end(tmp_path: Path) -> None:

@@ -87,6 +87,8 @@ def write_files(lake: LakeSession, target: str, columns: Sequence[Column],
         raise
     finally:
         rows.close()  # (its thread stopped before the caller closes ``parts``)
+    if keys is not None:
+        keys.written()  # (its runs merged while the files are committed)
     return CopyFiles(target, table, written, keys)
 
 

@@ -33,7 +33,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -234,42 +234,23 @@ class KeyIndex:
         # (Not a copy: the entries may add the files they number as they come.)
         self._files = files if files is not None else []
         self._file_ids = {f: i for i, f in enumerate(self._files)}
-        self._deltas, self._delta_names = [], []
         base = f"base-{uuid.uuid4().hex}"
-        folder = self.directory / base
-        folder.mkdir()
-        size = 0
-        last: Optional[tuple[int, int]] = None
-        with open(folder / "keys", "wb") as k, self._checks_file(folder) as c, \
-                open(folder / "files", "wb") as f, open(folder / "positions", "wb") as p:
-            for keys, checks, paths, positions in entries:
-                keys = np.asarray(keys, dtype=np.int64)
-                if len(keys) == 0:
-                    continue
-                checks = _checks(checks, len(keys))
-                if last is not None:
-                    keys = np.concatenate(([last[0]], keys))
-                    checks = np.concatenate(([last[1]], checks))
-                if np.any(keys[1:] < keys[:-1]):
-                    raise ValueError("key index entries must come in ascending key order, "
-                                     "each key once")
-                same = keys[1:] == keys[:-1]
-                if same.any():
-                    if bool(np.all(checks[1:][same] == checks[:-1][same])):
-                        raise ValueError("key index entries must come in ascending key order, "
-                                         "each key once")
-                    raise KeyClash("two keys of the table share an index entry")
-                if last is not None:
-                    keys, checks = keys[1:], checks[1:]
-                ids = (np.asarray(paths, dtype=np.int32) if files is not None else
-                       np.fromiter((self._file_id(x) for x in paths), dtype=np.int32,
-                                   count=len(keys)))
-                keys.tofile(k)
-                if c is not None:
-                    checks.tofile(c)
-                ids.tofile(f)
-                np.asarray(positions, dtype=np.int64).tofile(p)
-                size, last = size + len(keys), (int(keys[-1]), int(checks[-1]))
+        size = write_base(self.directory / base, entries, keeps_checks(self.encoding),
+                          None if files is not None else self._file_id)
+        self._adopt(snapshot, base, size)
+
+    def adopt(self, snapshot: int, folder: Path, size: int, files: list[str]) -> None:
+        """Make the base ``write_base`` wrote in ``folder`` (``size`` entries, on this index's
+        file system, for its encoding) the index of the table at ``snapshot``, its data files
+        numbered in ``files``. The folder is moved in."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        base = f"base-{uuid.uuid4().hex}"
+        os.replace(folder, self.directory / base)
+        self._files = files
+        self._adopt(snapshot, base, size)
+
+    def _adopt(self, snapshot: Optional[int], base: str, size: int) -> None:
+        self._deltas, self._delta_names = [], []
         self._file_ids = {f: i for i, f in enumerate(self._files)}
         self._base, self._base_size, self.snapshot = base, size, snapshot
         self._save()
@@ -437,9 +418,8 @@ class KeyIndex:
         self._save()
 
     def _checks_file(self, folder: Path) -> Any:
-        """Where a new base's checks go: nowhere for a key whose checks are all 0 (one
-        integer-like column; 20 bytes a key instead of 28)."""
-        if self.encoding == "int" or self.encoding.startswith("one:"):
+        """Where a new base's checks go (nowhere: see ``keeps_checks``)."""
+        if not keeps_checks(self.encoding):
             return contextlib.nullcontext(None)
         return open(folder / "checks", "wb")
 
@@ -447,7 +427,7 @@ class KeyIndex:
         if not self._base or count == 0:
             return np.empty(0, dtype)
         path = self.directory / self._base / column
-        if column == "checks" and not path.exists():  # all 0 (see _checks_file)
+        if column == "checks" and not path.exists():  # all 0 (see keeps_checks)
             return np.zeros(count, dtype)
         width = np.dtype(dtype).itemsize
         return np.fromfile(path, dtype=dtype, count=count, offset=offset * width)
@@ -469,6 +449,54 @@ def _numbered(rows: Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]]
                      else np.arange(at, at + len(keys), dtype=np.int64))
         yield (keys, _checks(checks, len(keys)), np.full(len(keys), file_number, np.int32),
                positions)
+
+
+def keeps_checks(encoding: str) -> bool:
+    """Whether a base of ``encoding`` keeps its checks: not for a key whose checks are all 0
+    (one integer-like column; 20 bytes a key instead of 28)."""
+    return not (encoding == "int" or encoding.startswith("one:"))
+
+
+def write_base(folder: Path, entries: Iterator[Entry], with_checks: bool,
+               file_id: Optional[Callable[[Any], int]] = None) -> int:
+    """Write ``entries`` (as ``KeyIndex.rebuild`` takes them: ascending key order across
+    batches) as an index base in ``folder`` (made here), their checks only ``with_checks``;
+    the number of entries written. ``file_id``: a data file's number, where the entries give
+    paths (None: they give numbers). ``KeyClash`` if two different keys share a key entry."""
+    folder.mkdir()
+    size = 0
+    last: Optional[tuple[int, int]] = None
+    with open(folder / "keys", "wb") as k, \
+            (open(folder / "checks", "wb") if with_checks else contextlib.nullcontext()) as c, \
+            open(folder / "files", "wb") as f, open(folder / "positions", "wb") as p:
+        for keys, checks, paths, positions in entries:
+            keys = np.asarray(keys, dtype=np.int64)
+            if len(keys) == 0:
+                continue
+            checks = _checks(checks, len(keys))
+            if last is not None:
+                keys = np.concatenate(([last[0]], keys))
+                checks = np.concatenate(([last[1]], checks))
+            if np.any(keys[1:] < keys[:-1]):
+                raise ValueError("key index entries must come in ascending key order, "
+                                 "each key once")
+            same = keys[1:] == keys[:-1]
+            if same.any():
+                if bool(np.all(checks[1:][same] == checks[:-1][same])):
+                    raise ValueError("key index entries must come in ascending key order, "
+                                     "each key once")
+                raise KeyClash("two keys of the table share an index entry")
+            if last is not None:
+                keys, checks = keys[1:], checks[1:]
+            ids = (np.asarray(paths, dtype=np.int32) if file_id is None else
+                   np.fromiter((file_id(x) for x in paths), dtype=np.int32, count=len(keys)))
+            keys.tofile(k)
+            if c is not None:
+                checks.tofile(c)
+            ids.tofile(f)
+            np.asarray(positions, dtype=np.int64).tofile(p)
+            size, last = size + len(keys), (int(keys[-1]), int(checks[-1]))
+    return size
 
 
 Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # keys, checks, files, positions
