@@ -139,9 +139,8 @@ def test_a_copy_that_fails_midway_leaves_nothing(
     _table(pg_conn, table, 500_000 if fails == "writer midway" else 1000)
     real_tables = initial_copy.csv_tables
 
-    def cut_copy(dsn: str, info: Any, out: Path, snapshot: Any, psql: Any) -> int:
-        with open(out, "wb") as pipe:
-            pipe.write(b"1,1,0.01,x1\n2,2,0.02,x2\n")
+    def cut_copy(dsn: str, info: Any, out: Any, snapshot: Any, psql: Any) -> int:
+        out.write(b"1,1,0.01,x1\n2,2,0.02,x2\n")
         raise SourceError("the initial copy was cut off (test)")
 
     def failing(*args: Any, **kwargs: Any) -> Any:
@@ -243,10 +242,11 @@ def test_a_copy_goes_through_psql_when_psycopg2_connected_in_the_clear(
         with pg_conn.cursor() as cur:  # after the snapshot: not in the copy
             cur.execute(f"INSERT INTO {table} (id, t) VALUES (4, 'later')")
         psql = psql_client()
-        by_psql = snapshot.copy_table(postgres.dsn, info, tmp_path / "psql.csv", exported, psql)
+        with open(tmp_path / "psql.csv", "wb") as out:
+            by_psql = snapshot.copy_table(postgres.dsn, info, out, exported, psql)
         monkeypatch.setenv("WALBERG_COPY_CLIENT", "psycopg2")
-        by_driver = snapshot.copy_table(postgres.dsn, info, tmp_path / "driver.csv", exported,
-                                        psql)
+        with open(tmp_path / "driver.csv", "wb") as out:
+            by_driver = snapshot.copy_table(postgres.dsn, info, out, exported, psql)
     finally:
         held.close()
     assert by_psql is None and by_driver == 3

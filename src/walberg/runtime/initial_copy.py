@@ -367,7 +367,11 @@ class InitialCopy:
 
         def produce() -> None:
             try:
-                stream.sent = copy_table(self.pg.dsn, info, stream.path, snapshot, psql_client())
+                # The pipe opened first (once its reader comes): whatever fails after, closing
+                # it ends the reader's stream; a failure before it was open would leave a
+                # reader that came later waiting for a writer for good.
+                with open(stream.path, "wb", buffering=1 << 20) as out:
+                    stream.sent = copy_table(self.pg.dsn, info, out, snapshot, psql_client())
             except BaseException as exc:
                 failure.append(exc)
                 # A reader still waiting for the pipe to open sees it end; one that has gone

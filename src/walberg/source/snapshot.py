@@ -1,8 +1,9 @@
 """The initial copy: read a table inside the snapshot a replication slot exported, as CSV.
 
-The copy runs ``COPY ... TO STDOUT`` straight into a local file, so memory stays flat whatever the
-table's size. Values come out through the same output functions and session settings as the
-stream's, so both paths hand identical text to the apply stage.
+The copy runs ``COPY ... TO STDOUT`` straight into a file the caller opened (a named pipe whose
+reader parses the rows as they come), so memory stays flat whatever the table's size. Values
+come out through the same output functions and session settings as the stream's, so both
+paths hand identical text to the apply stage.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import psycopg2
 import psycopg2.extensions
@@ -64,12 +65,12 @@ def hold_and_check(conn: Any, table: TableInfo) -> list[str]:
         return [str(r[0]) for r in cur.fetchall()]
 
 
-def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Optional[str],
+def copy_table(dsn: str, table: TableInfo, out: BinaryIO, snapshot_name: Optional[str],
                psql: Optional[Path] = None) -> Optional[int]:
-    """Write every row of ``table`` to ``out_path`` as CSV (NULL unquoted-empty, empty string
-    quoted). Returns the number of rows, or None when ``psql`` sent them (it does not say
-    how many; the reader counts them). With ``snapshot_name`` the read sees exactly that
-    snapshot.
+    """Write every row of ``table`` to ``out`` (a file open for writing) as CSV (NULL
+    unquoted-empty, empty string quoted). Returns the number of rows, or None when ``psql``
+    sent them (it does not say how many; the reader counts them). With ``snapshot_name`` the
+    read sees exactly that snapshot.
 
     The rows go through ``psql`` (the embedded PostgreSQL's client, given by the caller) where
     it can make the same connection: psycopg2 hands each row to Python (an object and a call a row, taking
@@ -84,11 +85,7 @@ def copy_table(dsn: str, table: TableInfo, out_path: Path, snapshot_name: Option
         sql.SQL(table.rows_sql()),
     )
     try:
-        # The output first: a named pipe opens once its reader comes, and a connection that
-        # fails after that ends the reader's stream; one that failed before the pipe was open
-        # left a reader that came later waiting for a writer for good.
-        with open(out_path, "wb", buffering=1 << 20) as out, \
-                in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
+        with in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
             if psql is not None and _in_the_clear(conn, dsn) and \
                     _copy_by_psql(psql, dsn, query.as_string(conn), out, snapshot_name, table):
                 return None
