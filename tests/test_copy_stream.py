@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
+import psycopg2.extensions
 import pytest
 
 from conftest import as_file, make_config, run_once, run_once_within
@@ -22,7 +23,7 @@ from walberg.embedded_pg import psql_client
 from walberg.errors import SourceError
 from walberg.runtime import initial_copy
 from walberg.source import snapshot
-from walberg.source.postgres import describe_table
+from walberg.source.postgres import SESSION_OPTIONS, describe_table
 
 
 def _table(pg_conn: Any, name: str, rows: int) -> None:
@@ -284,3 +285,19 @@ def test_psql_that_cannot_connect_leaves_the_copy_to_psycopg2_and_a_failed_copy_
             open(tmp_path / "gone.csv", "wb") as out:
         snapshot._copy_by_psql(psql, postgres.dsn, query, out, "00000003-0000001B-1", info)
     assert "psql:" not in str(failed.value)
+
+
+@pytest.mark.parametrize("dsn", ["postgresql://walberg:s3cret@db.example.com:6543/app",
+                                 "host=db.example.com port=6543 user=walberg password=s3cret "
+                                 "dbname=app options='-c work_mem=64MB'"])
+def test_psql_gets_the_password_in_its_environment_not_on_its_command_line(dsn: str) -> None:
+    """A process's command line is readable by every user of the machine (ps, /proc); its
+    environment only by its own."""
+    command, env = snapshot.psql_invocation(Path("/opt/pg/bin/psql"), dsn)
+    line = " ".join(command)
+    assert "s3cret" not in line and env["PGPASSWORD"] == "s3cret"
+    conninfo = psycopg2.extensions.parse_dsn(command[-1])
+    assert conninfo["host"] == "db.example.com" and conninfo["port"] == "6543"
+    assert conninfo["sslmode"] == "disable" and conninfo["application_name"] == "walberg"
+    assert conninfo["options"].endswith(SESSION_OPTIONS)
+    assert ("work_mem" in conninfo["options"]) == ("work_mem" in dsn)

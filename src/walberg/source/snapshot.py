@@ -104,8 +104,10 @@ def _in_the_clear(conn: Any, dsn: str) -> bool:
     if os.environ.get("WALBERG_COPY_CLIENT", "").lower() == "psycopg2":
         return False
     params = psycopg2.extensions.parse_dsn(dsn)
-    if any("," in params.get(k, "") for k in ("host", "hostaddr", "port")) or \
-            "service" in params or "PGSERVICE" in os.environ or conn.info.ssl_in_use:
+    hosts = {k: params.get(k) or os.environ.get(f"PG{k.upper()}", "")
+             for k in ("host", "hostaddr", "port")}
+    if any("," in v for v in hosts.values()) or "service" in params or \
+            "PGSERVICE" in os.environ or conn.info.ssl_in_use:
         return False
     if conn.server_version >= 120000:
         with conn.cursor() as cur:
@@ -121,11 +123,7 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
     """Run ``query`` (COPY ... TO STDOUT) in ``psql`` in the snapshot ``snapshot_name``, its
     output into ``out``. False if psql could not connect (nothing was written: the caller
     copies through psycopg2 instead); raises SourceError if the copy failed."""
-    params = psycopg2.extensions.parse_dsn(dsn)
-    options = " ".join(filter(None, [params.get("options", ""), SESSION_OPTIONS]))
-    conninfo = psycopg2.extensions.make_dsn(
-        dsn, options=options, application_name=params.get("application_name", "walberg"),
-        sslmode="disable", gssencmode="disable")
+    command, env = psql_invocation(psql, dsn)
     script = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY;\n"
     if snapshot_name:
         quoted = snapshot_name.replace("'", "''")
@@ -133,18 +131,37 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
     script += f"{query};\nROLLBACK;\n"
     out.flush()
     log.debug("the initial copy of %s goes through %s", table.qualified_name, psql)
-    # (-w: never ask for a password on a terminal; one psycopg2 found, psql finds the same way)
-    done = subprocess.run([str(psql), "-X", "-q", "-w", "-v", "ON_ERROR_STOP=1", "-f", "-",
-                           conninfo],
-                          input=script.encode(), stdout=out.fileno(), stderr=subprocess.PIPE)
+    # In a process group of its own: a Ctrl-C meant for walberg (which stops after the
+    # current step) does not cancel the COPY under it.
+    done = subprocess.run(command, input=script.encode(), stdout=out.fileno(),
+                          stderr=subprocess.PIPE, env=env, process_group=0)
     if done.returncode == 0:
         return True
-    said = done.stderr.decode(errors="replace").strip()
+    said = " ".join(done.stderr.decode(errors="replace").split())
     if said.startswith("psql: error:"):  # (no connection: nothing was written)
         log.warning("the initial copy of %s goes through psycopg2: psql could not connect as "
-                    "it did (%s)", table.qualified_name, " ".join(said.split()))
+                    "it did (%s)", table.qualified_name, said)
         return False
     said = said.split("ERROR:", 1)[-1].strip() if "ERROR:" in said else said
     raise SourceError(
-        f"the initial copy of {table.qualified_name} failed: {' '.join(said.split())}. "
+        f"the initial copy of {table.qualified_name} failed: "
+        f"{said or f'psql ended with code {done.returncode}'}. "
         "The role needs SELECT on the table; if the snapshot is gone, run walberg again.")
+
+
+def psql_invocation(psql: Path, dsn: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run a script from standard input in ``psql``,
+    connected as ``dsn`` says with walberg's session settings, in the clear: quiet (no
+    command tags among the rows), no psqlrc, stopping at the first error, never asking for a
+    password (-w). The password goes in the child's environment (PGPASSWORD), which only its
+    user can read, not on its command line, which every user can."""
+    params = psycopg2.extensions.parse_dsn(dsn)
+    env = dict(os.environ)
+    password = params.pop("password", None)
+    if password is not None:
+        env["PGPASSWORD"] = password
+    params["options"] = " ".join(filter(None, [params.get("options", ""), SESSION_OPTIONS]))
+    params.setdefault("application_name", "walberg")
+    params.update(sslmode="disable", gssencmode="disable")
+    conninfo = psycopg2.extensions.make_dsn(**params)
+    return [str(psql), "-X", "-q", "-w", "-v", "ON_ERROR_STOP=1", "-f", "-", conninfo], env
