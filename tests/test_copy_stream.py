@@ -260,9 +260,9 @@ def test_a_copy_goes_through_psql_when_psycopg2_connected_in_the_clear(
 def test_psql_that_cannot_connect_leaves_the_copy_to_psycopg2_and_a_failed_copy_is_said(
         pg_conn: Any, postgres: Any, tmp_path: Path, unique: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    """psql refused a connection writes nothing (psycopg2 then copies, a warning says why); a
-    COPY that fails in psql is an error for people: the table, the server's reason, what to
-    do, not psql's own prefixes."""
+    """psql refused a connection, or that cannot be run at all, writes nothing (psycopg2 then
+    copies, a warning says why); a COPY that fails in psql is an error for people: the table,
+    the server's reason, what to do, not psql's own prefixes."""
     table = f"public.{unique}"
     _tricky_table(pg_conn, table)
     info = describe_table(pg_conn, table)
@@ -279,6 +279,11 @@ def test_psql_that_cannot_connect_leaves_the_copy_to_psycopg2_and_a_failed_copy_
     assert (tmp_path / "none.csv").read_bytes() == b""
     assert f"the initial copy of {table} goes through psycopg2: psql could not connect" \
         in caplog.text
+    # A psql that cannot be run at all (not there, not executable here): psycopg2 copies.
+    with open(tmp_path / "driver.csv", "wb") as out:
+        assert snapshot.copy_table(postgres.dsn, info, out, None, tmp_path / "no-psql") == 3
+    assert (tmp_path / "driver.csv").read_bytes().count(b"\n") == 4
+    assert "cannot be run" in caplog.text
     with pytest.raises(SourceError, match=f"initial copy of {table} failed: snapshot "
                                           '"00000003-0000001B-1" does not exist.*run walberg '
                                           "again") as failed, \

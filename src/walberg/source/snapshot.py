@@ -133,12 +133,19 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
     log.debug("the initial copy of %s goes through %s", table.qualified_name, psql)
     # In a process group of its own: a Ctrl-C meant for walberg (which stops after the
     # current step) does not cancel the COPY under it.
-    done = subprocess.run(command, input=script.encode(), stdout=out.fileno(),
-                          stderr=subprocess.PIPE, env=env, process_group=0)
+    try:
+        done = subprocess.run(command, input=script.encode(), stdout=out.fileno(),
+                              stderr=subprocess.PIPE, env=env, process_group=0)
+    except OSError as exc:  # (it could not be run at all)
+        log.warning("the initial copy of %s goes through psycopg2: %s cannot be run (%s)",
+                    table.qualified_name, psql, exc)
+        return False
     if done.returncode == 0:
         return True
     said = " ".join(done.stderr.decode(errors="replace").split())
-    if said.startswith("psql: error:"):  # (no connection: nothing was written)
+    # No connection, or the program could not start (the loader's exit code): nothing was
+    # written.
+    if said.startswith("psql: error:") or done.returncode == 127:
         log.warning("the initial copy of %s goes through psycopg2: psql could not connect as "
                     "it did (%s)", table.qualified_name, said)
         return False
