@@ -42,12 +42,19 @@ def redact(dsn: str) -> str:
     return re.sub(r"(password\s*=\s*)(\S+)", r"\1***", dsn)
 
 
+def session_params(dsn: str) -> dict[str, Any]:
+    """``dsn``'s connection parameters with walberg's session settings after the user's own
+    options, and walberg's application name unless it names one: what every connection
+    walberg makes to the source uses (psycopg2's, and the copy's psql)."""
+    params = psycopg2.extensions.parse_dsn(dsn)
+    params["options"] = " ".join(filter(None, [params.get("options", ""), SESSION_OPTIONS]))
+    params.setdefault("application_name", "walberg")
+    return params
+
+
 def connect(dsn: str, *, replication: bool = False, autocommit: bool = True) -> Any:
     """A psycopg2 connection with walberg's session settings; a failure names the server."""
-    params = psycopg2.extensions.parse_dsn(dsn)
-    options = " ".join(filter(None, [params.get("options", ""), SESSION_OPTIONS]))
-    params["options"] = options
-    params.setdefault("application_name", "walberg")
+    params = session_params(dsn)
     try:
         if replication:
             conn = psycopg2.connect(connection_factory=psycopg2.extras.LogicalReplicationConnection,

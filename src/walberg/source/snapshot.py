@@ -21,7 +21,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from walberg.errors import SourceError
-from walberg.source.postgres import SESSION_OPTIONS, TableInfo, connect, quote_table
+from walberg.source.postgres import TableInfo, connect, quote_table, session_params
 
 log = logging.getLogger("walberg")
 
@@ -73,9 +73,9 @@ def copy_table(dsn: str, table: TableInfo, out: BinaryIO, snapshot_name: Optiona
     read sees exactly that snapshot.
 
     The rows go through ``psql`` (the embedded PostgreSQL's client, given by the caller) where
-    it can make the same connection: psycopg2 hands each row to Python (an object and a call a row, taking
-    the interpreter's lock each time: about 3 CPU-seconds per 10M rows, on the copy's
-    critical path), while psql writes them straight into the pipe. That client has no TLS or
+    it can make the same connection: psycopg2 hands each row to Python (an object and a call
+    a row, taking the interpreter's lock each time: about 3 CPU-seconds per 10M rows, on the
+    copy's critical path), while psql writes them straight into the pipe. That client has no TLS or
     GSSAPI, so it is used only when psycopg2's own connection to the server is not encrypted
     (and for a single host, without a service file); otherwise, or if psql cannot connect,
     psycopg2 copies as before. ``WALBERG_COPY_CLIENT=psycopg2`` keeps psycopg2 always."""
@@ -92,10 +92,14 @@ def copy_table(dsn: str, table: TableInfo, out: BinaryIO, snapshot_name: Optiona
             cur.copy_expert(query, out, size=1 << 20)
             return int(cur.rowcount)
     except psycopg2.Error as exc:
-        raise SourceError(
-            f"the initial copy of {table.qualified_name} failed: {str(exc).strip()}. "
-            "The role needs SELECT on the table; if the snapshot is gone, run walberg again."
-        ) from None
+        raise _copy_failed(table, str(exc).strip()) from None
+
+
+def _copy_failed(table: TableInfo, reason: str) -> SourceError:
+    """The initial copy of ``table`` failed for ``reason``, said with what to do."""
+    return SourceError(
+        f"the initial copy of {table.qualified_name} failed: {reason}. "
+        "The role needs SELECT on the table; if the snapshot is gone, run walberg again.")
 
 
 def _in_the_clear(conn: Any, dsn: str) -> bool:
@@ -104,9 +108,9 @@ def _in_the_clear(conn: Any, dsn: str) -> bool:
     if os.environ.get("WALBERG_COPY_CLIENT", "").lower() == "psycopg2":
         return False
     params = psycopg2.extensions.parse_dsn(dsn)
-    hosts = {k: params.get(k) or os.environ.get(f"PG{k.upper()}", "")
-             for k in ("host", "hostaddr", "port")}
-    if any("," in v for v in hosts.values()) or "service" in params or \
+    hosts = (params.get(k) or os.environ.get(f"PG{k.upper()}", "")
+             for k in ("host", "hostaddr", "port"))
+    if any("," in v for v in hosts) or "service" in params or \
             "PGSERVICE" in os.environ or conn.info.ssl_in_use:
         return False
     if conn.server_version >= 120000:
@@ -150,10 +154,7 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
                     "it did (%s)", table.qualified_name, said)
         return False
     said = said.split("ERROR:", 1)[-1].strip() if "ERROR:" in said else said
-    raise SourceError(
-        f"the initial copy of {table.qualified_name} failed: "
-        f"{said or f'psql ended with code {done.returncode}'}. "
-        "The role needs SELECT on the table; if the snapshot is gone, run walberg again.")
+    raise _copy_failed(table, said or f"psql ended with code {done.returncode}")
 
 
 def psql_invocation(psql: Path, dsn: str) -> tuple[list[str], dict[str, str]]:
@@ -162,13 +163,11 @@ def psql_invocation(psql: Path, dsn: str) -> tuple[list[str], dict[str, str]]:
     command tags among the rows), no psqlrc, stopping at the first error, never asking for a
     password (-w). The password goes in the child's environment (PGPASSWORD), which only its
     user can read, not on its command line, which every user can."""
-    params = psycopg2.extensions.parse_dsn(dsn)
+    params = session_params(dsn)
     env = dict(os.environ)
     password = params.pop("password", None)
     if password is not None:
         env["PGPASSWORD"] = password
-    params["options"] = " ".join(filter(None, [params.get("options", ""), SESSION_OPTIONS]))
-    params.setdefault("application_name", "walberg")
     params.update(sslmode="disable", gssencmode="disable")
     conninfo = psycopg2.extensions.make_dsn(**params)
     return [str(psql), "-X", "-q", "-w", "-v", "ON_ERROR_STOP=1", "-f", "-", conninfo], env
