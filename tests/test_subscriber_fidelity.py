@@ -462,3 +462,40 @@ def test_randomized_key_changes_and_toast(ctx: dict[str, Any], seed: int) -> Non
             statements = statements[size:]
         s.sync()
     s.verified("r", f"id = {live[0]}")
+
+
+@pytest.mark.parametrize("truncate,partitioned", [(False, False), (True, False), (True, True)])
+def test_column_dropped_and_added_again_in_streamed_transactions(
+        ctx: dict[str, Any], truncate: bool, partitioned: bool) -> None:
+    """A column dropped and added again under its name beside a new one, in an ALTER TABLE of
+    its own between two runs, then changes, with every transaction streamed while it runs
+    (``debug_logical_replication_streaming = immediate``: the path of a transaction over
+    logical_decoding_work_mem); with or without a TRUNCATE of its own before; on a plain table
+    and on a partitioned root published through the root. (pgoutput describes the table again
+    in every streamed transaction: that alone must not stop it.)"""
+    pg = ctx["pg_conn"]
+    with pg.cursor() as cur:
+        cur.execute("ALTER SYSTEM SET debug_logical_replication_streaming = 'immediate'")
+        cur.execute("SELECT pg_reload_conf()")
+    try:
+        ddl = ("CREATE TABLE {t_p} (a int PRIMARY KEY, b text) PARTITION BY RANGE (a); "
+               "CREATE TABLE {t_p}_1 PARTITION OF {t_p} FOR VALUES FROM (0) TO (100);"
+               if partitioned else "CREATE TABLE {t_p} (a int PRIMARY KEY, b text);")
+        s = Scenario(ctx, ddl, {"p": "a"}, sub_options="streaming = on")
+        s.source("INSERT INTO {t_p} VALUES (1, 'one'), (2, 'two')")
+        s.sync()
+        if truncate:
+            s.source("TRUNCATE {t_p}")
+        s.sub.caught_up(insert_lsn(pg))
+        alter = "ALTER TABLE {t_p} DROP b, ADD COLUMN c text DEFAULT 'dflt', ADD b text"
+        s.source(alter)
+        s.sub.execute(alter.format(t_p=s.t("p")))
+        s.source("INSERT INTO {t_p} VALUES (3, 'three', 'b3'), (4, DEFAULT, 'b4')",
+                 "UPDATE {t_p} SET b = 'upd' WHERE a = 3")
+        s.sync()
+        assert [list(r) for r in s.lake("p")][:1] == [["a", "c", "b"]]
+        s.verified("p", "a = 3")
+    finally:
+        with pg.cursor() as cur:
+            cur.execute("ALTER SYSTEM RESET debug_logical_replication_streaming")
+            cur.execute("SELECT pg_reload_conf()")

@@ -115,6 +115,10 @@ class StagedTable:
     # which the server sends after a change to the table: DDL, which may have re-created a
     # column), "" (not described).
     described: str = ""
+    # The batch ended before a later description of the table with the same columns, because
+    # the catalog's column numbers had changed (a column dropped and added again, perhaps
+    # after this batch's changes): see Tables.follow.
+    renumbered_after: bool = False
 
     @property
     def insert_only(self) -> bool:
@@ -352,6 +356,7 @@ class BatchBuilder:
         self.prep = prep
         self._tables: dict[str, _TableStage] = {}
         self._described: dict[str, str] = {}
+        self._renumbered_after: set[str] = set()
         directory.mkdir(parents=True, exist_ok=True)
 
     def _stage(self, source: str, columns: tuple[Column, ...]) -> _TableStage:
@@ -371,9 +376,13 @@ class BatchBuilder:
     def describe(self, source: str, kind: str) -> None:
         """The source described ``source`` (its columns) in this batch: ``kind`` as
         StagedTable.described ("again" outweighs "first"); "": the batch ends before a
-        description, and what the catalog says by then is not about its rows."""
+        description, and what the catalog says by then is not about its rows;
+        "renumbered-after": the batch ends before a description with the same columns whose
+        numbers changed (StagedTable.renumbered_after)."""
         if not kind:
             self._described.pop(source, None)
+        elif kind == "renumbered-after":
+            self._renumbered_after.add(source)
         elif self._described.get(source) != "again":
             self._described[source] = kind
 
@@ -399,6 +408,7 @@ class BatchBuilder:
         for name, stage in self._tables.items():
             stage.close(extent, name in net)
             stage.staged.described = self._described.get(name, "")
+            stage.staged.renumbered_after = name in self._renumbered_after
         return {name: stage.staged for name, stage in self._tables.items()}
 
     def discard(self) -> None:

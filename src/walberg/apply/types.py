@@ -165,7 +165,11 @@ _SCALARS: dict[int, SparkType] = {
 
 
 class UnsupportedType(ConfigError):
-    pass
+    """A column of a type walberg has no mapping for; ``table``: the Iceberg table asked for."""
+
+    def __init__(self, message: str, table: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.table = table
 
 
 @dataclass
@@ -221,7 +225,7 @@ class TypeMap:
             raise UnsupportedType(
                 f"column {where} has type {t.name}, which comes from an extension walberg has no "
                 f"mapping for. To store its Postgres text form as a string, add it to "
-                f"sink.text_types in the pipeline file (text_types: [{t.name}]).")
+                f"sink.text_types in the pipeline file (text_types: [{t.name}]).", table)
         # Everything else keeps its exact Postgres text representation: lossless, and readable
         # by every engine (see the module docstring for the list).
         return _STRING

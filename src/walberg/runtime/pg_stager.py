@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from walberg import metrics
 from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, seq_filter
 from walberg.apply.iceberg import IcebergSink
+from walberg.apply.types import UnsupportedType
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.errors import DecodeError
@@ -23,7 +24,7 @@ from walberg.model import Begin, Commit, Lsn, Relation, Truncate
 from walberg.runtime.applier import Batch, grow_batch, let_go
 from walberg.runtime.pg_decode import Chunk, Chunks
 from walberg.runtime.state import RunState, SegmentMeta
-from walberg.runtime.tables import PgTables, count_dead
+from walberg.runtime.tables import PgTables, SchemaStop, count_dead
 from walberg.source.framing import CHANGE_TAGS, relation_oid
 from walberg.source.pgoutput import Decoder, Tag
 
@@ -78,8 +79,11 @@ class PgStager:
 
     def __init__(self, config: Config, store: SegmentStore, state: RunState, tables: PgTables,
                  sink: Callable[[], IcebergSink], adopt: Callable[[Relation], None],
-                 report: Any) -> None:
+                 report: Any, park: Optional[Callable[[str, str], None]] = None) -> None:
+        """``park``: stops one table (with why) whose changes cannot be staged; None: the
+        batch fails."""
         self.config = config
+        self._park = park
         self.store = store
         self.state = state
         self.tables = tables
@@ -309,24 +313,39 @@ class PgStager:
 
         Control messages go through the scalar decoder; Insert/Update/Delete messages are only
         routed here (a byte and a relation id per message) and decoded in columnar chunks."""
-        started = time.monotonic()
-        workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
-        builder = BatchBuilder(workdir, prep=self.tables.prep)
-        run = _Staging(self, builder, floor, early)
-        try:
-            end = run.read(segments, end, grow)
-            run.chunks.flush_all()
-            staged = builder.finish((run.last_seq if run.cut else run.seq, run.void),
-                                    self.tables.nettable())
-        except SchemaChanged as exc:
-            builder.discard()
-            rel = next(r for r in run.decoder.relations.values()
-                       if r.qualified_name == exc.source)
-            raise self.tables.schema_error(
-                exc.source, rel.columns, run.txn.final_lsn if run.txn else end) from None
-        except BaseException:
-            builder.discard()
-            raise
+        while True:
+            started = time.monotonic()
+            workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
+            builder = BatchBuilder(workdir, prep=self.tables.prep)
+            run = _Staging(self, builder, floor, early)
+            try:
+                read = list(segments)  # (grown while read)
+                end = run.read(read, end, grow)
+                run.chunks.flush_all()
+                staged = builder.finish((run.last_seq if run.cut else run.seq, run.void),
+                                        self.tables.nettable())
+                segments = read
+                break
+            except SchemaChanged as exc:
+                builder.discard()
+                rel = next(r for r in run.decoder.relations.values()
+                           if r.qualified_name == exc.source)
+                stop = self.tables.schema_error(
+                    exc.source, rel.columns, run.txn.final_lsn if run.txn else end)
+                if self._park is None or early:
+                    raise stop from None
+                # This table alone stops; the batch is staged again without it.
+                self._park(exc.source, str(stop))
+            except UnsupportedType as exc:  # (a column added with such a type)
+                builder.discard()
+                source = next((s for s, t in self.tables.targets.items() if t == exc.table), None)
+                if self._park is None or early or source is None:
+                    raise
+                self._park(source, f"{source} has a new column: {exc} Then run walberg again: "
+                                   "the table is tried again.")
+            except BaseException:
+                builder.discard()
+                raise
         return Batch(segments, builder, staged, sorted(run.live),
                      run.last_seq if run.cut else run.seq, run.changes,
                      time.monotonic() - started, lsn=end, start=floor, void=run.void,
@@ -336,7 +355,8 @@ class PgStager:
 
     def wanted(self, rel: Relation, txn: Begin, early: bool = False) -> bool:
         if early:
-            return rel.qualified_name in self.tables.targets
+            return rel.qualified_name in self.tables.targets and \
+                not self.state.is_halted(rel.qualified_name)
         if rel.qualified_name not in self.tables.targets and self.config.postgres.follow_publication:
             self._adopt(rel)
         if self.state.is_halted(rel.qualified_name):
@@ -347,7 +367,12 @@ class PgStager:
     # ---- before and after the commits --------------------------------------------------------
 
     def follow(self, table: str, staged: StagedTable, batch: Batch) -> None:
-        self.tables.follow(table, staged.columns, batch.lsn, staged.described)
+        try:
+            self.tables.follow(table, staged.columns, batch.lsn, staged.described,
+                               staged.renumbered_after)
+        except UnsupportedType as exc:  # (a column added with such a type: this table stops)
+            raise SchemaStop(f"{table} has a new column before LSN {batch.lsn}: {exc} Then "
+                             "run walberg again: the table is tried again.") from None
 
     def dead_letters(self, table: str, staged: StagedTable, batch: Batch) -> None:
         assert staged.dead_letters is not None
@@ -485,8 +510,10 @@ class _Staging:
             # The table's columns changed (ALTER TABLE), or one was dropped and added again
             # under its name and type: this batch ends with the transaction before; the next
             # one starts with the new columns, after the Iceberg schema has followed. (This
-            # one's rows are from before, whatever the catalog says by its commit.)
-            self.builder.describe(msg.qualified_name, "")
+            # one's rows are from before, whatever the catalog says by its commit; where the
+            # columns are the same, this batch's own description may be what brought the new
+            # numbers, which Tables.follow tells from the lake's columns.)
+            self.builder.describe(msg.qualified_name, "" if changed else "renumbered-after")
             self.cut = True
             return True
         self.builder.describe(msg.qualified_name,

@@ -25,6 +25,7 @@ from walberg.apply.types import (
     BadArray,
     TextPrep,
     TypeMap,
+    UnsupportedType,
     parse_array,
 )
 from walberg.config import Config
@@ -136,12 +137,21 @@ class PgTables(Tables):
         return "first" if first == txn_lsn else "again"
 
     def follow(self, source: str, columns: tuple[Column, ...], lsn: Lsn,
-               described: str = "") -> None:
+               described: str = "", renumbered_after: bool = False) -> None:
         """Before a commit: the table (and its changelog) take the staged columns. In a batch
         in which pgoutput described the table (``described``), the columns' numbers in the
         catalog tell a column dropped and added again (under the same name and type, or as
-        what the names read as a rename) from the same column (``Numbers``)."""
+        what the names read as a rename) from the same column (``Numbers``).
+
+        ``renumbered_after``: the batch ended before a later description with the same
+        columns whose numbers had changed. Where the lake already has the batch's columns, the
+        change of numbers is the next batch's to follow (a column dropped and added again
+        after this batch's rows); where it has not, this batch's own description brought the
+        new columns (pgoutput describes a table again in every streamed transaction, with
+        nothing changed since), and its numbers are this batch's to follow."""
         target, changelog = self.targets[source], self.changelogs.get(source)
+        if renumbered_after and described and self.sink.columns_match(target, columns):
+            described = ""
         if not any(c.is_key for c in columns) and changelog != target:
             # (the stream then says nothing of which row an update or delete is: the source
             # refuses those, but inserts and TRUNCATE go on, and a batch with no key to
@@ -454,14 +464,21 @@ class PgTables(Tables):
             found = pg.describe_types(conn, {c.type_oid for c in rel.columns})
             self.types.learn(found, target, dims)
 
-    def learn_types(self, conn: Any, infos: dict[str, pg.TableInfo]) -> None:
+    def learn_types(self, conn: Any, infos: dict[str, pg.TableInfo],
+                    refused: Optional[dict[str, str]] = None) -> None:
         """Tell the type map what the source catalog says about the tables' column types, and
-        refuse, before anything runs, a column whose type walberg cannot map."""
+        refuse, before anything runs, a column whose type walberg cannot map (with
+        ``refused``: noted there, by table, instead)."""
         found = pg.describe_types(conn, {c.type_oid for i in infos.values() for c in i.columns})
         for t, info in infos.items():
             self.types.learn(found, self.targets[t], info.dims)
             for c in info.columns:
-                self.types.spark_type(c, self.targets[t])
+                try:
+                    self.types.spark_type(c, self.targets[t])
+                except UnsupportedType as exc:
+                    if refused is None:
+                        raise
+                    refused.setdefault(t, str(exc))
 
     def prep(self, source: str, columns: tuple[Column, ...]) -> TextPrep:
         return self.types.prep(columns, self.targets[source])
