@@ -64,3 +64,21 @@ class StorageUnavailable(ApplyError):
     """The warehouse's object store did not answer, or refused walberg's credentials, within
     storage.timeout_seconds. ``retryable``: walberg is to keep trying (``walberg run``), not
     to give up (``--once``, or refused credentials)."""
+
+
+class TablesParked(Terminal):
+    """A run ended with tables parked (see walberg.runtime.parking): every other table was
+    applied. Exit code 3, so that a scheduler tells it from a run that applied nothing."""
+
+    exit_code = 3
+
+    def __init__(self, parked: dict[str, str], report: object = None) -> None:
+        self.parked = dict(parked)
+        self.report = report  # the run's report (what the other tables got)
+        names = ", ".join(sorted(parked))
+        super().__init__(
+            f"{len(parked)} table(s) parked, every other table applied: {names}. "
+            + " ".join(f"[{t}] {why}" for t, why in sorted(parked.items()))
+            + " A parked table's changes are held for it (the replication slot keeps them, so "
+            "WAL accumulates on the source until it is resolved); `walberg status` lists it. "
+            "`walberg resync -c <pipeline file> TABLE` copies it afresh and ends the park.")

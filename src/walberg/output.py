@@ -84,7 +84,7 @@ def _one_status(status: "Status") -> str:
               if p.oldest_waiting_s else "; the lake holds everything it has read")
     lines = [f"walberg: {running}; {p.pending_segments} sealed segment(s) pending, "
              f"{p.pending_bytes:,} bytes in {p.segment_dir}{behind}"]
-    rows = [(name, t.iceberg_table, t.last_lsn or "-",
+    rows = [(name + (" (PARKED)" if t.parked else ""), t.iceberg_table, t.last_lsn or "-",
              "-" if t.waiting_s is None else f"{t.waiting_s:.1f} s",
              t.last_commit_at or "-", "-" if t.rows is None else f"{t.rows:,}",
              t.data_files or 0, t.delete_files or 0, t.snapshot_id or "-")
@@ -92,6 +92,10 @@ def _one_status(status: "Status") -> str:
     # behind: the age of the table's oldest committed change not yet in the lake
     lines.append(format_table(["source", "iceberg table", "lsn", "behind", "committed at",
                                "rows", "files", "delete files", "snapshot"], rows))
+    for name, t in status.tables.items():
+        if t.parked:
+            lines.append(f"PARKED {name}: {t.parked} (its changes are held for it; the other "
+                         "tables go on)")
     slot = status.slot
     if slot is not None and slot.error:
         lines.append(f"slot: {slot.error}")

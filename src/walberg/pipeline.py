@@ -29,12 +29,13 @@ from walberg.apply.iceberg import IcebergSink
 from walberg.apply.types import TypeMap
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config, load_config
-from walberg.errors import ConfigError, Terminal
+from walberg.errors import ConfigError, TablesParked, Terminal
 from walberg.lake.maintain import maintain_on_schedule, written_beside
 from walberg.lakeside import open_session, ready_storage, release, stage_root
 from walberg.model import Lsn
 from walberg.runtime.applier import Applier
 from walberg.runtime.initial_copy import InitialCopy
+from walberg.runtime.parking import Parking
 from walberg.runtime.pg_reader import PgReader, Relations
 from walberg.runtime.pg_stager import PgStager
 from walberg.runtime.state import RunState
@@ -249,16 +250,18 @@ class Pipeline:
         staging.remove_local_leftovers(self.config.segment_dir)
         copier = InitialCopy(self.config, self._tables, state, self.report, self.session,
                              lambda: self.sink)
+        parking = Parking(self.config, state, self._tables.targets, lambda: self.sink)
         stager = PgStager(self.config, store, state, self._tables, lambda: self.sink,
-                          copier.adopt, self.report)
+                          copier.adopt, self.report, parking.park)
         for segment in store.sealed():
             state.sealed(segment.seq, stager.scan(segment))
         applier = Applier(self.config, store, state, stager, self._tables, lambda: self.sink,
                           lambda: maintain_on_schedule(
                               self.sink, self.config.maintenance,
-                              written_beside(self.config, self.targets), state.stop))
+                              written_beside(self.config, self.targets), state.stop),
+                          parking)
         reader = PgReader(self.config, store, state, self._tables, copier, relations,
-                          self._recopy, self.slot_wait_seconds, stager.start_early)
+                          self._recopy, self.slot_wait_seconds, stager.start_early, parking)
 
         try:
             started = reader.start_with_retries(once)
@@ -290,7 +293,7 @@ class Pipeline:
         self.report.applied_lsn = state.confirmable()
         halted = state.halted()
         if halted:
-            raise Terminal(" ".join(halted.values()) + " The other tables were applied.")
+            raise TablesParked(halted, self.report)
         return self.report
 
 __all__ = ["Pipeline", "Pipelines", "RunReport"]

@@ -16,6 +16,7 @@ from walberg.apply.catalog import catalogs, storage
 from walberg.apply.jvm.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
 from walberg.errors import Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource
+from walberg.runtime.parking import parked_why
 from walberg.source import kafka
 from walberg.source import postgres as pg
 
@@ -171,6 +172,24 @@ def failover(p: Probe) -> str:
     return "; ".join(good)
 
 
+def parked_tables(p: Probe) -> str:
+    """No table is parked (see runtime.parking): read from the tables' metadata."""
+    parked = {}
+    for table, target in p.source.targets.items():
+        try:
+            summary = p.source.table_summary(target)
+        except Exception:  # (a catalog that cannot be read: the catalog item says so)
+            continue
+        why = parked_why(summary.properties, p.source.tag) if summary is not None else None
+        if why:
+            parked[table] = why
+    if parked:
+        raise Terminal(f"{len(parked)} table(s) parked, their changes held for them while "
+                       "the other tables go on: " + " ".join(
+                           f"[{t}] {why}" for t, why in sorted(parked.items())))
+    return "no table is parked"
+
+
 POSTGRES_REACH: list[Item] = [("postgres reachable", postgres_reachable)]
 POSTGRES_ITEMS: list[Item] = [
     ("wal_level", wal_level),
@@ -179,6 +198,7 @@ POSTGRES_ITEMS: list[Item] = [
     ("publication", publication),
     ("replication slot", replication_slot),
     ("failover", failover),
+    ("parked tables", parked_tables),
 ]
 
 

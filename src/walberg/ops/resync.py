@@ -10,7 +10,7 @@ from typing import Optional
 
 from walberg.buffer import spill
 from walberg.buffer.store import SegmentStore
-from walberg.errors import SlotLost
+from walberg.errors import SlotLost, TablesParked
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.pipeline import Pipeline, RunReport
 from walberg.source import postgres as pg
@@ -100,7 +100,15 @@ def resync_source(lake: Lake, source: LakeSource,
     pipeline = Pipeline(source.config, session=lake.session())
     try:
         pipeline.copy_again(again)
-        return pipeline.run(once=True)
+        try:
+            return pipeline.run(once=True)
+        except TablesParked as exc:
+            if again & set(exc.parked) or not isinstance(exc.report, RunReport):
+                raise
+            # Tables not copied now are still parked: said, not this command's failure.
+            log.warning("still parked (not copied by this resync): %s; `walberg status` says "
+                        "why", ", ".join(sorted(exc.parked)))
+            return exc.report
     finally:
         pipeline.close()
 

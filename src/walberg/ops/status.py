@@ -19,6 +19,7 @@ from walberg.buffer.segment import Scanner, check_magic
 from walberg.errors import Transient, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.model import Lsn, pg_epoch
+from walberg.runtime.parking import parked_why
 from walberg.source import kafka
 from walberg.source import postgres as pg
 from walberg.source.framing import commit_end_lsn, commit_time
@@ -52,6 +53,8 @@ class TableStatus:
     # Freshness: the age, now, of the table's oldest change in the segment files that the
     # lake does not hold yet (0: none waits; None: not known, see _waiting).
     waiting_s: Optional[float] = None
+    # Why the table is parked (it cannot follow its source; see runtime.parking), or None.
+    parked: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def status(lake: Lake) -> list[Status]:
 
 def _status(source: LakeSource) -> Status:
     summaries = {t: _summary(source, target) for t, target in source.targets.items()}
-    tables = {t: _table(source.targets[t], s) for t, s in summaries.items()}
+    tables = {t: _table(source.targets[t], s, source.tag) for t, s in summaries.items()}
     buffer = _buffer(source.config.segment_dir)
     if source.kind == "kafka":
         held: dict[tuple[str, int], int] = {}
@@ -204,14 +207,15 @@ def _summary(source: LakeSource, target: str) -> Optional[TableSummary]:
         return None
 
 
-def _table(target: str, summary: Optional[TableSummary]) -> TableStatus:
+def _table(target: str, summary: Optional[TableSummary],
+           shared_by: Optional[str] = None) -> TableStatus:
     if summary is None:
         return TableStatus(target, None, None, None, None, None, None, 0)
     return TableStatus(
         iceberg_table=target, snapshot_id=summary.snapshot_id, last_lsn=summary.walberg_lsn,
         last_commit_at=_iso(summary.walberg_committed_at_ms), rows=summary.records,
         data_files=summary.data_files, delete_files=summary.delete_files,
-        snapshots=summary.snapshots)
+        snapshots=summary.snapshots, parked=parked_why(summary.properties, shared_by))
 
 
 def _slot(source: LakeSource) -> SlotStatus:

@@ -29,6 +29,7 @@ from walberg.config import Config
 from walberg.faults import crash_point, failure_point
 from walberg.lakeside import commit_with_retries, count_files
 from walberg.model import Lsn, Op, pg_epoch
+from walberg.runtime.parking import Parking
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import SchemaStop, Tables
 
@@ -163,8 +164,12 @@ class Applier:
 
     def __init__(self, config: Config, store: SegmentStore, state: RunState, stager: Stager,
                  tables: Tables, sink: Callable[[], IcebergSink],
-                 maintain: Optional[Callable[[], Any]] = None) -> None:
+                 maintain: Optional[Callable[[], Any]] = None,
+                 parking: Optional[Parking] = None) -> None:
+        """``parking``: where a table that cannot follow is parked (None: stopped for this run
+        only)."""
         self.config = config
+        self.parking = parking
         self.store = store
         self.state = state
         self.stager = stager
@@ -241,6 +246,8 @@ class Applier:
                  self.stager.marks.upto("", batch))
         try:
             self.stager.before_commit(batch)
+            if self.parking is not None:
+                self.parking.record()  # (tables parked while the batch was staged)
             for table in batch.tables:
                 if not self.state.is_halted(table):
                     self._commit_counted(table, batch)
@@ -270,9 +277,13 @@ class Applier:
             self._with_retries(table, batch, functools.partial(self._commit_table, table, batch))
         except SchemaStop as exc:
             # This table cannot follow its source; the others go on.
-            self.state.halt(table, str(exc))
-            metrics.TABLE_STOPPED.labels(table).set(1)
-            log.error("%s; the other tables go on", exc)
+            if self.parking is None:
+                self.state.halt(table, str(exc))
+                metrics.TABLE_STOPPED.labels(table).set(1)
+                log.error("%s; the other tables go on", exc)
+            else:
+                self.parking.park(table, str(exc))
+                self.parking.record()
             return
         except BaseException:
             metrics.COMMITS.labels(table, "failure").inc()

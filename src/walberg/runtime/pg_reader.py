@@ -22,6 +22,7 @@ from walberg.errors import SourceError, Terminal, Transient, WalbergError
 from walberg.faults import crash_point
 from walberg.model import Lsn, pg_epoch
 from walberg.runtime.initial_copy import InitialCopy
+from walberg.runtime.parking import Parking
 from walberg.runtime.pg_stager import FRAME_PGOUTPUT, FRAME_PREAMBLE
 from walberg.runtime.state import RunState, SegmentMeta
 from walberg.runtime.tables import PgTables
@@ -72,10 +73,13 @@ class PgReader:
     def __init__(self, config: Config, store: SegmentStore, state: RunState, tables: PgTables,
                  copier: InitialCopy, relations: Relations, recopy: set[str],
                  slot_wait_seconds: float,
-                 streaming_early: Callable[[bool], None] = lambda once: None) -> None:
+                 streaming_early: Callable[[bool], None] = lambda once: None,
+                 parking: Optional[Parking] = None) -> None:
         """``streaming_early``: called when the stream starts before the lake is read (the
         applier's side may stage what it writes meanwhile), with whether the run reads to a
-        target (--once)."""
+        target (--once). ``parking``: the tables parked by earlier runs, read with the lake."""
+        self.parking = parking
+        self._refused: dict[str, str] = {}  # refused at the start (no key, a type not mapped)
         self.config = config
         self.pg = config.postgres
         self.store = store
@@ -153,15 +157,21 @@ class PgReader:
         # publication walberg creates below publishes every row and column, which is what a
         # table no publication has yet is described with.
         infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in self.tables.tables}
-        for info in infos.values():
-            pg.require_key(info)
+        self._refused = {}
+        for t, info in infos.items():
+            try:
+                pg.require_key(info)
+            except SourceError as exc:
+                if self.parking is None:
+                    raise
+                self._refused[t] = str(exc)  # (parked if the lake holds it: see _park_refused)
         pg.ensure_publication(conn, self.pg.publication, self.tables.tables)
         if self.pg.follow_publication:
             for t in pg.published_tables(conn, self.pg.publication):
                 if self.tables.add(t):
                     infos[t] = pg.describe_table(conn, t, self.pg.publications)
                     pg.require_key(infos[t])
-        self.tables.learn_types(conn, infos)
+        self.tables.learn_types(conn, infos, None if self.parking is None else self._refused)
         return infos
 
     def _start(self, once: bool) -> tuple[ReplicationStream, Optional[Lsn]]:
@@ -207,6 +217,9 @@ class PgReader:
                     self.state.set_committed(t, lsn)
             if slot is not None:
                 self._same_server_as_lake(server, slot_exists=True)
+            if self.parking is not None:
+                self.parking.load(self.tables.tables)
+                self._park_refused()
             # Copies owed are said in the lake before they start (``owe_copy``): a run that
             # stops before one lands leaves the table's old mark, and the next run must not
             # take it for a table that holds what the slot does not stream again.
@@ -235,6 +248,9 @@ class PgReader:
                     self.state.forget_committed(t)
             committed = self.state.committed()
             owed = [t for t in self.tables.tables if t not in committed]
+            for t in owed:
+                if self.parking is not None and self.state.is_halted(t):
+                    self.parking.lift(t, "it is copied again now")
             for t in committed:
                 self.copier.catchup_after_resume(t)
             if owed:
@@ -251,6 +267,18 @@ class PgReader:
                 conn.close()
             except Exception:
                 pass
+
+    def _park_refused(self) -> None:
+        """A table that lost its key after the lake took it (REPLICA IDENTITY NOTHING, its
+        primary key dropped) or gained a column of a type walberg cannot map is parked; one the
+        lake does not hold yet is refused."""
+        assert self.parking is not None
+        for t, why in self._refused.items():
+            if self.state.committed_at(t) is None:
+                raise SourceError(why)
+            self.parking.park(t, f"{why} (Once that is done, `walberg resync -c <pipeline "
+                                 f"file> {t}` copies it afresh.)")
+        self.parking.record()
 
     def _failover_wanted(self, conn: Any) -> bool:
         """Whether the slot is to be a failover slot: as configured, else wherever the server

@@ -115,6 +115,10 @@ class RunState:
         with self._lock:
             self._halted[table] = why
 
+    def unhalt(self, table: str) -> None:
+        with self._lock:
+            self._halted.pop(table, None)
+
     def catchup(self, table: str) -> Optional[Lsn]:
         with self._lock:
             return self._catchup.get(table)

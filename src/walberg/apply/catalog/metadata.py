@@ -29,6 +29,8 @@ class TableSummary:
     snapshots: int
     # Kafka: the next offset of each (topic, partition) the current history covers.
     offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    # The table's properties of walberg's own (``walberg.*``: a park, see runtime.parking).
+    properties: dict[str, str] = field(default_factory=dict)
 
 
 def _current_metadata(warehouse: Path, namespace: str, table: str) -> Optional[dict[str, Any]]:
@@ -122,4 +124,6 @@ def summarize(meta: dict[str, Any], lsn_property: str = LSN_PROPERTY) -> TableSu
                  else (total("total-records") or 0) - (total("total-position-deletes") or 0)),
         data_files=total("total-data-files"),
         delete_files=total("total-delete-files"), snapshots=len(snapshots), offsets=offsets,
+        properties={k: str(v) for k, v in (meta.get("properties") or {}).items()
+                    if k.startswith("walberg.")},
     )
