@@ -7,13 +7,16 @@ import json
 from datetime import date, datetime, timedelta, timezone
 from decimal import Decimal
 
+import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from walberg.apply.types import TypeMap
 from walberg.model import UNCHANGED, Column, Op
 from walberg.source import debezium as dbz
 from walberg.source import kafka
+from walberg.source.debezium_columns import Columns
 
 
 def _b64(unscaled: int) -> str:
@@ -21,12 +24,52 @@ def _b64(unscaled: int) -> str:
     return base64.b64encode(unscaled.to_bytes(n, "big", signed=True)).decode()
 
 
-@given(st.integers(min_value=-(10**30), max_value=10**30), st.integers(min_value=0, max_value=12))
-def test_a_connect_decimal_reads_back_exactly(unscaled: int, scale: int) -> None:
-    t = dbz.FieldType(dbz.NUMERIC, -1, "org.apache.kafka.connect.data.Decimal", scale)
-    text = dbz.to_text(_b64(unscaled), t)
-    assert isinstance(text, bytes)
-    assert Decimal(text.decode()) == Decimal(unscaled).scaleb(-scale)
+def _exact(unscaled: int, scale: int) -> str:
+    """The decimal text of unscaled * 10^-scale, by moving the point in its digits (no
+    arithmetic that could round)."""
+    digits = str(abs(unscaled)).rjust(scale + 1, "0")
+    whole, fraction = digits[:len(digits) - scale], digits[len(digits) - scale:]
+    return ("-" if unscaled < 0 else "") + whole + ("." + fraction if scale else "")
+
+
+_MOST = 10**38 - 1  # the largest unscaled value of a decimal(38, s)
+_UNSCALED_38 = st.one_of(
+    st.sampled_from([_MOST, -_MOST, 10**37, -(10**37), 10**28 + 1, -(10**29) + 1, 1, -1, 0]),
+    st.integers(-_MOST, _MOST), st.integers(-(10**30), 10**30))
+
+
+@settings(max_examples=300)
+@given(_UNSCALED_38, st.sampled_from([0, 1, 2, 9, 10, 18, 27, 37, 38]))
+def test_decimals_of_38_digits_land_exactly_by_every_path(unscaled: int, scale: int) -> None:
+    """A decimal(38, s) value, whichever way Debezium sends it (Connect's base64 decimal,
+    Debezium's variable-scale struct, decimal.handling.mode string, a JSON number), becomes
+    its exact text, record by record and in columns, and lands in decimal(38, s) exactly:
+    Python's decimal context holds 28 digits, and no step may round to it."""
+    want = _exact(unscaled, scale)
+    connect = dbz.type_from_schema({
+        "type": "bytes", "name": "org.apache.kafka.connect.data.Decimal",
+        "parameters": {"scale": str(scale), "connect.decimal.precision": "38"}})
+    variable = dbz.type_from_schema({"type": "struct",
+                                     "name": "io.debezium.data.VariableScaleDecimal"})
+    plain = dbz.FieldType(dbz.NUMERIC, dbz.numeric_modifier(38, scale))
+    number = dbz.parse_event(b'{"op": "c", "after": {"n": ' + want.encode() + b"}}").after
+    assert number is not None
+    for value, t in ((_b64(unscaled), connect), ({"scale": scale, "value": _b64(unscaled)},
+                                                 variable), (want, plain),
+                     (number["n"], plain)):
+        assert dbz.to_text(value, t) == want.encode(), (value, t)
+    # In columns (a Connect decimal and a string), as one record at a time gives it.
+    column = Column("n", dbz.NUMERIC, dbz.numeric_modifier(38, scale))
+    for value, t in ((_b64(unscaled), connect), (want, plain)):
+        images = dbz.Images((Column("id", dbz.INT4, is_key=True), column),
+                            (dbz.FieldType(dbz.INT4), t))
+        record = json.dumps({"op": "c", "after": {"id": 1, "n": value}}).encode()
+        [(_, _, decoded)] = list(Columns(images).decode([record], [None]))
+        assert decoded is not None and decoded.fast[0], value
+        assert decoded.values[1][0].as_py() == want
+    # The apply stage takes that text into decimal(38, s) as it is.
+    staged, dead = TypeMap().prep([column]).apply([pa.array([want])])
+    assert dead is None and staged[0][0].as_py() == Decimal(want)
 
 
 @given(st.dates())

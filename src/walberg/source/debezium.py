@@ -263,13 +263,25 @@ def _unscaled(text: str) -> int:
     return int.from_bytes(raw, "big", signed=True)
 
 
+def _scaled(unscaled: int, scale: int) -> Decimal:
+    """unscaled * 10^-scale, exactly: built from its text, since arithmetic (``scaleb``)
+    rounds to the decimal context's 28 digits and a decimal(38, s) has up to 38."""
+    return Decimal(f"{unscaled}E{-scale}")
+
+
 def _decimal_text(value: Any, t: FieldType) -> str:
     if t.logical == "io.debezium.data.VariableScaleDecimal":
         if not isinstance(value, dict) or "value" not in value:
             raise BadRecord("a VariableScaleDecimal is not {scale, value}")
-        number = Decimal(_unscaled(value["value"])).scaleb(-int(value.get("scale", 0)))
+        scale = value.get("scale", 0)
+        if isinstance(scale, bool) or not isinstance(scale, int):
+            raise BadRecord(f"a VariableScaleDecimal whose scale is {scale!r}, not an "
+                            "integer: its value cannot be read")
+        if value["value"] is None:
+            raise BadRecord("a VariableScaleDecimal without its value")
+        number = _scaled(_unscaled(value["value"]), scale)
     elif isinstance(value, str) and t.logical == "org.apache.kafka.connect.data.Decimal":
-        number = Decimal(_unscaled(value)).scaleb(-t.scale)
+        number = _scaled(_unscaled(value), t.scale)
     elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:  # decimal.handling.mode string or double, decimal.format NUMERIC
             number = Decimal(value.text if isinstance(value, _Number) else str(value))
