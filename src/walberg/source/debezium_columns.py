@@ -61,7 +61,7 @@ assert _MICROS[0] == (datetime.min - datetime(1970, 1, 1)).days * 86_400_000_000
 # times and nanosecond timestamps.
 _BY_VALUE: dict[int, pa.DataType] = {NUMERIC: pa.string(), dbz.BYTEA: pa.string(),
                                      dbz.FLOAT4: pa.float64(), dbz.TIME: pa.int64(),
-                                     TIMESTAMP: pa.int64()}
+                                     TIMESTAMP: pa.int64(), dbz.BIT: pa.string()}
 _MILLIS = frozenset({"org.apache.kafka.connect.data.Timestamp", "io.debezium.time.Timestamp"})
 _MICROS_LOGICAL = "io.debezium.time.MicroTimestamp"
 _SCHEMA_HEAD, _PAYLOAD = b'{"schema":', b',"payload":'
@@ -79,6 +79,9 @@ def _read_as(t: dbz.FieldType) -> Optional[pa.DataType]:
         return pa.string()  # kept as the JSON string it is (text, uuid, json sent as text)
     if _vectorised(t):
         return _READS[t.oid]
+    if t.oid in dbz.ELEMENT_OF:  # an array: a list of its elements as they are read
+        element = _read_as(t.items)
+        return None if element is None else pa.list_(element)
     return None if t.logical == "io.debezium.data.VariableScaleDecimal" else _BY_VALUE.get(t.oid)
 
 
@@ -111,7 +114,7 @@ def is_envelope(parts: tuple[bytes, bytes]) -> bool:
     try:
         json.loads(parts[0])
         json.loads(parts[1])
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
