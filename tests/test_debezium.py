@@ -232,6 +232,24 @@ def test_each_debezium_type_lands_as_its_source_type_does(
     assert types.spark_type(Column("v", *pg_type_for(iceberg, "v"))).describe() == iceberg
 
 
+@settings(max_examples=100)
+@given(st.lists(st.one_of(st.none(), st.text(st.characters(codec="utf-8",
+                                                          exclude_characters="\x00"),
+                                             max_size=6)), max_size=6),
+       st.lists(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)), max_size=6))
+def test_arrays_land_as_lists_of_their_elements(texts: list[Optional[str]],
+                                                numbers: list[Optional[int]]) -> None:
+    """Any text[] and bigint[] (quotes, braces, commas, backslashes, white space, NULL and
+    the text 'NULL' among the elements) lands as the list Debezium sent."""
+    for value, items in ((texts, _f("string")), (numbers, _f("int64"))):
+        t = dbz.type_from_schema(_list(items))
+        column = Column("v", t.oid, t.modifier)
+        text = dbz.to_text(value, t)
+        assert isinstance(text, bytes)
+        staged, dead = TypeMap().prep([column]).apply([pa.array([text.decode()])])
+        assert dead is None and staged[0][0].as_py() == value
+
+
 def test_odd_debezium_values_are_dead_letters_not_errors() -> None:
     """Values that cannot be read stop nothing: a VariableScaleDecimal with a null scale,
     JSON nested as deep as the reader goes, an array holding what its type cannot."""
