@@ -440,6 +440,21 @@ def test_a_numeric_sent_as_a_string_reads_as_the_columns_numeric() -> None:
     assert dbz.as_column(dbz.FieldType(dbz.INT8), price, own) == dbz.FieldType(dbz.INT8)
 
 
+def test_a_table_made_before_takes_a_type_as_it_did_then() -> None:
+    """A Kafka table whose columns were made when arrays landed as JSON text, bits as bytes
+    and Connect's time as an int (its columns read back from Iceberg) keeps taking them so,
+    rather than refusing every later record as a schema mismatch."""
+    for field, value, iceberg, then in (
+            (_list(_f("int32", _T + "Date")), [1, None], "string", b"[1,null]"),
+            (_f("bytes", "io.debezium.data.Bits", length="8"), "BQ==", "binary", b"\\x05"),
+            (_f("int32", _CONNECT + "Time"), 1000, "int", b"1000")):
+        column = Column("v", *pg_type_for(iceberg, "v"))
+        t = dbz.as_column(dbz.type_from_schema(field), column,
+                          dbz.FieldType(column.type_oid, column.type_modifier))
+        assert TypeMap().spark_type(Column("v", t.oid, t.modifier)).describe() == iceberg
+        assert dbz.to_text(value, t) == then
+
+
 def test_the_unavailable_placeholder_in_every_form_debezium_sends_is_unchanged() -> None:
     """Debezium's placeholder for a TOASTed value an update left alone: a string for text, and
     other forms for other types (bytea, arrays of text and of numbers, hstore). Each keeps the

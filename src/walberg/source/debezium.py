@@ -504,9 +504,17 @@ def as_column(t: FieldType, column: Column, own: FieldType) -> FieldType:
     """The type a record's field is read as in ``column`` (whose own type is ``own``): the
     field's type, except a string for a numeric column, which Debezium sends with
     ``decimal.handling.mode: string``: read as the column's numeric (exact, and checked
-    against its precision and scale like any other)."""
+    against its precision and scale like any other). A column made before walberg read a
+    type as it does now keeps taking it as it did then: an array as JSON text in a string
+    column, bits as bytes in a binary column, Connect's time as milliseconds in an int one."""
     if column.type_oid == NUMERIC and t.oid in (TEXT, VARCHAR) and t.logical is None:
         return own
+    if t.oid in ELEMENT_OF and column.type_oid == TEXT:
+        return FieldType(JSONB, -1, "array")
+    if t.oid == BIT and column.type_oid == BYTEA:
+        return FieldType(BYTEA)
+    if t.logical == "org.apache.kafka.connect.data.Time" and column.type_oid == INT4:
+        return FieldType(INT4)
     return t
 
 
