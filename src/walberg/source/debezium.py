@@ -370,7 +370,9 @@ def _temporal(value: Any, t: FieldType) -> str:
             hours, minute = divmod(minutes, 60)
             return (f"{'-' if value < 0 else ''}{hours:02d}:{minute:02d}:{second:02d}."
                     f"{fraction:06d}")
-        return str(value)
+        if not isinstance(value, str):
+            raise BadRecord(f"{value!r:.60} is not a time")
+        return value
     except (ValueError, OverflowError) as exc:
         if isinstance(exc, BadRecord):
             raise
