@@ -19,7 +19,8 @@ COLUMNS = (Column("id", dbz.TEXT, is_key=True), Column("n", dbz.INT4, is_key=Tru
            Column("amount", dbz.NUMERIC), Column("x", dbz.FLOAT8), Column("ok", dbz.BOOL),
            Column("day", dbz.DATE), Column("at", dbz.TIMESTAMP), Column("doc", dbz.JSONB),
            Column("big", dbz.INT8), Column("tz", dbz.TIMESTAMPTZ), Column("blob", dbz.BYTEA),
-           Column("small", dbz.FLOAT4), Column("clock", dbz.TIME), Column("cost", dbz.NUMERIC))
+           Column("small", dbz.FLOAT4), Column("clock", dbz.TIME), Column("cost", dbz.NUMERIC),
+           Column("days", dbz.ARRAY_OF[dbz.DATE]))
 IMAGES = dbz.Images(COLUMNS, tuple(dbz.FieldType(c.type_oid) for c in COLUMNS))
 UNAVAILABLE = dbz.UNAVAILABLE
 
@@ -87,7 +88,7 @@ def _row(**values: Any) -> dict[str, Any]:
     row = {"id": "a", "n": 1, "amount": "1.50", "x": 0.5, "ok": True, "day": 19000,
            "at": 1_700_000_000_123_456, "doc": '{"k": 1}', "big": 2**40,
            "tz": "2024-05-01T10:00:00.5Z", "blob": "3q2+7w==", "small": 0.1,
-           "clock": 45_296_000_001, "cost": "12.50"}
+           "clock": 45_296_000_001, "cost": "12.50", "days": [19000, None]}
     row.update(values)
     return row
 
@@ -153,6 +154,14 @@ EDGES: list[tuple[Optional[bytes], bytes]] = [
     (KEY, _envelope("c", after=_row(blob=UNAVAILABLE, small=None, clock=-1))),
     (KEY, _envelope("c", after=_row(small=3.4028235e38 * 10, clock=86_400_000_000))),
     (KEY, _envelope("c", after=_row(clock="10:00:00"))),
+    (KEY, _envelope("c", after=_row(days=[UNAVAILABLE]))),
+    (KEY, _envelope("c", after=_row(days=list(UNAVAILABLE.encode())))),
+    (KEY, _envelope("c", after=_row(days=[], doc=None))),
+    (KEY, _envelope("c", after=_row(days=[2932897]))),
+    (KEY, _envelope("c", after=_row(days=[[1]]))),
+    (KEY, _envelope("c", after=_row(days=[1.5]))),
+    (KEY, _envelope("c", after=_row(days="{1}"))),
+    (KEY, _envelope("c", after=_row(days=[UNAVAILABLE, 1]))),
     (KEY, _envelope("c", after=_row(x=3))),
     (KEY, _envelope("c", after=_row(x=1e300))),
     (KEY, _envelope("c", after=_row(x=-0.0))),
@@ -211,6 +220,7 @@ _FIT = {  # values each column takes, the odd ones among them
     "blob": st.binary(max_size=6).map(lambda b: base64.b64encode(b).decode()),
     "small": st.floats(allow_nan=False, allow_infinity=False),
     "clock": st.integers(-(2**40), 2**40), "cost": st.sampled_from(["1", "2.50", "-0.01"]),
+    "days": st.lists(st.one_of(st.none(), st.integers(-800_000, 3_000_000)), max_size=3),
     "tz": st.one_of(st.datetimes(min_value=datetime(1, 1, 1), max_value=datetime(9999, 12, 31))
                     .map(lambda d: d.isoformat() + "Z"),
                     st.sampled_from(["2023-02-29T00:00:00Z", "2024-01-01T00:00:00+01:00",
@@ -271,7 +281,9 @@ SCHEMA = {"type": "struct", "name": "t.Envelope", "fields": [
         {"field": "clock", "type": "int64", "name": "io.debezium.time.MicroTime",
          "optional": True},
         {"field": "cost", "type": "bytes", "name": "org.apache.kafka.connect.data.Decimal",
-         "parameters": {"scale": "2", "connect.decimal.precision": "12"}, "optional": True}]}
+         "parameters": {"scale": "2", "connect.decimal.precision": "12"}, "optional": True},
+        {"field": "days", "type": "array", "optional": True,
+         "items": {"type": "int32", "name": "io.debezium.time.Date", "optional": True}}]}
      for part in ("before", "after")]
     + [{"field": "op", "type": "string"}]}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":")).encode()

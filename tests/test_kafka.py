@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import date
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Optional
@@ -74,7 +75,16 @@ SCHEMA = row_schema([
     {"field": "seen", "type": "string", "name": "io.debezium.time.ZonedTimestamp",
      "optional": True},
     {"field": "active", "type": "boolean", "optional": True},
+    # A numeric(38,10) past Python's 28 default digits, a time (time.precision.mode connect)
+    # and a date[] (a list of dates, not JSON text of day numbers).
+    {"field": "wide", "type": "bytes", "name": "org.apache.kafka.connect.data.Decimal",
+     "parameters": {"scale": "10", "connect.decimal.precision": "38"}, "optional": True},
+    {"field": "clock", "type": "int32", "name": "org.apache.kafka.connect.data.Time",
+     "optional": True},
+    {"field": "days", "type": "array", "optional": True,
+     "items": {"type": "int32", "name": "io.debezium.time.Date", "optional": True}},
 ])
+WIDE = -(10**38 - 1)  # -9999999999999999999999999999.9999999999 in numeric(38,10)
 
 
 def test_debezium_events_with_schema_land_as_the_source_table(
@@ -85,7 +95,9 @@ def test_debezium_events_with_schema_land_as_the_source_table(
 
     def row(i: int, name: str, cents: int) -> dict[str, Any]:
         return {"id": i, "name": name, "price": _dec(cents), "born": 19000 + i,
-                "seen": f"2024-01-0{i}T10:00:00.5+02:00", "active": i % 2 == 0}
+                "seen": f"2024-01-0{i}T10:00:00.5+02:00", "active": i % 2 == 0,
+                "wide": base64.b64encode((WIDE + i).to_bytes(16, "big", signed=True)).decode(),
+                "clock": 45_296_789, "days": [19000 + i, None]}
 
     def send(op: str, before: Any, after: Any, key: int) -> None:
         p.send(topic, {"schema": {"type": "struct"}, "payload": {"id": key}},
@@ -111,6 +123,9 @@ def test_debezium_events_with_schema_land_as_the_source_table(
     assert rows[0]["born"].isoformat() == "2022-01-09"  # day 19001 since 1970
     assert rows[0]["active"] is False and rows[1]["active"] is True
     assert rows[0]["seen"].isoformat() == "2024-01-01T08:00:00.500000+00:00"
+    assert [r["wide"] for r in rows] == [Decimal(f"{WIDE + i}E-10") for i in (1, 2, 5, 6)]
+    assert rows[0]["clock"] == "12:34:56.789000"
+    assert [r["days"] for r in rows[:2]] == [[date(2022, 1, 9), None], [date(2022, 1, 10), None]]
     # Spark reads the same table.
     assert spark.sql(f"SELECT count(*) AS n FROM {target}").collect()[0]["n"] == 4
     # The offsets ride in the snapshot summary: 4 records on partition 0, 6 on partition 1.

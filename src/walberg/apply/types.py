@@ -49,6 +49,13 @@ BOOL, BYTEA, NAME, INT8, INT2, INT4, TEXT, OID = 16, 17, 19, 20, 21, 23, 25, 26
 JSON, FLOAT4, FLOAT8, BPCHAR, VARCHAR, DATE, TIME = 114, 700, 701, 1042, 1043, 1082, 1083
 TIMESTAMP, TIMESTAMPTZ, NUMERIC, UUID, JSONB = 1114, 1184, 1700, 2950, 3802
 BOX = 603  # the one built-in type whose arrays use ';' between elements
+BIT = 1560
+# Built-in array types (pg_type.typarray) -> their element type: known without the catalog,
+# for a source that names types by OID alone (Debezium's arrays from Kafka).
+BUILTIN_ARRAYS = {1000: BOOL, 1001: BYTEA, 1005: INT2, 1007: INT4, 1009: TEXT, 1015: VARCHAR,
+                  1016: INT8, 1021: FLOAT4, 1022: FLOAT8, 1115: TIMESTAMP, 1182: DATE,
+                  1183: TIME, 1185: TIMESTAMPTZ, 1231: NUMERIC, 1561: BIT, 2951: UUID,
+                  199: JSON, 3807: JSONB}
 
 # Unconstrained NUMERIC has no declared precision; this is where it lands by default.
 DEFAULT_DECIMAL = (38, 18)
@@ -199,6 +206,8 @@ class TypeMap:
     def _resolve(self, oid: int, modifier: int, dims: int, table: Optional[str],
                  column: str) -> SparkType:
         t = self.types.get(oid)
+        if t is None and oid in BUILTIN_ARRAYS:
+            t = PgType(oid, f"_{oid}", "b", element=BUILTIN_ARRAYS[oid])
         if t is not None and t.kind == "d":
             return self._resolve(t.base, t.base_modifier if modifier < 0 else modifier, dims,
                                  table, column)
@@ -575,6 +584,12 @@ def pg_type_for(spark_type: str, where: str) -> tuple[int, int]:
     m = re.fullmatch(r"decimal\((\d+),(\d+)\)", spark_type)
     if m:
         return NUMERIC, ((int(m.group(1)) << 16) | int(m.group(2))) + 4
+    m = re.fullmatch(r"array<(.+)>", spark_type)
+    if m:  # a list of one of the types below (its element's modifier is the array's)
+        element, modifier = pg_type_for(m.group(1), where)
+        arrays = {e: a for a, e in BUILTIN_ARRAYS.items()}
+        if element in arrays:
+            return arrays[element], modifier
     found = _FROM_SPARK.get(spark_type)
     if found is None:
         raise ConfigError(f"column {where} is {spark_type} in Iceberg, which records without a "

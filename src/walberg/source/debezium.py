@@ -30,6 +30,13 @@ from walberg.model import UNCHANGED, Column, Op, Row, Value
 BOOL, BYTEA, INT8, INT2, INT4, TEXT = 16, 17, 20, 21, 23, 25
 JSON, FLOAT4, FLOAT8, VARCHAR, DATE, TIME = 114, 700, 701, 1043, 1082, 1083
 TIMESTAMP, TIMESTAMPTZ, NUMERIC, UUID, JSONB = 1114, 1184, 1700, 2950, 3802
+BIT = 1560
+# Each element type's array type (pg_type.typarray): a Debezium array whose schema gives its
+# element type lands as a list of that type, as the Postgres source's arrays do.
+ARRAY_OF = {BOOL: 1000, BYTEA: 1001, INT2: 1005, INT4: 1007, TEXT: 1009, VARCHAR: 1015,
+            INT8: 1016, FLOAT4: 1021, FLOAT8: 1022, TIMESTAMP: 1115, DATE: 1182, TIME: 1183,
+            TIMESTAMPTZ: 1185, NUMERIC: 1231, BIT: 1561, UUID: 2951, JSON: 199, JSONB: 3807}
+ELEMENT_OF = {array: element for element, array in ARRAY_OF.items()}
 
 # What Debezium sends for an unchanged TOASTed value it could not read: the lake keeps its own.
 UNAVAILABLE = "__debezium_unavailable_value"
@@ -59,6 +66,13 @@ class FieldType:
     modifier: int = -1
     logical: Optional[str] = None
     scale: int = 0  # org.apache.kafka.connect.data.Decimal's scale parameter
+    length: int = -1  # io.debezium.data.Bits' length parameter (bits), -1 if not given
+    element: Optional["FieldType"] = None  # an array's element type, from its schema
+
+    @property
+    def items(self) -> "FieldType":
+        """An array's element type (from the schema, else from the array's type alone)."""
+        return self.element or FieldType(ELEMENT_OF[self.oid], self.modifier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,16 +107,21 @@ _LOGICAL = {
     "io.debezium.time.NanoTimestamp": TIMESTAMP,
     "io.debezium.time.ZonedTimestamp": TIMESTAMPTZ,
     "io.debezium.time.Time": TIME,
+    "org.apache.kafka.connect.data.Time": TIME,
     "io.debezium.time.MicroTime": TIME,
     "io.debezium.time.NanoTime": TIME,
     "io.debezium.data.Uuid": UUID,
     "io.debezium.data.Json": JSONB,
     "io.debezium.data.Enum": TEXT,
+    "io.debezium.data.Bits": BIT,
 }
+# (io.debezium.time.Year, int32, and io.debezium.data.EnumSet, a string of comma-separated
+# labels, are what their plain types say: an int and a string.)
 # Units of the integer temporal types, per second.
 _PER_SECOND = {"org.apache.kafka.connect.data.Timestamp": 1_000, "io.debezium.time.Timestamp": 1_000,
                "io.debezium.time.MicroTimestamp": 1_000_000,
                "io.debezium.time.NanoTimestamp": 1_000_000_000, "io.debezium.time.Time": 1_000,
+               "org.apache.kafka.connect.data.Time": 1_000,
                "io.debezium.time.MicroTime": 1_000_000, "io.debezium.time.NanoTime": 1_000_000_000}
 
 # Postgres type names for source.kafka.tables.<topic>.columns.
@@ -113,7 +132,7 @@ _NAMES = {"smallint": INT2, "int2": INT2, "integer": INT4, "int": INT4, "int4": 
           "decimal": NUMERIC, "date": DATE, "time": TIME, "timestamp": TIMESTAMP,
           "timestamp without time zone": TIMESTAMP, "timestamptz": TIMESTAMPTZ,
           "timestamp with time zone": TIMESTAMPTZ, "uuid": UUID, "json": JSON, "jsonb": JSONB,
-          "bytea": BYTEA}
+          "bytea": BYTEA, "bit varying": BIT, "varbit": BIT}
 _NUMERIC = re.compile(r"^(?:numeric|decimal)\s*\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)$")
 
 
@@ -125,6 +144,11 @@ def numeric_modifier(precision: int, scale: int) -> int:
 def type_from_name(name: str) -> FieldType:
     """A Postgres type name as written in the pipeline file (``bigint``, ``numeric(10,2)``)."""
     text = " ".join(name.lower().split())
+    if text.endswith("[]"):
+        element = type_from_name(text[:-2])
+        if element.oid not in ARRAY_OF:
+            raise ValueError(f"no array type of {text[:-2]!r}")
+        return FieldType(ARRAY_OF[element.oid], element.modifier)
     m = _NUMERIC.match(text)
     if m:
         return FieldType(NUMERIC, numeric_modifier(int(m.group(1)), int(m.group(2) or 0)))
@@ -147,15 +171,30 @@ def type_from_schema(field: Mapping[str, Any]) -> FieldType:
             precision = params.get("connect.decimal.precision")
             modifier = numeric_modifier(int(precision), scale) if precision else -1
             return FieldType(oid, modifier, logical, scale)
+        if logical == "io.debezium.data.Bits":
+            return FieldType(oid, -1, logical, length=int(params.get("length", -1)))
         return FieldType(oid, -1, logical)
     kind = field.get("type")
     if kind in ("struct", "map"):
         return FieldType(JSONB, -1, kind)
     if kind == "array":
-        return FieldType(JSONB, -1, "array")
+        element = _element_type(field.get("items"))
+        if element is None or element.oid not in ARRAY_OF:
+            return FieldType(JSONB, -1, "array")
+        return FieldType(ARRAY_OF[element.oid], element.modifier, "array", element=element)
     if kind not in _PRIMITIVES:
         raise BadRecord(f"the schema has a field of unknown type {kind!r}")
     return FieldType(_PRIMITIVES[kind])
+
+
+def _element_type(items: Any) -> Optional[FieldType]:
+    """An array's element type from its ``items`` schema; None for an array of structs, maps
+    or arrays (which stays JSON text), but for Debezium's variable-scale decimal struct."""
+    if not isinstance(items, dict):
+        return None
+    if items.get("type") in ("array", "map", "struct") and items.get("name") not in _LOGICAL:
+        return None
+    return type_from_schema(items)
 
 
 def infer_type(value: Any) -> FieldType:
@@ -263,13 +302,25 @@ def _unscaled(text: str) -> int:
     return int.from_bytes(raw, "big", signed=True)
 
 
+def _scaled(unscaled: int, scale: int) -> Decimal:
+    """unscaled * 10^-scale, exactly: built from its text, since arithmetic (``scaleb``)
+    rounds to the decimal context's 28 digits and a decimal(38, s) has up to 38."""
+    return Decimal(f"{unscaled}E{-scale}")
+
+
 def _decimal_text(value: Any, t: FieldType) -> str:
     if t.logical == "io.debezium.data.VariableScaleDecimal":
         if not isinstance(value, dict) or "value" not in value:
             raise BadRecord("a VariableScaleDecimal is not {scale, value}")
-        number = Decimal(_unscaled(value["value"])).scaleb(-int(value.get("scale", 0)))
+        scale = value.get("scale", 0)
+        if isinstance(scale, bool) or not isinstance(scale, int):
+            raise BadRecord(f"a VariableScaleDecimal whose scale is {scale!r}, not an "
+                            "integer: its value cannot be read")
+        if value["value"] is None:
+            raise BadRecord("a VariableScaleDecimal without its value")
+        number = _scaled(_unscaled(value["value"]), scale)
     elif isinstance(value, str) and t.logical == "org.apache.kafka.connect.data.Decimal":
-        number = Decimal(_unscaled(value)).scaleb(-t.scale)
+        number = _scaled(_unscaled(value), t.scale)
     elif isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:  # decimal.handling.mode string or double, decimal.format NUMERIC
             number = Decimal(value.text if isinstance(value, _Number) else str(value))
@@ -319,7 +370,9 @@ def _temporal(value: Any, t: FieldType) -> str:
             hours, minute = divmod(minutes, 60)
             return (f"{'-' if value < 0 else ''}{hours:02d}:{minute:02d}:{second:02d}."
                     f"{fraction:06d}")
-        return str(value)
+        if not isinstance(value, str):
+            raise BadRecord(f"{value!r:.60} is not a time")
+        return value
     except (ValueError, OverflowError) as exc:
         if isinstance(exc, BadRecord):
             raise
@@ -330,9 +383,55 @@ def _type_name(oid: int) -> str:
     return {v: k for k, v in _NAMES.items()}.get(oid, str(oid))
 
 
+def _bits_text(value: Any, t: FieldType) -> bytes:
+    """io.debezium.data.Bits (base64 of the bits, little-endian) as Postgres writes a bit
+    string: ``length`` digits, the first the highest bit. Where the bytes hold fewer bits
+    than ``length`` (bit varying: its longest), the string starts at the highest bit set."""
+    if not isinstance(value, str):
+        raise BadRecord(f"{value!r:.60} is not base64 bits")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRecord(f"{value[:40]!r} is not base64 bits") from None
+    number = int.from_bytes(raw, "little")
+    if 0 <= t.length <= 8 * len(raw):
+        width = t.length
+    else:
+        width = max(number.bit_length(), 1) if raw else 0
+    if number >> width:
+        raise BadRecord(f"{value[:40]!r} holds more than {width} bits")
+    return format(number, "b").rjust(width, "0").encode() if width else b""
+
+
+# An array element Postgres quotes in an array literal: empty, spelled NULL, or holding a
+# brace, quote, comma, backslash or white space.
+_QUOTE = re.compile(rb'[{}",\\\s]|^$|^null$', re.IGNORECASE)
+
+
+def _array_text(value: Any, t: FieldType) -> bytes:
+    """A JSON array as Postgres's array literal of its elements' text (``{1,NULL,"a b"}``),
+    which the apply stage makes a list of the element type."""
+    if not isinstance(value, list):
+        raise BadRecord(f"{value!r:.60} is not an array")
+    element = t.items
+    parts: list[bytes] = []
+    for item in value:
+        text = to_text(item, element)
+        if text is None:
+            parts.append(b"NULL")
+        elif not isinstance(text, bytes):
+            raise BadRecord("an array holds Debezium's unavailable-value placeholder among "
+                            "other elements")
+        elif _QUOTE.search(text):
+            parts.append(b'"' + text.replace(b"\\", b"\\\\").replace(b'"', b'\\"') + b'"')
+        else:
+            parts.append(text)
+    return b"{" + b",".join(parts) + b"}"
+
+
 # Column types whose JSON values are read by more than their text (see to_text).
 TYPED = frozenset({BOOL, INT2, INT4, INT8, FLOAT4, FLOAT8, NUMERIC, DATE, TIMESTAMP,
-                   TIMESTAMPTZ, TIME, BYTEA})
+                   TIMESTAMPTZ, TIME, BYTEA, BIT, *ELEMENT_OF})
 _INTEGERS = frozenset({INT2, INT4, INT8})
 # A decimal written as its own canonical text (decimal.handling.mode string): kept as it is.
 PLAIN_DECIMAL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?")
@@ -388,8 +487,16 @@ def to_text(value: Any, t: FieldType) -> Value:
         except (binascii.Error, ValueError):
             raise BadRecord(f"{value[:40]!r} is not base64 bytes") from None
         return b"\\x" + raw.hex().encode()
+    if oid == BIT:
+        return _bits_text(value, t)
+    if oid in ELEMENT_OF:
+        return _array_text(value, t)
     if isinstance(value, (dict, list)):
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+        try:
+            return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+        except RecursionError:
+            # (read a few frames up the stack: a value json.loads took may not go back out)
+            raise BadRecord("the value nests JSON too deeply to store") from None
     if isinstance(value, bool):
         return b"true" if value else b"false"
     return str(value).encode()
@@ -399,9 +506,17 @@ def as_column(t: FieldType, column: Column, own: FieldType) -> FieldType:
     """The type a record's field is read as in ``column`` (whose own type is ``own``): the
     field's type, except a string for a numeric column, which Debezium sends with
     ``decimal.handling.mode: string``: read as the column's numeric (exact, and checked
-    against its precision and scale like any other)."""
+    against its precision and scale like any other). A column made before walberg read a
+    type as it does now keeps taking it as it did then: an array as JSON text in a string
+    column, bits as bytes in a binary column, Connect's time as milliseconds in an int one."""
     if column.type_oid == NUMERIC and t.oid in (TEXT, VARCHAR) and t.logical is None:
         return own
+    if t.oid in ELEMENT_OF and column.type_oid == TEXT:
+        return FieldType(JSONB, -1, "array")
+    if t.oid == BIT and column.type_oid == BYTEA:
+        return FieldType(BYTEA)
+    if t.logical == "org.apache.kafka.connect.data.Time" and column.type_oid == INT4:
+        return FieldType(INT4)
     return t
 
 

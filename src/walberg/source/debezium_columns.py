@@ -22,9 +22,9 @@ left to the per-record path:
 - a timestamptz not written as Debezium writes it (UTC, ``Z``, at most six digits of
   fraction);
 - values the per-record path's ``to_text`` refuses, in columns it is called on a value at a
-  time (Connect's base64 decimals, bytea, real, times, nanosecond timestamps: types without
-  vectorised steps here);
-- tables with a variable-scale decimal column (a JSON object per value).
+  time (Connect's base64 decimals, bytea, real, times, bits, arrays, nanosecond timestamps:
+  types without vectorised steps here);
+- tables with a variable-scale decimal column, or an array of them (a JSON object per value).
 
 Each record is wrapped as ``{"r": <value>}`` on a line of its own, so that a value that is not
 one JSON value (two objects, or none) makes its line invalid rather than shifting the rows;
@@ -58,10 +58,10 @@ _DAYS = ((date.min - date(1970, 1, 1)).days, (date.max - date(1970, 1, 1)).days)
 _MICROS = (-62_135_596_800_000_000, 253_402_300_799_999_999)
 assert _MICROS[0] == (datetime.min - datetime(1970, 1, 1)).days * 86_400_000_000
 # Read in columns, then made text a value at a time: Connect's base64 decimals, bytea, real,
-# times and nanosecond timestamps.
+# times, bits and nanosecond timestamps (and arrays of any of the types read in columns).
 _BY_VALUE: dict[int, pa.DataType] = {NUMERIC: pa.string(), dbz.BYTEA: pa.string(),
                                      dbz.FLOAT4: pa.float64(), dbz.TIME: pa.int64(),
-                                     TIMESTAMP: pa.int64()}
+                                     TIMESTAMP: pa.int64(), dbz.BIT: pa.string()}
 _MILLIS = frozenset({"org.apache.kafka.connect.data.Timestamp", "io.debezium.time.Timestamp"})
 _MICROS_LOGICAL = "io.debezium.time.MicroTimestamp"
 _SCHEMA_HEAD, _PAYLOAD = b'{"schema":', b',"payload":'
@@ -79,6 +79,9 @@ def _read_as(t: dbz.FieldType) -> Optional[pa.DataType]:
         return pa.string()  # kept as the JSON string it is (text, uuid, json sent as text)
     if _vectorised(t):
         return _READS[t.oid]
+    if t.oid in dbz.ELEMENT_OF:  # an array: a list of its elements as they are read
+        element = _read_as(t.items)
+        return None if element is None else pa.list_(element)
     return None if t.logical == "io.debezium.data.VariableScaleDecimal" else _BY_VALUE.get(t.oid)
 
 
@@ -111,7 +114,7 @@ def is_envelope(parts: tuple[bytes, bytes]) -> bool:
     try:
         json.loads(parts[0])
         json.loads(parts[1])
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
