@@ -11,6 +11,7 @@ into a table's Spark commit, on a timer), ``staged`` (a staged file uploaded to 
 for a cluster's executors, the commit that reads it not yet made), ``committed`` (a batch
 committed to Iceberg, its segments not yet removed and the slot not yet told), ``lake-check``
 (a second into a restart's check of the lake, while the stream already fills segments),
+``reshaped`` (a table copied again took the source's columns, its copy not yet made),
 ``copy-files``, ``row-delta`` and ``indexed`` (see apply.copyfiles and apply.position.keyed),
 ``key-store`` (a key index's files sent to the warehouse, its manifest not yet; see
 apply.position.keystore).

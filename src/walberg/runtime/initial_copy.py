@@ -87,6 +87,8 @@ class InitialCopy:
                     # A table copied again may have other columns by now (a resync after a
                     # stop).
                     reshaped = self.tables.reshape(source, info)
+                    if reshaped:
+                        crash_point("reshaped")  # (its schema committed, its copy not yet)
                     if self._chunked(info):
                         # (a copy cut short under the old columns is not resumed under the new)
                         rows, point = self._copy_chunked(
