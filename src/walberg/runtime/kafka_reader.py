@@ -191,8 +191,7 @@ class KafkaReader:
         start = {tp: held.get(tp, kafka.BEGINNING) for tp in new}
         self.consumer.add(start)
         self._assigned.update(start)
-        log.info("partition(s) added while running: %s; reading them from %s",
-                 ", ".join(f"{t}[{p}]" for t, p in sorted(start)),
+        log.info("partition(s) added while running, read from: %s",
                  ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
                            for (t, p), o in sorted(start.items())))
 
