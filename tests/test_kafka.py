@@ -22,7 +22,15 @@ import pytest
 from prometheus_client import REGISTRY
 
 from conftest import CATALOG, run_once, run_once_within, running, walberg_cli, write_pipeline
-from kafka_broker import Producer, create_topic, envelope, kafka_broker, row_schema
+from kafka_broker import (
+    Producer,
+    StoredBroker,
+    create_topic,
+    envelope,
+    kafka_broker,
+    row_schema,
+    stored_broker,
+)
 from lake import hadoop_table, iceberg_rows
 from tcp_proxy import Proxy
 from walberg import faults
@@ -37,7 +45,7 @@ from walberg.lake.services import Lake
 from walberg.ops.check import check
 from walberg.ops.status import PartitionStatus, status
 
-__all__ = ["kafka_broker"]  # the session fixture, used by name
+__all__ = ["kafka_broker", "stored_broker"]  # the session fixtures, used by name
 
 
 def _raw(servers: str, warehouse: Path, tmp: Path, name: str, topics: list[str],
@@ -387,6 +395,84 @@ def test_a_topic_written_in_transactions_is_read_to_its_end_and_once_ends(
                                                {"id": 3, "v": "v3"}]
     again = run_once_within(120, _config(raw, tmp_path), spark, KafkaPipeline)
     assert (again.records, again.batches) == (0, 0)
+
+
+def test_a_transactions_marker_deleted_by_retention_is_no_record_lost(
+        stored_broker: StoredBroker, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Debezium with exactly-once delivery: each transaction ends in a commit marker that
+    takes an offset. The lake's offset stopped at the marker (the offset after the last
+    record), so once retention deleted the first transaction, marker included, the next start
+    found the lake's offset below the partition's first one and stopped: "retention deleted
+    1 record(s)", which was a marker. The lake's offsets now pass the markers.
+    (Streaming first: this broker's stored topics report a partition's end as that of its
+    first batch, which would end a --once run early.)"""
+    servers = stored_broker.servers
+    topic = f"srv.public.{unique}"
+    create_topic(servers, topic)
+    p = Producer(servers, transactional_id=f"tx_{unique}")
+    with p.transaction():  # offsets 0-2, its commit marker 3
+        for i in (1, 2, 3):
+            p.send(topic, {"id": i}, envelope("c", None, {"id": i, "v": f"v{i}"}))
+    raw = _raw(servers, warehouse, tmp_path, unique, [topic])
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    version = warehouse / f"ns_{unique}" / unique / "metadata" / "version-hint.text"
+    with running(KafkaPipeline(_config(raw, tmp_path), session=spark)) as failures:
+        deadline = time.monotonic() + 120
+        while not version.exists() or len(iceberg_rows(warehouse, target)) < 3:
+            assert time.monotonic() < deadline and not failures, failures
+            time.sleep(0.5)
+    assert not failures, failures
+    with p.transaction():  # offset 4, its commit marker 5
+        p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "v": "v4"}))
+    stored_broker.delete_before(topic, 0, 4)
+    report = run_once_within(120, _config(raw, tmp_path), spark, KafkaPipeline)
+    assert report.records == 1
+    assert [r["id"] for r in iceberg_rows(warehouse, target)] == [1, 2, 3, 4]
+
+
+def test_partitions_added_while_running_are_read_from_their_first_offset_once(
+        stored_broker: StoredBroker, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Partitions added to a topic while walberg streams it are read from their first offset,
+    each record once (an append table: a row per event), without a restart. (Tansu 0.6 has
+    no CreatePartitions: the partitions are added where it keeps the topic, and its metadata
+    says so to every client, as Kafka's does after kafka-topics --alter.)"""
+    servers = stored_broker.servers
+    topic = f"srv.public.{unique}"
+    create_topic(servers, topic)
+    Producer(servers).send(topic, {"id": 1}, envelope("c", None, {"id": 1, "v": "a"}))
+    raw = _raw(servers, warehouse, tmp_path, unique, [topic])
+    raw["sink"]["mode"] = "append"
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+
+    def rows() -> list[tuple[int, str]]:
+        if not (warehouse / f"ns_{unique}" / unique / "metadata" / "version-hint.text").exists():
+            return []
+        return sorted((r["id"], r["v"]) for r in iceberg_rows(warehouse, target))
+
+    pipeline = KafkaPipeline(_config(raw, tmp_path), session=spark)
+    with running(pipeline) as failures:
+        deadline = time.monotonic() + 120
+        while rows() != [(1, "a")]:
+            assert time.monotonic() < deadline and not failures, failures
+            time.sleep(0.5)
+        stored_broker.add_partitions(topic, 3)
+        p = Producer(servers)  # (one that learns the partitions now)
+        p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "v": "b"}), partition=1)
+        p.send(topic, {"id": 3}, envelope("c", None, {"id": 3, "v": "c"}), partition=2)
+        p.send(topic, {"id": 4}, envelope("c", None, {"id": 4, "v": "d"}), partition=2)
+        p.send(topic, {"id": 5}, envelope("c", None, {"id": 5, "v": "e"}), partition=0)
+        while len(rows()) < 5:
+            assert time.monotonic() < deadline and not failures, (rows(), failures)
+            time.sleep(0.5)
+    assert not failures, failures
+    assert rows() == [(1, "a"), (2, "b"), (3, "c"), (4, "d"), (5, "e")]
+    offsets = {}
+    for r in spark.sql(f"SELECT summary FROM {target}.snapshots").collect():
+        offsets.update({k: v for k, v in r["summary"].items() if k.startswith("walberg.offset")})
+    assert {k.rpartition(".")[2]: int(v) for k, v in offsets.items()} == \
+        {"0": 2, "1": 1, "2": 2}
 
 
 def test_a_topic_made_again_behind_the_lakes_offsets_stops_the_run_with_the_way_out(

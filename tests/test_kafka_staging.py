@@ -15,10 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from walberg.apply.types import TypeMap
+from walberg.buffer.kinds import FrameKind, UnknownFrameKind
 from walberg.buffer.store import SegmentStore
 from walberg.config import parse_config
+from walberg.errors import Terminal
 from walberg.runtime.applier import Batch
-from walberg.runtime.kafka_stager import FRAME_KAFKA, FRAME_KAFKA_RUN, KafkaReport, KafkaStager
+from walberg.runtime.kafka_frames import FRAME_KAFKA, FRAME_KAFKA_PAST, FRAME_KAFKA_RUN
+from walberg.runtime.kafka_stager import KafkaReport, KafkaStager
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 
@@ -214,3 +217,51 @@ def test_a_first_batch_with_no_room_for_the_next_segment_goes_without_the_catch_
     (batch,) = got
     assert batch is not None and len(batch.segments) == fit
     assert batch.segments == store.sealed()[:fit]
+
+
+def test_offsets_found_to_hold_no_record_move_the_batchs_offsets_past_them(
+        tmp_path: Path) -> None:
+    """A transaction's commit marker takes an offset and is never a record: where the reader
+    found a partition's end past its last record, the batch's offsets (what its commits
+    record) go there, so a later gap at the marker is not taken for records lost."""
+    stager, store = _stager(tmp_path, RunState())
+    records = [r for r in _records(random.Random(5)) if r[0] == BARE][:3]
+    for last, frame in kafka.runs([kafka.Record(t, 0, o, 0, k, v)
+                                   for o, (t, k, v) in enumerate(records)]):
+        store.append(last, FRAME_KAFKA_RUN, frame)
+    store.append(4, FRAME_KAFKA_PAST, kafka.encode_past({(BARE, 0): 4, (WRAPPED, 1): 7}))
+    store.seal()
+    batch = stager.prepare_next(None)
+    assert batch is not None and batch.offsets == {(BARE, 0): 4, (WRAPPED, 1): 7}
+
+
+def test_a_segment_with_a_frame_of_an_unknown_kind_is_refused_with_the_way_out(
+        tmp_path: Path) -> None:
+    """A newer walberg may write frames of a kind this one does not know (as kind 3, runs of
+    records, was new once, and the walberg before it skipped them: their records never
+    reached the lake, without a word). Such a segment is refused, when read and at start,
+    naming the file, the kind and what to do; and so is a kind of another pipeline's."""
+    stager, store = _stager(tmp_path, RunState())
+    _write(store, [r for r in _records(random.Random(5)) if r[0] == BARE][:3])
+    store.append(9, 200, b"a frame of a walberg to come")
+    store.seal()
+    newer = store.sealed()[-1].path
+    with pytest.raises(UnknownFrameKind) as read:
+        while (batch := stager.prepare_next(None)) is not None:
+            store.remove(batch.segments)
+    store.close()
+    with pytest.raises(UnknownFrameKind) as start, SegmentStore(newer.parent, 300_000) as again:
+        again.recover()
+    for refused in (read.value, start.value):
+        said = str(refused)
+        assert str(newer) in said and "kind 200" in said, said
+        assert "Run the walberg version that wrote it" in said
+        assert "delete this file and every segment file" in said
+    newer.unlink()
+
+    # A pgoutput frame (a Postgres pipeline's) in a Kafka pipeline's buffer.dir
+    stager, store = _stager(tmp_path, RunState())
+    store.append(1, int(FrameKind.PGOUTPUT), b"B...")
+    store.seal()
+    with pytest.raises(Terminal, match="kind 0 .PGOUTPUT., which a Kafka pipeline never"):
+        stager.prepare_next(None)

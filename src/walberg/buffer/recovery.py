@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from walberg.buffer.files import Mapped
+from walberg.buffer.kinds import KNOWN, refuse_unknown
 from walberg.buffer.segment import KIND_PREAMBLE_END, MAGIC, FrameCorrupt, Scanner, check_magic
 from walberg.errors import SegmentCorrupt, Terminal
 from walberg.model import Lsn
@@ -94,7 +95,9 @@ def list_directory(directory: Path) -> tuple[dict[int, Path], dict[int, Path], l
 
 def validate(path: Path, *, sealed: bool) -> Stats:
     """Read a segment file through: its frames counted, a torn tail (an active file's only)
-    measured. Raises SegmentCorrupt naming the file, the offset and what to do; OSError."""
+    measured. Raises SegmentCorrupt naming the file, the offset and what to do;
+    UnknownFrameKind for a frame a newer walberg wrote (at start, before anything is read);
+    OSError."""
     stats = Stats()
     try:
         with Mapped(path) as data:
@@ -106,6 +109,8 @@ def validate(path: Path, *, sealed: bool) -> Stats:
             check_magic(data)
             scanner = Scanner(data, sealed=sealed)
             for lsn, kind, _ in scanner:
+                if kind not in KNOWN:
+                    raise refuse_unknown(path, kind, scanner.valid_end)
                 stats.add(lsn, kind)
             if scanner.torn:
                 stats.dropped = len(data) - scanner.valid_end

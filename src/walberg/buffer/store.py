@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import NoReturn, Optional
 
 from walberg.buffer.files import LOCK_NAME, Mapped, os_reason, read_pid, write_all
+from walberg.buffer.kinds import KNOWN, refuse_unknown
 from walberg.buffer.recovery import (
     TEMP_SUFFIX,
     RecoveryReport,
@@ -387,7 +388,8 @@ class SegmentStore:
         """The frames of a sealed segment, preamble first, checking every CRC.
 
         Streams from a memory map, so a large segment is never in memory at once. Raises
-        ``SegmentCorrupt`` naming the file, the offset and what to do.
+        ``SegmentCorrupt`` naming the file, the offset and what to do, and
+        ``UnknownFrameKind`` for a frame of a kind this walberg does not know.
         """
         try:
             with Mapped(info.path) as data:
@@ -398,6 +400,8 @@ class SegmentStore:
                 release = getattr(data, "madvise", None) if hasattr(mmap, "MADV_DONTNEED") else None
                 released = 0
                 for n, frame in enumerate(scanner, 1):
+                    if frame[1] not in KNOWN:
+                        raise refuse_unknown(info.path, frame[1], scanner.valid_end)
                     if frame[1] != KIND_PREAMBLE_END:
                         yield frame
                     if release is not None and n % 65536 == 0:

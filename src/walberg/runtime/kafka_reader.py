@@ -11,15 +11,19 @@ from typing import Callable, Optional
 from walberg import metrics
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
-from walberg.errors import Terminal, Transient
+from walberg.errors import SourceError, Terminal, Transient
 from walberg.runtime.applier import Partition
-from walberg.runtime.kafka_stager import FRAME_KAFKA_RUN
+from walberg.runtime.kafka_frames import FRAME_KAFKA_PAST, FRAME_KAFKA_RUN
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 
 log = logging.getLogger("walberg")
 
 _TELL_GROUP_SECONDS = 5.0  # how often the lake's offsets are committed to the consumer group
+_LOOK_SECONDS = 5.0  # how often a streaming run asks for partitions added to its topics
+# How long past buffer.max_interval_seconds a segment waits at most for the ends of the
+# partitions it read (see _awaiting_end); librdkafka's fetch waits 0.5 s at most.
+_END_WAIT_SECONDS = 1.0
 
 
 class KafkaReader:
@@ -34,6 +38,11 @@ class KafkaReader:
         self.state = state
         self.consumer = consumer
         self._read: dict[Partition, int] = {}  # next offset read from the broker
+        self._assigned: dict[Partition, int] = {}  # the partitions read, and where they began
+        self._looked_at = time.monotonic()
+        # Per partition, the offset up to which the segments say no record lies (see _passed)
+        self._past: dict[Partition, int] = {}
+        self._open: dict[Partition, int] = {}  # ... and the next offset read into the active one
         self._told: dict[Partition, int] = {}  # the offsets last committed to the group
         self._told_at = 0.0
         self._source = config.source_name or "kafka"  # the gauges' label
@@ -58,6 +67,7 @@ class KafkaReader:
         if behind:
             state.catching_up.set()
         consumer.assign(start)
+        self._assigned = dict(start)
         log.info("reading %s from the lake's offsets: %s", ", ".join(self.topics),
                  ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
                            for (t, p), o in sorted(start.items())) or "-")
@@ -89,14 +99,24 @@ class KafkaReader:
                     continue
                 records = consumer.poll(min(interval, 0.5), limit)
                 for last, frame in kafka.runs(records, run_bytes):
-                    store.append(last, FRAME_KAFKA_RUN, frame)
                     if store.should_seal():
                         self.seal()
+                    store.append(last, FRAME_KAFKA_RUN, frame)
                 # (a partition's offsets grow: its last record is its furthest)
-                self._read.update({(r.topic, r.partition): r.offset + 1 for r in records})
-                if store.active_age_seconds() >= interval:
+                read = {(r.topic, r.partition): r.offset + 1 for r in records}
+                self._read.update(read)
+                self._open.update(read)
+                past = self._passed()
+                if past:
+                    # (in the segment of the records before them: their batch's commits carry
+                    # the offsets past the markers)
+                    store.append(max(past.values()), FRAME_KAFKA_PAST, kafka.encode_past(past))
+                if store.should_seal() or (store.active_age_seconds() >= interval
+                                           and not self._awaiting_end(interval)):
                     self.seal()
                 self._tell_group()
+                if not once:
+                    self._look_for_partitions()
             self.seal()
         finally:
             state.catching_up.clear()
@@ -124,6 +144,56 @@ class KafkaReader:
             if self.state.stop.wait(delay):
                 return None
             delay = min(delay * 2, 30.0)
+
+    def _passed(self) -> dict[Partition, int]:
+        """The partitions whose end the consumer reached past the offset after the last record
+        read, and that end: the offsets between hold no record (a transaction's commit marker
+        takes one, aborted records are not read), so the lake's offsets may pass them. Else a
+        topic written in transactions (Debezium's exactly-once delivery) leaves the lake's
+        offset at its last marker, and once retention deleted the marker the next start took
+        the gap for records lost."""
+        past: dict[Partition, int] = {}
+        for tp, end in self.consumer.reached.items():
+            at = self._read.get(tp, self._assigned.get(tp, 0))
+            if end > max(at, 0) and end > self._past.get(tp, 0):
+                past[tp] = end
+        self._past.update(past)
+        return past
+
+    def _awaiting_end(self, interval: float) -> bool:
+        """Whether the active segment waits a moment for the end of a partition it read: the
+        offsets after a transaction's last record (its commit marker) are known once the
+        consumer reaches the partition's end, a fetch later. In the segment of the records,
+        they ride in the same commits; in a segment of their own they would make no commit,
+        and the lake's offset would stay at the marker. At most ``_END_WAIT_SECONDS`` past
+        ``interval``: a partition read without pause never reaches its end."""
+        if self.store.active_age_seconds() >= interval + _END_WAIT_SECONDS:
+            return False
+        reached = self.consumer.reached
+        return any(reached.get(tp, -1) < at for tp, at in self._open.items())
+
+    def _look_for_partitions(self) -> None:
+        """Partitions added to the topics while walberg runs (kafka-topics --alter
+        --partitions), a few seconds apart: read from their first offset (or from the lake's,
+        should it hold some), as a start would. The broker asked in vain is asked again later
+        (the consumer says why it reads nothing)."""
+        if time.monotonic() - self._looked_at < _LOOK_SECONDS:
+            return
+        self._looked_at = time.monotonic()
+        try:
+            found = self.consumer.partitions(self.topics, 2.0)
+        except (Transient, SourceError):
+            return
+        new = [tp for tp in found if tp not in self._assigned]
+        if not new:
+            return
+        held = self.state.applied_offsets()
+        start = {tp: held.get(tp, kafka.BEGINNING) for tp in new}
+        self.consumer.add(start)
+        self._assigned.update(start)
+        log.info("partition(s) added while running, read from: %s",
+                 ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
+                           for (t, p), o in sorted(start.items())))
 
     def _tell_group(self, wait: bool = False) -> None:
         """Commit what the lake holds to the consumer group, at most every few seconds, so the
@@ -184,6 +254,7 @@ class KafkaReader:
         self.state.catching_up.clear()
 
     def seal(self) -> None:
+        self._open.clear()
         if self.store.seal() is not None:
             metrics.SEGMENTS_SEALED.inc()
             self.state.wake.set()

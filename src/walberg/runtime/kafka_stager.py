@@ -31,6 +31,7 @@ from walberg.faults import failure_point
 from walberg.lakeside import commit_with_retries
 from walberg.model import Column, Layout, Lsn
 from walberg.runtime.applier import Batch, Partition, grow_batch
+from walberg.runtime.kafka_frames import read_segment
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
 from walberg.source import kafka
@@ -38,8 +39,6 @@ from walberg.source.debezium_columns import Columns, Decoded, is_envelope, split
 
 log = logging.getLogger("walberg")
 
-FRAME_KAFKA = 2  # one consumed Kafka record (source.kafka.encode; written before run frames)
-FRAME_KAFKA_RUN = 3  # a run of consumed Kafka records (source.kafka.encode_run)
 _RUN = 50_000  # records decoded in columns at once, at most
 # A topic's table's key columns (a JSON list), for a run whose first record names none: a
 # Debezium truncate has no message key.
@@ -250,19 +249,12 @@ class KafkaStager:
         try:
             for info in segments:  # (grows while read)
                 read.append(info)
-                records: list[kafka.Record] = []
-                for _, kind, payload in self.store.read(info):
-                    if kind == FRAME_KAFKA_RUN:
-                        run = kafka.decode_run(payload)
-                    elif kind == FRAME_KAFKA:  # (one record: segments an earlier walberg wrote)
-                        run = [kafka.decode(payload)]
-                    else:
-                        continue
-                    records += [r for r in run
-                                if r.offset >= below.get((r.topic, r.partition), 0)]
+                records, past = read_segment(self.store, info, below)
                 if self._stage_records(into, records):
                     cut = True  # the record that adds columns starts the next batch
                     break
+                for tp, o in past.items():  # (offsets without records: the lake may pass them)
+                    into.upto[tp] = max(into.upto.get(tp, 0), o)
                 if info is segments[-1]:
                     more, waited_now = self._grow(read, committed)
                     segments += more

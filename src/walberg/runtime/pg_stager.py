@@ -16,6 +16,7 @@ from walberg import metrics
 from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, seq_filter
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.types import UnsupportedType
+from walberg.buffer.kinds import FrameKind
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.errors import DecodeError
@@ -30,8 +31,8 @@ from walberg.source.pgoutput import Decoder, Tag
 
 log = logging.getLogger("walberg")
 
-FRAME_PGOUTPUT = 0  # a pgoutput message as the server sent it
-FRAME_PREAMBLE = 1  # a Relation message repeated at the start of a segment (self-contained files)
+FRAME_PGOUTPUT = int(FrameKind.PGOUTPUT)  # a pgoutput message as the server sent it
+FRAME_PREAMBLE = int(FrameKind.PREAMBLE)  # a Relation message repeated at a segment's start
 
 _oid = struct.Struct(">I").unpack_from  # a change's relation, at offset 1
 

@@ -146,6 +146,35 @@ def decode_run(payload: bytes) -> list[Record]:
         topics, partition.tolist(), offset.tolist(), ts.tolist(), keys, values, strict=True)]
 
 
+# Offsets that hold no record (``encode_past``): the count, then per partition the topic's
+# length and name (UTF-8), the partition and the offset up to which none is a record.
+_PAST = struct.Struct(">iq")
+
+
+def encode_past(past: Mapping[tuple[str, int], int]) -> bytes:
+    """Where the consumer reached partitions' ends past offsets that hold no record (a
+    transaction's commit marker takes an offset, aborted records are not read): the lake's
+    offsets may move there, so a gap the markers leave is never taken for records lost."""
+    parts = [struct.pack(">I", len(past))]
+    for (topic, partition), offset in sorted(past.items()):
+        name = topic.encode()
+        parts += [_NAME.pack(len(name)), name, _PAST.pack(partition, offset)]
+    return b"".join(parts)
+
+
+def decode_past(payload: bytes) -> dict[tuple[str, int], int]:
+    """The inverse of ``encode_past``."""
+    (n,) = struct.unpack_from(">I", payload, 0)
+    at, out = 4, {}
+    for _ in range(n):
+        (size,) = _NAME.unpack_from(payload, at)
+        topic = payload[at + 2:at + 2 + size].decode()
+        partition, offset = _PAST.unpack_from(payload, at + 2 + size)
+        out[(topic, partition)] = offset
+        at += 2 + size + _PAST.size
+    return out
+
+
 def _module() -> Any:
     try:
         import confluent_kafka
@@ -219,6 +248,11 @@ class Consumer:
     def assign(self, start: Mapping[tuple[str, int], int]) -> None:
         """Read these partitions from these offsets (``BEGINNING``: the earliest there is)."""
         self._consumer.assign([self._ck.TopicPartition(t, p, o) for (t, p), o in start.items()])
+
+    def add(self, start: Mapping[tuple[str, int], int]) -> None:
+        """Read these partitions too (added to a topic while running), from these offsets."""
+        self._consumer.incremental_assign(
+            [self._ck.TopicPartition(t, p, o) for (t, p), o in start.items()])
 
     def poll(self, timeout: float, limit: int = POLL_LIMIT) -> list[Record]:
         """Up to ``limit`` records, within ``timeout`` seconds: librdkafka returns as soon as
