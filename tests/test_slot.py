@@ -17,8 +17,9 @@ import pytest
 from conftest import make_config, run_once, running, walberg_cli, write_pipeline
 from lake import iceberg_rows, postgres_rows
 from walberg.buffer.store import SegmentStore
-from walberg.errors import WalbergError
+from walberg.errors import SourceError, WalbergError
 from walberg.lake.services import Lake
+from walberg.ops import slot as slot_commands
 from walberg.ops.resync import describe, plan, resync
 from walberg.ops.status import status
 from walberg.pipeline import Pipeline
@@ -164,7 +165,7 @@ def test_a_slot_dropped_while_streaming_stops_walberg_with_the_way_out(
 
 
 def test_slot_commands(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path,
-                       tmp_path: Path, unique: str) -> None:
+                       tmp_path: Path, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
@@ -191,6 +192,12 @@ def test_slot_commands(pg_conn: Any, postgres: Any, spark: Any, warehouse: Path,
     done = walberg_cli("slot", "create", "-c", str(path))
     assert done.returncode == 2 and "walberg resync" in done.stderr, done.stderr
     assert f"the lake holds 1 of this source's tables already ({table} up to LSN" in done.stderr
+    assert _wal_status(pg_conn, slot) is None
+    # A catalog read only through Spark (hive, glue, nessie) is read through Spark, as a run
+    # reads it, and refused the same way (shown on this hadoop catalog, through its Spark path).
+    monkeypatch.setattr(slot_commands, "READ_THROUGH_SPARK", ("hadoop",))
+    with pytest.raises(SourceError, match="the lake holds 1 of this source's tables"):
+        slot_commands.create_slot(config, session=spark)
     assert _wal_status(pg_conn, slot) is None
 
 

@@ -3,12 +3,15 @@ the WAL it holds; the next run creates it anew and copies every table."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from walberg.config import Config
 from walberg.errors import ConfigError, SourceError
 from walberg.source import postgres as pg
 from walberg.source.stream import CreatedSlot, ReplicationStream
+
+if TYPE_CHECKING:
+    from walberg.lake.services import LakeSource
 
 
 def slot_source(config: Config, source: Optional[str], origin: str) -> Config:
@@ -37,7 +40,11 @@ def drop_slot(config: Config) -> bool:
         conn.close()
 
 
-def create_slot(config: Config) -> Optional[CreatedSlot]:
+# Catalogs walberg reads only through Spark (no Python client for them here).
+READ_THROUGH_SPARK = ("hive", "glue", "nessie")
+
+
+def create_slot(config: Config, session: Any = None) -> Optional[CreatedSlot]:
     """Create the source's replication slot; None if it exists already. Refused while the
     lake holds any of the source's tables: a slot made now streams only what commits from
     now on, and a run could not tell it from the slot those tables were read from, so the
@@ -49,7 +56,8 @@ def create_slot(config: Config) -> Optional[CreatedSlot]:
             return None
     finally:
         conn.close()
-    held = _held(config)
+    held = (_held_through_spark(config, session)
+            if config.sink.catalog.type in READ_THROUGH_SPARK else _held(config))
     if held:
         first, lsn = next(iter(held.items()))
         raise SourceError(
@@ -66,16 +74,44 @@ def create_slot(config: Config) -> Optional[CreatedSlot]:
         stream.close()
 
 
-def _held(config: Config) -> dict[str, str]:
-    """The source's tables that walberg has committed to in the lake, with the LSN they hold,
-    read from the tables' metadata as `walberg status` reads it (no Spark; a catalog read only
-    through Spark, hive or glue, is not asked). Metadata that cannot be read is an error: the
-    table may hold rows."""
+def _source(config: Config) -> "LakeSource":
     from walberg.lake.services import LakeSource
 
     # (named as in the pipeline file: a table shared by several sources marks each one's LSN)
-    source = LakeSource(config.source_name, config, "postgres",
-                        {t: config.target_for(t) for t in config.postgres.tables}, {})
+    return LakeSource(config.source_name, config, "postgres",
+                      {t: config.target_for(t) for t in config.postgres.tables}, {})
+
+
+def _held_through_spark(config: Config, session: Any = None) -> dict[str, str]:
+    """``_held`` for a catalog walberg reads only through Spark (hive, glue, nessie): the
+    tables' marks as a run reads them, in a Spark session (``session``, or one started for
+    this and stopped after)."""
+    from walberg.lake.services import Lake
+
+    source = _source(config)
+    held = {}
+    with Lake(config, session=session) as lake:
+        sink = lake.sink(source)
+        for t, target in source.targets.items():
+            try:
+                lsn = sink.committed_lsn(target) if sink.table_exists(target) else None
+            except Exception as exc:  # (the catalog's or the storage's own error)
+                raise SourceError(
+                    f"{target} could not be read through the {config.sink.catalog.type} catalog "
+                    f"({' '.join(str(exc).split())[:300]}), so walberg cannot tell whether the "
+                    f"lake holds {t}; creating the slot by hand is refused until it can."
+                ) from exc
+            if lsn is not None:
+                held[t] = str(lsn)
+    return held
+
+
+def _held(config: Config) -> dict[str, str]:
+    """The source's tables that walberg has committed to in the lake, with the LSN they hold,
+    read from the tables' metadata as `walberg status` reads it (no Spark; a catalog read only
+    through Spark is read by ``_held_through_spark``). Metadata that cannot be read is an
+    error: the table may hold rows."""
+    source = _source(config)
     held = {}
     for t, target in source.targets.items():
         try:
