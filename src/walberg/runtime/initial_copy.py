@@ -347,7 +347,9 @@ class InitialCopy:
         target = self.tables.targets[info.qualified_name]
         started = time.monotonic()
         copied = chunks.covered(resume.done)
-        pieces = chunks.cut(copied, extent[0], extent[1], parallel, "key")
+        # (cut for parallel readers; the cut leaves out spans now wholly outside the table's
+        # keys, and if that is all of them the reads still need a query each)
+        pieces = chunks.cut(copied, extent[0], extent[1], parallel, "key") or copied
         kept = self._read(info, [chunks.kept_keys_query(info, s, key, resume.xmin)
                                  for s in pieces], init)
         self.sink.drop_changed(target, key, [(s.lo, s.hi) for s in copied], kept)
