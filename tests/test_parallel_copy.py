@@ -15,12 +15,28 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import as_file, make_config, run_once, walberg_cli, write_pipeline, writing
-from lake import iceberg_rows, postgres_rows
+from lake import hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply.session import java_table
 from walberg.config import Config, parse_config
-from walberg.source.chunks import Span, jdbc_target, plan_chunks, remaining, session_init
+from walberg.lake.maintain import maintain
+from walberg.lake.services import Lake
+from walberg.source.chunks import (
+    Span,
+    covered,
+    jdbc_target,
+    plan_chunks,
+    remaining,
+    session_init,
+)
 
 COPY_MARK = "walberg.copy.span"
+BIG = "(SELECT string_agg(md5(g::text || {seed}), '') FROM generate_series(1, 400) g)"
+# (old key, new key), in order, of rows whose TOASTed note stays as it was while their key
+# changes, in a copy cut short after keys 1..3000: from keys not yet copied and from copied
+# ones, to keys beyond both, to keys not yet copied, to copied keys (freed before) and below
+# every key.
+TOAST_MOVES = ((5000, 8600), (500, 5000), (6100, 8700), (6000, 6100), (1500, 8800),
+               (7000, 1500), (7100, -20), (600, -30))
 
 
 def _covers(spans: list[Span], point: int) -> int:
@@ -36,6 +52,7 @@ def test_chunks_cover_every_key_not_yet_copied_exactly_once(
     pieces = [p for chunk in plan for p in chunk.parts]
     for point in range(-200, 200):
         copied = _covers(done, point) > 0
+        assert _covers(covered(done), point) == copied, point  # merged, as a resume reads it
         # Every key is read by exactly one reader, unless an earlier chunk holds it already.
         assert _covers(pieces, point) == (0 if copied else 1), point
         assert _covers([c.span for c in plan], point) == (0 if copied else 1), point
@@ -122,15 +139,22 @@ def _eight_chunks(pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path,
     return table, config, write_pipeline(config, tmp_path / "pipeline.yaml")
 
 
-@pytest.mark.parametrize("expired", [False, True], ids=["resumed", "first-chunk-expired"])
+@pytest.mark.parametrize("expired", ["", "first-chunk", "resumed"],
+                         ids=["resumed", "first-chunk-expired", "expired-after-resume"])
 def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committed(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
-        unique: str, expired: bool) -> None:
+        unique: str, expired: str) -> None:
     """``expired``: a maintenance expired the first chunk's snapshot before the next run. Its
     spans are then unknown: the copy starts anew (resumed with the chunks still in the
-    history, it appended the expired chunks' rows a second time)."""
+    history, it appended the expired chunks' rows a second time). Or (``resumed``) it
+    expired every snapshot of the copy after the resume, before the stream applied a change
+    (the catch-up mark an older walberg kept in them was lost, and the stream appended the
+    inserts of the interruption a second time)."""
     table, config, path = _eight_chunks(pg_conn, postgres, warehouse, tmp_path, unique)
     target = config.target_for(table)
+    with pg_conn.cursor() as cur:
+        for old, _ in TOAST_MOVES:
+            cur.execute(f"UPDATE {table} SET note = {BIG.format(seed=old)} WHERE id = {old}")
 
     # kill -9 right after the third chunk's commit.
     env = dict(os.environ, WALBERG_CRASH_AT="chunk:3", PYTHONUNBUFFERED="1")
@@ -138,6 +162,24 @@ def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committ
                            "--once"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert len(_copy_marks(spark, target)) == 3
+    if expired == "resumed":
+        with pg_conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {table} SELECT g, 2, 'late' "
+                        "FROM generate_series(8001, 8500) g")
+            cur.execute(f"INSERT INTO {table} VALUES (-5, 3, 'below')")
+        killed = walberg_cli("-q", "run", "-c", str(path), "--once",
+                             env=dict(os.environ, WALBERG_CRASH_AT="copied",
+                                      PYTHONUNBUFFERED="1"))
+        assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+        raw = as_file(config)
+        raw["maintenance"] = {"snapshot_retention": "0s", "retain_last": 1}
+        with Lake(parse_config(raw, tmp_path, "test config"), session=spark) as lake:
+            maintain(lake)
+        assert not any(COPY_MARK in s.summary.additional_properties
+                       for s in hadoop_table(warehouse, target).snapshots())
+        run_once(config, spark)
+        assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+        return
     if expired:
         first = spark.sql(f"SELECT snapshot_id FROM {target}.snapshots "
                           "ORDER BY committed_at LIMIT 1").collect()[0][0]
@@ -153,6 +195,11 @@ def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committ
 
     # Meanwhile the source changes, in copied and in not yet copied ranges, and beyond both.
     with pg_conn.cursor() as cur:
+        # Keys of rows with a TOASTed value move, the value left unsent: from a copied range
+        # to a range not yet copied, within the ranges not yet copied, from there into a
+        # copied range, and beyond both.
+        for old, new in TOAST_MOVES:
+            cur.execute(f"UPDATE {table} SET id = {new} WHERE id = {old}")
         cur.execute(f"UPDATE {table} SET v = 1 WHERE id % 10 = 0")  # both sides
         cur.execute(f"INSERT INTO {table} SELECT g, 2, 'late' FROM generate_series(8001, 8500) g")
         cur.execute(f"DELETE FROM {table} WHERE id % 7 = 0")
@@ -165,8 +212,14 @@ def test_an_interrupted_parallel_copy_resumes_with_the_chunks_it_had_not_committ
     spans = [Span.decode(m[COPY_MARK]) for m in marks]
     for point in (-5, 1, 2500, 7999, 8400, 99999):
         assert _covers(spans, point) == 1  # each key range was copied once, none twice
-    assert "walberg.copy.catchup" in marks[-1]
+    # The spans committed before were brought to the resume's snapshot: no catch-up to pass.
+    assert "walberg.copy.catchup" not in marks[-1]
     assert len({m["walberg.copy.point"] for m in marks}) == 1
+    lake = iceberg_rows(warehouse, target)
+    moved = {new for _, new in TOAST_MOVES}
+    assert [(r["id"], len(r["note"] or "")) for r in lake if r["id"] in moved] == \
+        [(new, 12800) for new in sorted(moved)]
+    assert lake == postgres_rows(pg_conn, table)
 
     # The stream replays from the copy's start: more changes after the resume land too.
     with pg_conn.cursor() as cur:

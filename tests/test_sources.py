@@ -5,6 +5,7 @@ the commands that act on a pipeline (maintain, resync, slot) going through every
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -405,5 +406,83 @@ def test_fan_in_copies_keep_each_sources_dead_letters(
         east = next(s for s in lake.sources if s.name == "east")
         resync(lake, [(east, [f"public.{unique}"])])
     assert dead() == both
+    for conn in conns.values():
+        conn.close()
+
+
+# Per source: keys deleted, then keys moved (old, new) of rows with a TOASTed text, while the
+# copies are cut short after keys 1-2000: copied to beyond, copied to not copied (a key freed
+# before), not copied to below. The sources differ: a resume that touched the other source's
+# rows would show.
+MOVES = {"east": ((7, 2500, 3300), ((3, 5000), (15, 2500), (3499, -1))),
+         "west": ((8, 2600, 3400), ((5, 5001), (17, 2600), (3501, -1)))}
+
+
+def test_fan_in_chunked_copies_cut_short_together_resume_each_from_its_own_marks(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Both sources copy by jdbc in chunks into the shared table and are killed together, each
+    after two chunks of four; meanwhile both change (keys of rows with a TOASTed text moved
+    across the copied ranges too, the text left as it was).
+    Each resumes from its own chunks (not the other's) and the table ends as the union of the
+    sources, nothing twice."""
+    names = ("east", "west")
+    dsns, conns = _databases(pg_conn, postgres, unique, names, {n: [unique] for n in names})
+    for name, conn in conns.items():
+        with conn.cursor() as cur:
+            cur.execute(f"INSERT INTO {unique} SELECT g, '{name}' || g "
+                        "FROM generate_series(21, 4000) g")
+            cur.execute(f"ANALYZE {unique}")
+    raw = _raw(dsns, {n: [unique] for n in names}, unique, warehouse, tmp_path)
+    for source in raw["sources"].values():
+        source["postgres"]["initial_copy"] = {"method": "jdbc", "chunk_rows": 1000,
+                                              "parallelism": 1}
+    config = parse_config(raw, tmp_path)
+    target = config.for_source("east").target_for(f"public.{unique}")
+    path = write_pipeline(raw, tmp_path / "pipeline.yaml")
+
+    def copy_marks() -> dict[str, list[dict[str, str]]]:
+        marks: dict[str, list[dict[str, str]]] = {n: [] for n in names}
+        for snap in hadoop_table(warehouse, target).snapshots():
+            summary = snap.summary.additional_properties
+            if "walberg.copy.span" in summary:
+                marks[summary["walberg.copy.source"]].append(summary)
+        return marks
+
+    for name, conn in conns.items():
+        with conn.cursor() as cur:
+            for old, _ in MOVES[name][1]:
+                cur.execute(f"UPDATE {unique} SET v = (SELECT string_agg(md5(g::text || {old}),"
+                            f" '') FROM generate_series(1, 400) g) WHERE id = {old}")
+    killed = walberg_cli("-q", "run", "-c", str(path), "--once",
+                         env={**os.environ, "WALBERG_CRASH_AT": "chunk:2@east+west",
+                              "PYTHONUNBUFFERED": "1"})
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-3000:]
+    assert {n: len(m) for n, m in copy_marks().items()} == {"east": 2, "west": 2}
+
+    for name, conn in conns.items():
+        gone, moves = MOVES[name]
+        with conn.cursor() as cur:
+            cur.execute(f"UPDATE {unique} SET v = v || '+' WHERE id % 4 = 0")
+            cur.execute(f"DELETE FROM {unique} WHERE id IN {gone}")
+            for old, new in moves:  # the TOASTed text left as it was
+                cur.execute(f"UPDATE {unique} SET id = {new} WHERE id = {old}")
+            cur.execute(f"INSERT INTO {unique} VALUES (5050, '{name} new')")
+    _run(config, spark)
+    assert _lake_rows(warehouse, target) == _source_rows(conns, unique)
+    for name, marks in copy_marks().items():
+        assert [m.get("walberg.copy.first") for m in marks].count("true") == 1, name
+        spans = [m["walberg.copy.span"].split(":") for m in marks]
+        for point in (-1, 1, 2000, 2001, 4000, 5001):  # each key range of each source copied once
+            assert sum(1 for _, lo, hi in spans if (not lo or int(lo) <= point)
+                       and (not hi or point < int(hi))) == 1, (name, point, spans)
+
+    # The stream goes on from where each resumed copy ended.
+    for name, conn in conns.items():
+        with conn.cursor() as cur:
+            cur.execute(f"UPDATE {unique} SET v = 'later' WHERE id IN (-1, 2500)")
+            cur.execute(f"INSERT INTO {unique} VALUES (6060, '{name} later')")
+    _run(config, spark)
+    assert _lake_rows(warehouse, target) == _source_rows(conns, unique)
     for conn in conns.values():
         conn.close()

@@ -14,7 +14,12 @@ committed to Iceberg, its segments not yet removed and the slot not yet told), `
 ``reshaped`` (a table copied again took the source's columns, its copy not yet made),
 ``copy-files``, ``row-delta`` and ``indexed`` (see apply.copyfiles and apply.position.keyed),
 ``key-store`` (a key index's files sent to the warehouse, its manifest not yet; see
-apply.position.keystore).
+apply.position.keystore), ``chunk`` (a chunk of a jdbc initial copy committed) and ``copied`` (a
+table's initial copy committed, the stream not yet started).
+
+``WALBERG_CRASH_AT=name:n@a+b`` counts the passes of each of the sources ``a`` and ``b`` (several
+fanned in to one pipeline) apart: a source that has passed n times waits there, and the process
+dies once every source named has, so that their copies are cut short together.
 
 ``WALBERG_FAIL_AT=name:n`` (or ``_FAIL`` set by a test in its own process) makes the n-th pass of
 a failure point raise what a commit whose outcome is unknown raises (Iceberg's
@@ -39,8 +44,12 @@ def _target(setting: str) -> Optional[tuple[str, int]]:
     return (name, int(count or 1)) if name else None
 
 
-_TARGET: Optional[tuple[str, int]] = _target(os.environ.get("WALBERG_CRASH_AT", ""))
+_CRASH, _, _EACH = os.environ.get("WALBERG_CRASH_AT", "").partition("@")
+_TARGET: Optional[tuple[str, int]] = _target(_CRASH)
+_SOURCES = frozenset(_EACH.split("+")) if _EACH else frozenset()
 _hits: dict[str, int] = {}
+_arrived: set[str] = set()
+_lock = threading.Lock()
 _FAIL: Optional[tuple[str, int]] = _target(os.environ.get("WALBERG_FAIL_AT", ""))
 _fails: dict[str, int] = {}
 
@@ -49,10 +58,23 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def crash_point(name: str, delay: float = 0.0) -> None:
-    """Die here (or ``delay`` seconds from here, whatever runs then) on the configured hit."""
+def crash_point(name: str, delay: float = 0.0, source: Optional[str] = None) -> None:
+    """Die here (or ``delay`` seconds from here, whatever runs then) on the configured hit.
+    ``source``: which of several sources passes (see ``@`` above)."""
     if _TARGET is None or _TARGET[0] != name:
         return
+    if _SOURCES:
+        if source not in _SOURCES:
+            return
+        with _lock:
+            _hits[source] = _hits.get(source, 0) + 1
+            if _hits[source] < _TARGET[1]:
+                return
+            _arrived.add(source)
+            last = _arrived == _SOURCES
+        if not last:
+            threading.Event().wait()  # until the last source gets here and kills the process
+        _kill()
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] < _TARGET[1]:
         return

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pyarrow as pa
 
+from walberg.apply import copyrefresh
 from walberg.apply.batch import StagedTable
 from walberg.apply.copyfiles import CopyFiles
 from walberg.apply.evolution import Step
@@ -183,6 +184,10 @@ class IcebergSink:
                    ) -> tuple[int, int]:
         return self.writes.load_chunk(target, columns, df, lsn, marks, first=first, done=done,
                                       dead_span=dead_span)
+
+    def drop_changed(self, target: str, key: str,
+                     spans: Sequence[tuple[Optional[int], Optional[int]]], kept: Any) -> None:
+        copyrefresh.drop_changed(self.lake, target, key, spans, kept)
 
     def dead_letter_target(self, target: str) -> str:
         return self.writes.dead_letter_target(target)

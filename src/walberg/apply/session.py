@@ -27,7 +27,8 @@ LSN_PROPERTY = "walberg.lsn"
 # The source server a commit's LSN belongs to: "<system identifier>/<timeline>" (a promoted
 # standby shares the system, on a later timeline).
 SERVER_PROPERTY = "walberg.server"
-# Marks of a chunked initial copy (see source.chunks): first, point, span, catchup.
+# Marks of a chunked initial copy (see source.chunks): first, xmin, point, span (and
+# catchup, in a copy an older walberg resumed).
 COPY_PREFIX = "walberg.copy."
 # A table property: the table is owed a copy from at least this LSN (a slot made anew, or
 # `walberg resync`), said in the lake before the copy starts; held until a commit's LSN

@@ -98,6 +98,7 @@ class InitialCopy:
                         rows = self._copy_whole_in(info, created, workdir / f"t{n}")
                         point = created.consistent_point
                 self.state.set_committed(source, point)
+                crash_point("copied", source=self.config.source_name)
                 self.report.copied[source] = rows
                 metrics.COPIED_ROWS.labels(source).inc(rows)
                 metrics.COMMITTED_LSN.labels(source).set(int(point))
@@ -249,32 +250,33 @@ class InitialCopy:
             return False
         return True
 
-    def _resume_point(self, info: pg.TableInfo, key: Optional[str], created: CreatedSlot,
-                      slot_flushed: Optional[Lsn]) -> tuple[Lsn, Optional[Lsn], list[Span]]:
-        """Where a chunked copy starts: (the LSN it is marked with, the catch-up LSN of a
-        resumed copy, the spans already committed)."""
+    def _resume_point(self, info: pg.TableInfo, key: Optional[str],
+                      slot_flushed: Optional[Lsn]) -> Optional[_Resume]:
+        """What a chunked copy cut short left to resume from, if it can be resumed."""
         source, target = info.qualified_name, self.tables.targets[info.qualified_name]
         if key is None or slot_flushed is None:
-            return created.consistent_point, None, []
+            return None
         history = self.sink.copy_marks(target)
         if (not history or history[0].get(COPY_PREFIX + "key") != key
-                or not history[0].get(COPY_PREFIX + "first")):
+                or not history[0].get(COPY_PREFIX + "first")
+                or not history[0].get(COPY_PREFIX + "xmin")):
             # (without its first chunk's snapshot, expired by a maintenance since, the spans
-            # committed are not all known: the copy starts anew rather than read some twice)
-            return created.consistent_point, None, []
+            # committed are not all known: the copy starts anew rather than read some twice;
+            # so does a copy whose first chunk did not record its snapshot's xmin, made by an
+            # older walberg)
+            return None
         start = Lsn.parse(history[0][COPY_PREFIX + "point"])
         if start < slot_flushed:
-            return created.consistent_point, None, []
+            return None
         done = [Span.decode(m[COPY_PREFIX + "span"]) for m in history
                 if COPY_PREFIX + "span" in m]
         if not chunks.remaining(done):
             # That copy finished (`walberg resync` of the table, or a copy owed again after it
             # was cut short): this one starts anew, it is no resume with nothing left to read.
-            return created.consistent_point, None, []
+            return None
         log.info("resuming the initial copy of %s: %d chunk(s) were committed (from LSN %s); "
-                 "the rest is read at LSN %s", source, len(done), start,
-                 created.consistent_point)
-        return start, created.consistent_point, done
+                 "the rows changed since and the rest are read now", source, len(done), start)
+        return _Resume(start, int(history[0][COPY_PREFIX + "xmin"]), done)
 
     def _copy_chunked(self, info: pg.TableInfo, created: CreatedSlot,
                       slot_flushed: Optional[Lsn]) -> tuple[int, Lsn]:
@@ -283,45 +285,47 @@ class InitialCopy:
 
         Resuming: a copy cut by key ranges that an interruption left unfinished goes on with
         the spans not yet committed, read in this (newer) snapshot, provided the slot still
-        starts at or before the copy's start (``slot_flushed``). The table is then marked with
-        the copy's original start, so the stream replays everything after it; rows read in the
-        newer snapshot already hold part of that replay, which is harmless as long as the
-        replayed inserts are merged by key rather than appended: they are, until the stream
-        passes the newer snapshot (``walberg.copy.catchup``). Returns the rows copied and the
-        LSN the table is marked with."""
+        starts at or before the copy's start (``slot_flushed``). Before them, the spans
+        committed are brought to this snapshot (``_refresh``), so the table is then exactly
+        as this snapshot has it and is marked with its LSN: the stream goes on from there, as
+        after any copy. Returns the rows copied and the LSN the table is marked with."""
         source, target = info.qualified_name, self.tables.targets[info.qualified_name]
         settings = self.pg.initial_copy
         key = chunks.range_key(info)
         kind = "key" if key else "ctid"
-        point, catchup, done = self._resume_point(info, key, created, slot_flushed)
+        point = created.consistent_point
+        resume = self._resume_point(info, key, slot_flushed)
         with in_snapshot(self.pg.dsn, created.snapshot_name) as conn, conn.cursor() as cur:
             extent = chunks.table_extent(cur, info, key)
+            xmin = resume.xmin if resume is not None else chunks.snapshot_xmin(cur)
+        done = resume.done if resume is not None else []
         todo = chunks.remaining(done) if key else [Span(kind, None, None)]
         parallel = settings.parallelism or int(self._session().sparkContext.defaultParallelism)
         plan = chunks.plan_chunks(extent, info.estimated_rows, settings.chunk_rows, parallel,
                                   kind, todo)
-        url, props = chunks.jdbc_target(self.pg.dsn)
         init = chunks.session_init(created.snapshot_name)
         progress = CopyProgress(source, info.estimated_rows)
         gauge = metrics.COPY_PROGRESS.labels(source)
+        common = {COPY_PREFIX + "point": str(point if resume is None else resume.start),
+                  COPY_PREFIX + "key": key or ""}
         rows = dead = 0
+        if resume is not None:
+            assert key is not None
+            rows, dead = self._refresh(info, key, resume, extent, parallel, init, point, common)
         for n, chunk in enumerate(plan):
             started = time.monotonic()
-            df = jdbc.read_text(self._session(), url, props,
-                                [chunks.text_query(info, part, key) for part in chunk.parts],
-                                init, settings.fetch_size)
+            df = self._read(info, [chunks.text_query(info, part, key) for part in chunk.parts],
+                            init)
             last = n == len(plan) - 1
-            marks = {COPY_PREFIX + "point": str(point), COPY_PREFIX + "key": key or "",
-                     COPY_PREFIX + "span": chunk.span.encode()}
+            marks = {**common, COPY_PREFIX + "span": chunk.span.encode()}
             first = not done and n == 0
             if first:
                 marks[COPY_PREFIX + "first"] = "true"
-            if last and catchup is not None:
-                marks[COPY_PREFIX + "catchup"] = str(catchup)
+                marks[COPY_PREFIX + "xmin"] = str(xmin)
             added, bad = self.sink.load_chunk(
                 target, info.columns, df, point, marks, first=first, done=last,
                 dead_span=(key, chunk.span.lo, chunk.span.hi) if key else None)
-            crash_point("chunk")
+            crash_point("chunk", source=self.config.source_name)
             rows, dead = rows + added, dead + bad
             progress.update(rows)
             if info.estimated_rows:
@@ -331,13 +335,45 @@ class InitialCopy:
         progress.done(rows)
         gauge.set(1)
         count_dead(self.sink, source, target, dead)
-        if catchup is not None:
-            self.state.set_catchup(source, catchup)
         return rows, point
 
+    def _refresh(self, info: pg.TableInfo, key: str, resume: _Resume, extent: tuple[int, int],
+                 parallel: int, init: str, point: Lsn, marks: dict[str, str]) -> tuple[int, int]:
+        """Bring the spans a resumed copy committed before (as its first snapshot had them) to
+        this snapshot: their rows inserted or updated since (at or after the first snapshot's
+        xmin) replace what the lake holds under their keys, and the lake's rows whose key is
+        gone from there leave it. Replaying the changes in between instead cannot be done
+        right: the stream does not carry a TOASTed value an UPDATE left untouched, and the
+        row a key change moved has it nowhere in the lake when it moved from a span read in
+        this snapshot. Returns the rows and dead letters written."""
+        target = self.tables.targets[info.qualified_name]
+        started = time.monotonic()
+        copied = chunks.covered(resume.done)
+        # (cut for parallel readers; the cut leaves out spans now wholly outside the table's
+        # keys, and if that is all of them the reads still need a query each)
+        pieces = chunks.cut(copied, extent[0], extent[1], parallel, "key") or copied
+        kept = self._read(info, [chunks.kept_keys_query(info, s, key, resume.xmin)
+                                 for s in pieces], init)
+        self.sink.drop_changed(target, key, [(s.lo, s.hi) for s in copied], kept)
+        changed = self._read(info, [chunks.text_query(info, s, key, resume.xmin)
+                                    for s in pieces], init)
+        added, bad = self.sink.load_chunk(target, info.columns, changed, point, marks,
+                                          first=False, done=False, dead_span=None)
+        log.info("initial copy of %s: %d row(s) of the %d chunk(s) committed before were "
+                 "written since, read again in %.1f s", info.qualified_name, added + bad,
+                 len(resume.done), time.monotonic() - started)
+        return added, bad
+
+    def _read(self, info: pg.TableInfo, queries: list[str], init: str) -> Any:
+        """The rows ``queries`` return, read by Spark over JDBC, one partition each."""
+        url, props = chunks.jdbc_target(self.pg.dsn)
+        return jdbc.read_text(self._session(), url, props, queries, init,
+                              self.pg.initial_copy.fetch_size)
+
     def catchup_after_resume(self, source: str) -> None:
-        """A table whose copy was resumed merges the stream's inserts by key until the stream
-        passes the snapshot the copy finished in (see ``_copy_chunked``)."""
+        """A table whose copy an older walberg resumed (marked with the copy's start, the rows
+        read later already holding part of the stream's replay) merges the stream's inserts by
+        key until the stream passes the snapshot the copy finished in."""
         if self.pg.initial_copy.method != "jdbc":
             return
         marks = self.sink.copy_marks(self.tables.targets[source])
@@ -404,6 +440,15 @@ class InitialCopy:
             raise failure[0]
         progress.done(stream.rows)
         gauge.set(1)
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """A chunked copy cut short, to be resumed."""
+
+    start: Lsn  # the LSN its first chunk's snapshot was taken at
+    xmin: int  # that snapshot's xmin (see ``chunks.snapshot_xmin``)
+    done: list[Span]  # the key spans its chunks committed
 
 
 @dataclass

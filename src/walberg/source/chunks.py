@@ -142,13 +142,51 @@ def table_extent(cur: Any, info: TableInfo, key: Optional[str]) -> tuple[int, in
     return 0, max(pages - 1, 0)
 
 
-def text_query(info: TableInfo, span: Span, key: Optional[str]) -> str:
+def text_query(info: TableInfo, span: Span, key: Optional[str],
+               since: Optional[int] = None) -> str:
     """Every column as its Postgres text (``c0..cN``), for one span: the same text COPY and the
-    stream give, so the apply stage types it the same way."""
+    stream give, so the apply stage types it the same way. ``since`` (a snapshot's xmin, see
+    ``snapshot_xmin``): only the rows written since."""
     cols = ", ".join(f"{sql_identifier(c.name)}::text AS c{i}" for i, c in enumerate(info.columns))
-    published = "" if info.row_filter is None else f" AND ({info.row_filter})"
+    written = "" if since is None else f" AND {written_since(since)}"
     return (f"SELECT {cols} FROM {info.own_rows_sql()} "
-            f"WHERE {span.predicate(key)}{published}")
+            f"WHERE {span.predicate(key)}{_published(info)}{written}")
+
+
+def kept_keys_query(info: TableInfo, span: Span, key: str, since: int) -> str:
+    """The key (as text, ``c0``) of each row of one span not written since ``since``."""
+    return (f"SELECT {sql_identifier(key)}::text AS c0 FROM {info.own_rows_sql()} "
+            f"WHERE {span.predicate(key)}{_published(info)} AND NOT {written_since(since)}")
+
+
+def _published(info: TableInfo) -> str:
+    return "" if info.row_filter is None else f" AND ({info.row_filter})"
+
+
+def covered(done: Sequence[Span]) -> list[Span]:
+    """The key spans ``done`` covers (which may overlap), merged, in order."""
+    return remaining(remaining(done))
+
+
+# A heap tuple's xmin is 32 bits and wraps around: "at or after" is judged on the circle.
+_XIDS = 1 << 32
+
+
+def snapshot_xmin(cur: Any) -> int:
+    """The current snapshot's xmin (the oldest transaction still running when it was taken),
+    as a tuple's 32-bit xmin: every row inserted or updated after the snapshot was taken has
+    its xmin at or after it."""
+    cur.execute("SELECT txid_snapshot_xmin(txid_current_snapshot()) %% %s", (_XIDS,))
+    return int(cur.fetchone()[0])
+
+
+def written_since(xmin: int) -> str:
+    """SQL: the row was inserted or updated by a transaction at or after ``xmin`` (see
+    ``snapshot_xmin``). Rows written a little before (by transactions still running then, or
+    over 2^31 transactions before) pass too, which only reads them again; the special ids
+    below 3 (frozen, bootstrap) are old."""
+    own = "xmin::text::bigint"
+    return f"({own} >= 3 AND ({own} - {int(xmin)} + {_XIDS}) % {_XIDS} < {_XIDS // 2})"
 
 
 def session_init(snapshot: str) -> str:
