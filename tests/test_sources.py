@@ -129,6 +129,8 @@ def test_two_databases_fan_in_to_one_table(pg_conn: Any, postgres: Any, spark: A
     for name in ("east", "west"):
         table_status = status[name]["tables"][f"public.{unique}"]
         assert table_status["iceberg_table"] == target and table_status["last_lsn"]
+        # (its rows are the shared table's, every source's: said so, not passed off as its own)
+        assert table_status["shared"] is True
         assert status[name]["slot"]["name"] == f"s_{name}_{unique}"
 
 

@@ -86,7 +86,8 @@ def _one_status(status: "Status") -> str:
              f"{p.pending_bytes:,} bytes in {p.segment_dir}{behind}"]
     rows = [(name + (" (PARKED)" if t.parked else ""), t.iceberg_table, t.last_lsn or "-",
              "-" if t.waiting_s is None else f"{t.waiting_s:.1f} s",
-             t.last_commit_at or "-", "-" if t.rows is None else f"{t.rows:,}",
+             t.last_commit_at or "-",
+             "-" if t.rows is None else f"{t.rows:,}" + (" (all sources)" if t.shared else ""),
              t.data_files or 0, t.delete_files or 0, t.snapshot_id or "-")
             for name, t in status.tables.items()]
     # behind: the age of the table's oldest committed change not yet in the lake

@@ -55,6 +55,9 @@ class TableStatus:
     waiting_s: Optional[float] = None
     # Why the table is parked (it cannot follow its source; see runtime.parking), or None.
     parked: Optional[str] = None
+    # Several sources fan in to the table: its rows, files and snapshots are the whole
+    # table's, every source's together (its LSN and freshness are this source's own).
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ def status(lake: Lake) -> list[Status]:
 
 def _status(source: LakeSource) -> Status:
     summaries = {t: _summary(source, target) for t, target in source.targets.items()}
-    tables = {t: _table(source.targets[t], s, source.tag) for t, s in summaries.items()}
+    tables = {t: replace(_table(source.targets[t], s, source.tag), shared=source.tag is not None)
+              for t, s in summaries.items()}
     buffer = _buffer(source.config.segment_dir)
     if source.kind == "kafka":
         held: dict[tuple[str, int], int] = {}
