@@ -139,6 +139,12 @@ class _TableStage:
         # Key columns seen, to tell at close whether any key repeats; only for keys whose
         # Postgres text is their identity (integers, text, uuid), and up to a bound.
         self.key_index = [i for i, c in enumerate(columns) if c.is_key]
+        # A delete needs only its key: its other values (a whole old row, as a Debezium before
+        # image under REPLICA IDENTITY FULL carries) are staged as NULL where they cannot be
+        # written, rather than keep the row from its delete. (A table without a key is keyed
+        # by all its columns: nothing is beside the key there.)
+        self.beside_key = [i for i, c in enumerate(columns) if not c.is_key] \
+            if self.key_index else []
         exact = self.key_index and not all(c.is_key for c in columns) and all(
             columns[i].type_oid in _EXACT_TEXT_KEYS for i in self.key_index)
         self.keys: Optional[list[list[pa.Array]]] = [[] for _ in self.key_index] if exact \
@@ -180,7 +186,8 @@ class _TableStage:
                     self.staged.moved_unchanged = True
             self.staged.unchanged_columns.add(i)
         raw = [v.cast(pa.string()) for v in values]
-        arrays, reasons = self.prep.apply(raw)
+        arrays, reasons = self.prep.apply(raw, (pa.array(op_array == Op.DELETE.value),
+                                                self.beside_key))
         meta = [pa.array(seq, pa.int64()), pa.array(op_array, pa.string()),
                 pa.array(lsn, pa.int64())]
         table = pa.Table.from_arrays([*arrays, *meta, pa.array(marks, pa.string())],
