@@ -523,6 +523,12 @@ def applied_rows(seq: npt.NDArray[np.int64], max_seq: int,
     return keep
 
 
+def dead_rows(path: Path, max_seq: int, void: Sequence[tuple[int, int]]) -> int:
+    """How many of the dead letters staged at ``path`` a batch applies (``applied_rows``)."""
+    seq = pq.read_table(path, columns=["_wb_seq"]).column("_wb_seq").to_numpy()
+    return int(np.count_nonzero(applied_rows(seq, max_seq, void)))
+
+
 def seq_filter(max_seq: int, void: Sequence[tuple[int, int]], truncates: Sequence[int]) -> str:
     """The Spark SQL predicate that keeps the staged rows a batch really applies: those up to the
     batch's last commit, outside transactions that were cut off and resent, and after the last

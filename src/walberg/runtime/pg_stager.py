@@ -13,12 +13,18 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from walberg import metrics
-from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, seq_filter
+from walberg.apply.batch import (
+    BatchBuilder,
+    SchemaChanged,
+    StagedTable,
+    dead_rows,
+    seq_filter,
+)
 from walberg.apply.iceberg import IcebergSink
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.errors import DecodeError
-from walberg.faults import crash_point
+from walberg.faults import crash_point, failure_point
 from walberg.model import Begin, Commit, Lsn, Relation, Truncate
 from walberg.runtime.applier import Batch, grow_batch, let_go
 from walberg.runtime.pg_decode import Chunk, Chunks
@@ -93,6 +99,9 @@ class PgStager:
         self._early_done = threading.Event()  # the early batch stops growing now
         self._lake_read = threading.Event()  # the lake is read: the early batch is awaited
         self._early_once = False  # (a --once run: its early batch grows until all is read)
+        # The (table, batch LSN) whose dead letters this run has said: a commit tried again
+        # says only what it adds; a batch replayed after a restart says them all again.
+        self._dead_said: set[tuple[str, Lsn]] = set()
 
     # ---- which segments ----------------------------------------------------------------------
 
@@ -355,6 +364,12 @@ class PgStager:
         sink = self._sink()
         dropped = sink.write_dead_letters(target, staged.columns, staged.dead_letters, batch.lsn,
                                           where=seq_filter(batch.max_seq, batch.void, []))
+        failure_point("dead-letters")
+        if (table, batch.lsn) not in self._dead_said:
+            # Those the dead-letter table held already were written by a run that stopped
+            # before the table's commit: said there, and said again for this run's log.
+            dropped = dead_rows(staged.dead_letters, batch.max_seq, batch.void)
+            self._dead_said.add((table, batch.lsn))
         count_dead(sink, table, target, dropped)
 
     def before_commit(self, batch: Batch) -> None:
