@@ -221,6 +221,36 @@ def test_dead_letters_whose_commit_outcome_is_unknown_are_retried_not_doubled(
     assert report.dead_letters == 1
 
 
+def test_dead_letters_written_by_a_run_that_stopped_are_said_by_the_next(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A run stops right after writing a batch's dead letters, before saying so and before any
+    table's commit: the next run applies the batch again, does not write them twice, and says
+    they are there."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    p.send(topic, {"id": 1}, b"{not json")
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "v": "b"}))
+    monkeypatch.setattr(faults, "_FAIL", ("dead-letters", 1))
+    monkeypatch.setattr(faults, "_fails", {})
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic],
+               tables={topic: {"key": ["id"]}})
+    failing = dict(raw, sink=dict(raw["sink"], commit_max_attempts=1))
+    with pytest.raises(ApplyError):
+        run_once(_config(failing, tmp_path), spark, KafkaPipeline)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    said = f"record(s) of topic {topic} could not be applied and "
+    assert said not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="walberg"):
+        report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert caplog.text.count(said) == 1, caplog.text[-2000:]
+    assert f"1 {said}are in {target}__dlq" in caplog.text
+    assert iceberg_rows(warehouse, target) == [{"id": 2, "v": "b"}]
+    assert [d["offset"] for d in _dead(warehouse, target)] == [0]
+    assert report.dead_letters == 0  # (written by the run before)
+
+
 def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(
         kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
         caplog: Any) -> None:

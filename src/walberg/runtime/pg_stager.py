@@ -362,15 +362,21 @@ class PgStager:
         assert staged.dead_letters is not None
         target = self.tables.targets[table]
         sink = self._sink()
-        dropped = sink.write_dead_letters(target, staged.columns, staged.dead_letters, batch.lsn,
+        written = sink.write_dead_letters(target, staged.columns, staged.dead_letters, batch.lsn,
                                           where=seq_filter(batch.max_seq, batch.void, []))
         failure_point("dead-letters")
-        if (table, batch.lsn) not in self._dead_said:
-            # Those the dead-letter table held already were written by a run that stopped
-            # before the table's commit: said there, and said again for this run's log.
-            dropped = dead_rows(staged.dead_letters, batch.max_seq, batch.void)
-            self._dead_said.add((table, batch.lsn))
-        count_dead(sink, table, target, dropped)
+        count_dead(sink, table, target, written)
+        if (table, batch.lsn) in self._dead_said:
+            return
+        self._dead_said.add((table, batch.lsn))
+        # The rest were in the dead-letter table already: written by a run (or an attempt)
+        # that stopped before the table's commit, perhaps before it could say so.
+        held = dead_rows(staged.dead_letters, batch.max_seq, batch.void) - written
+        if held > 0:
+            log.warning("%d row(s) of %s could not be written exactly and are in %s with the "
+                        "reason in _dlq_reason (written there before a restart, or a retry, of "
+                        "the commit up to LSN %s)", held, table,
+                        sink.dead_letter_target(target), batch.lsn)
 
     def before_commit(self, batch: Batch) -> None:
         pass
