@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 import threading
+from datetime import datetime
+from decimal import Decimal
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, Optional
@@ -243,6 +245,41 @@ def test_staging_tells_whether_any_key_repeats(tmp_path: Path) -> None:
     b.add("public.t", (Col("n", 1700, -1, True), Col("v", 25)), Op.UPDATE, 1, 10,
           (b"1.0", b"x"))
     assert b.finish()["public.t"].unique_keys is False
+
+
+def test_a_delete_needs_only_its_key_to_be_staged(tmp_path: Path) -> None:
+    """A delete whose old row (a Debezium before image under REPLICA IDENTITY FULL) holds a
+    value outside its key that cannot be written is staged all the same, that value NULL: it
+    must delete the row. A change whose key cannot be written, or an insert or update with such
+    a value, is a dead letter."""
+    from walberg.apply.types import TypeMap
+    from walberg.model import PgType
+
+    cols = (*COLUMNS, Column("at", 1114), Column("tags", 1007))
+    types = TypeMap()
+    types.learn({1007: PgType(1007, "_int4", "b", element=23)})
+    b = BatchBuilder(tmp_path / "stage", prep=lambda s, c: types.prep(c))
+    rows: list[tuple[Op, tuple[Any, ...]]] = [
+        (Op.INSERT, (b"1", b"a", b"1.00", b"2020-01-01 00:00:00", b"{1,2}")),
+        (Op.UPDATE, (b"1", b"a", b"NaN", b"2020-01-01 00:00:00", b"{1}")),  # dead letter
+        (Op.DELETE, (b"1", b"a", b"NaN", b"infinity", b"{{1},{2}}")),  # deletes all the same
+        (Op.DELETE, (b"2", b"b", b"3.50", b"2020-01-02 00:00:00", b"{3}")),
+        (Op.DELETE, (b"x", b"c", b"1.00", None, None)),  # its key cannot be written
+        (Op.INSERT, (b"4", b"d", b"1" * 12, None, None)),  # dead letter
+    ]
+    for seq, (op, row) in enumerate(rows, start=1):
+        b.add("public.t", cols, op, seq, 100, row)
+    staged = b.finish()["public.t"]
+    table = pq.read_table(staged.files).to_pylist()
+    assert [(r["_wb_seq"], r["_wb_op"], r["c0"], r["c2"], r["c3"], r["c4"]) for r in table] == [
+        (1, "I", 1, Decimal("1.00"), datetime(2020, 1, 1), [1, 2]),
+        (3, "D", 1, None, None, None),
+        (4, "D", 2, Decimal("3.50"), datetime(2020, 1, 2), [3])]
+    assert staged.ops == {Op.INSERT: 1, Op.UPDATE: 0, Op.DELETE: 2}
+    assert staged.dead_letters is not None and staged.dead_rows == 3
+    dead = pq.read_table(staged.dead_letters).to_pylist()
+    assert [(r["_wb_seq"], r["_dlq_reason"].split(":")[0]) for r in dead] == [
+        (2, "column n"), (5, "column id"), (6, "column n")]
 
 
 def test_two_sources_merging_into_one_table_at_once_keep_their_batches_apart(

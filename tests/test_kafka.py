@@ -146,6 +146,40 @@ def test_debezium_events_with_schema_land_as_the_source_table(
     assert summary[f"walberg.offset.{topic}.1"] == str(counts[1])
 
 
+def test_a_delete_whose_before_image_holds_a_value_the_lake_cannot_store_deletes(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """A before image under REPLICA IDENTITY FULL carries every column; a value outside the
+    key that cannot be stored (a decimal too wide: refused while staging; a date past year
+    9999: refused while decoding) must not keep the delete from deleting: a delete needs only
+    its key. The updates that brought those values are dead letters, as they were."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+
+    def row(i: int, cents: int = 100, born: int = 19000) -> dict[str, Any]:
+        return {"id": i, "name": f"n{i}", "price": _dec(cents), "born": born,
+                "seen": None, "active": True}
+
+    def send(op: str, before: Any, after: Any, key: int) -> None:
+        p.send(topic, {"id": key}, envelope(op, before, after, schema=SCHEMA))
+
+    for i in (1, 2, 3):
+        send("c", None, row(i), i)
+    config = _config(_raw(kafka_broker, warehouse, tmp_path, unique, [topic]), tmp_path)
+    run_once(config, spark, KafkaPipeline)
+    wide, future = 10**12, 3_000_000  # 10000000000.00 in a decimal(10,2); a day in year 10183
+    send("u", row(1), row(1, cents=wide), 1)
+    send("u", row(2), row(2, born=future), 2)
+    send("d", row(1, cents=wide), None, 1)
+    send("d", row(2, born=future), None, 2)
+    report = run_once(config, spark, KafkaPipeline)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    assert [r["id"] for r in iceberg_rows(warehouse, target)] == [3]
+    assert [(d["offset"], d["_dlq_reason"].split(":")[0]) for d in _dead(warehouse, target)] \
+        == [(3, "column price"), (4, "column born")]
+    assert report.dead_letters == 2
+
+
 def test_events_without_schema_and_dead_letters(
         kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
     topic = f"srv.public.{unique}"
@@ -208,6 +242,36 @@ def test_dead_letters_whose_commit_outcome_is_unknown_are_retried_not_doubled(
     assert iceberg_rows(warehouse, target) == [{"id": 2, "v": "b"}]
     assert [d["offset"] for d in _dead(warehouse, target)] == [0]
     assert report.dead_letters == 1
+
+
+def test_dead_letters_written_by_a_run_that_stopped_are_said_by_the_next(
+        kafka_broker: str, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A run stops right after writing a batch's dead letters, before saying so and before any
+    table's commit: the next run applies the batch again, does not write them twice, and says
+    they are there."""
+    topic = f"srv.public.{unique}"
+    create_topic(kafka_broker, topic)
+    p = Producer(kafka_broker)
+    p.send(topic, {"id": 1}, b"{not json")
+    p.send(topic, {"id": 2}, envelope("c", None, {"id": 2, "v": "b"}))
+    monkeypatch.setattr(faults, "_FAIL", ("dead-letters", 1))
+    monkeypatch.setattr(faults, "_fails", {})
+    raw = _raw(kafka_broker, warehouse, tmp_path, unique, [topic],
+               tables={topic: {"key": ["id"]}})
+    failing = dict(raw, sink=dict(raw["sink"], commit_max_attempts=1))
+    with pytest.raises(ApplyError):
+        run_once(_config(failing, tmp_path), spark, KafkaPipeline)
+    target = f"{CATALOG}.ns_{unique}.{unique}"
+    said = f"record(s) of topic {topic} could not be applied and "
+    assert said not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="walberg"):
+        report = run_once(_config(raw, tmp_path), spark, KafkaPipeline)
+    assert caplog.text.count(said) == 1, caplog.text[-2000:]
+    assert f"1 {said}are in {target}__dlq" in caplog.text
+    assert iceberg_rows(warehouse, target) == [{"id": 2, "v": "b"}]
+    assert [d["offset"] for d in _dead(warehouse, target)] == [0]
+    assert report.dead_letters == 0  # (written by the run before)
 
 
 def test_kill_9_mid_topic_then_a_restart_from_the_lakes_offsets(

@@ -397,7 +397,8 @@ def test_prepared_transactions(ctx: dict[str, Any]) -> None:
 def test_ddl_between_transactions(ctx: dict[str, Any]) -> None:
     """Schema changes between transactions (PostgreSQL leaves the subscriber's DDL to the user;
     the lake follows by itself): a column added with a default, one dropped, one renamed, a
-    type widened, each with changes around it."""
+    type widened, one added without a default that gets one later (the rows there before
+    keep NULL), each with changes around it."""
     s = Scenario(ctx, "CREATE TABLE {t_d} (a int PRIMARY KEY, b text, c int, old int);",
                  {"d": "a"})
     s.source("INSERT INTO {t_d} SELECT g, 'b' || g, g, g FROM generate_series(1, 20) g")
@@ -406,7 +407,9 @@ def test_ddl_between_transactions(ctx: dict[str, Any]) -> None:
     for statement in (f"ALTER TABLE {t} ADD COLUMN e text DEFAULT 'x'",
                       f"ALTER TABLE {t} DROP COLUMN old",
                       f"ALTER TABLE {t} RENAME COLUMN b TO bee",
-                      f"ALTER TABLE {t} ALTER COLUMN c TYPE bigint"):
+                      f"ALTER TABLE {t} ALTER COLUMN c TYPE bigint",
+                      f"ALTER TABLE {t} ADD COLUMN f text",
+                      f"ALTER TABLE {t} ALTER COLUMN f SET DEFAULT 'v'"):
         # The subscriber's table changes once it has applied what came before (changes sent
         # with the old columns would not fit the new ones).
         s.sub.caught_up(insert_lsn(ctx["pg_conn"]))
@@ -416,7 +419,7 @@ def test_ddl_between_transactions(ctx: dict[str, Any]) -> None:
                  f"UPDATE {t} SET c = c + 1 WHERE a % 4 = 0",
                  f"DELETE FROM {t} WHERE a = (SELECT min(a) FROM {t})")
     s.sync()
-    assert set(s.lake("d")[0]) == {"a", "bee", "c", "e"}
+    assert set(s.lake("d")[0]) == {"a", "bee", "c", "e", "f"}
     s.verified("d", "a = 10")
 
 

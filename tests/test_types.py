@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import make_config
 from lake import duckdb_rows, hadoop_table
+from walberg import faults
 from walberg import verify as digest
 from walberg.apply.position import datafiles
 from walberg.apply.types import (
@@ -39,7 +40,7 @@ from walberg.apply.types import (
     UnsupportedType,
     parse_array,
 )
-from walberg.errors import ConfigError
+from walberg.errors import ApplyError, ConfigError
 from walberg.lake.services import Lake
 from walberg.model import Column, PgType
 from walberg.ops.verify import verify
@@ -470,3 +471,48 @@ def test_type_matrix_through_copy_and_stream(postgres: Any, pg_conn: Any, spark:
                             "5": "values differ", "999": "in the lake, not in the source"}
         assert [p.parent.parent for p in hashed] == [config.segment_dir]
         assert not hashed[0].parent.exists()
+
+
+def test_dead_letters_are_said_again_when_their_batch_is_replayed(
+        postgres: Any, pg_conn: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dead letters of a batch are written before its table's commit. When the run stops
+    right after writing them (before saying so), the next run applies the batch again and
+    finds them already written: it says all the same that the batch's rows went there, once
+    (also when its own first attempt fails there and is tried again)."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, n numeric(6,2))")
+    config = make_config(postgres, warehouse, tmp_path / "seg", unique, [table])
+    target = config.target_for(table)
+
+    def run(attempts: int = 3) -> None:
+        sink = config.sink.model_copy(update={"commit_max_attempts": attempts})
+        pipeline = Pipeline(config.model_copy(update={"sink": sink}), session=spark)
+        try:
+            pipeline.run(once=True)
+        finally:
+            pipeline.close()
+
+    run()
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (1, 1.5), (2, 'NaN'), (3, 'NaN')")
+    said = f"2 row(s) of {table} could not be written exactly"
+    monkeypatch.setattr(faults, "_FAIL", ("dead-letters", 1))
+    monkeypatch.setattr(faults, "_fails", {})
+    with caplog.at_level(logging.INFO, logger="walberg"), pytest.raises(ApplyError):
+        run(attempts=1)  # the failure ends the run
+    assert said not in caplog.text
+    assert hadoop_table(warehouse, target).scan().to_arrow().num_rows == 0
+    # The batch again, as after a restart; its first attempt fails the same way.
+    monkeypatch.setattr(faults, "_FAIL", ("dead-letters", 1))
+    monkeypatch.setattr(faults, "_fails", {})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run()
+    assert faults._FAIL is None  # (the failure point was passed)
+    assert caplog.text.count(said) == 1 and f"{target}__dlq" in caplog.text, caplog.text[-3000:]
+    assert [r["id"] for r in hadoop_table(warehouse, target).scan().to_arrow().to_pylist()] \
+        == [1]
+    dead = hadoop_table(warehouse, f"{target}__dlq").scan().to_arrow().to_pylist()
+    assert sorted(int(r["id"]) for r in dead) == [2, 3]

@@ -25,7 +25,8 @@ dies once every source named has, so that their copies are cut short together.
 a failure point raise what a commit whose outcome is unknown raises (Iceberg's
 CommitStateUnknownException through the sink): a retryable ``ApplyError``, the work before it
 done. Points: ``changelog`` (a mode-both changelog's append landed, its table's commit not yet
-made), ``dead-letters`` (a Kafka batch's dead letters written, no table's commit made yet),
+made), ``dead-letters`` (a batch's dead letters written, no table's commit made yet; a Postgres
+batch's: its table's),
 ``row-delta`` (a batch's row delta landed in the table).
 """
 

@@ -143,6 +143,12 @@ class _TableStage:
         # Key columns seen, to tell at close whether any key repeats; only for keys whose
         # Postgres text is their identity (integers, text, uuid), and up to a bound.
         self.key_index = [i for i, c in enumerate(columns) if c.is_key]
+        # A delete needs only its key: its other values (a whole old row, as a Debezium before
+        # image under REPLICA IDENTITY FULL carries) are staged as NULL where they cannot be
+        # written, rather than keep the row from its delete. (A table without a key is keyed
+        # by all its columns: nothing is beside the key there.)
+        self.beside_key = [i for i, c in enumerate(columns) if not c.is_key] \
+            if self.key_index else []
         exact = self.key_index and not all(c.is_key for c in columns) and all(
             columns[i].type_oid in _EXACT_TEXT_KEYS for i in self.key_index)
         self.keys: Optional[list[list[pa.Array]]] = [[] for _ in self.key_index] if exact \
@@ -184,7 +190,8 @@ class _TableStage:
                     self.staged.moved_unchanged = True
             self.staged.unchanged_columns.add(i)
         raw = [v.cast(pa.string()) for v in values]
-        arrays, reasons = self.prep.apply(raw)
+        arrays, reasons = self.prep.apply(raw, (pa.array(op_array == Op.DELETE.value),
+                                                self.beside_key))
         meta = [pa.array(seq, pa.int64()), pa.array(op_array, pa.string()),
                 pa.array(lsn, pa.int64())]
         table = pa.Table.from_arrays([*arrays, *meta, pa.array(marks, pa.string())],
@@ -524,6 +531,12 @@ def applied_rows(seq: npt.NDArray[np.int64], max_seq: int,
     for lo, hi in void:
         keep &= (seq < lo) | (seq > hi)
     return keep
+
+
+def dead_rows(path: Path, max_seq: int, void: Sequence[tuple[int, int]]) -> int:
+    """How many of the dead letters staged at ``path`` a batch applies (``applied_rows``)."""
+    seq = pq.read_table(path, columns=["_wb_seq"]).column("_wb_seq").to_numpy()
+    return int(np.count_nonzero(applied_rows(seq, max_seq, void)))
 
 
 def seq_filter(max_seq: int, void: Sequence[tuple[int, int]], truncates: Sequence[int]) -> str:

@@ -325,7 +325,9 @@ class TextPrep:
     else text Spark can cast), and which rows cannot be written exactly.
 
     ``apply`` takes one chunk of string columns and gives back the columns to stage, plus a
-    reason (or null) per row: rows with a reason go to the dead-letter table."""
+    reason (or null) per row: rows with a reason go to the dead-letter table. Values that
+    ``spare`` names are not worth a row's dead letter: they are staged as NULL instead (a
+    delete's values outside its key, which it needs only to find the row)."""
 
     def __init__(self, columns: Sequence[Column], types: Sequence[SparkType]) -> None:
         self.names = [c.name for c in columns]
@@ -338,9 +340,16 @@ class TextPrep:
             return [pa.string()] * ncols
         return [t.staged or pa.string() for t in self.types]
 
-    def apply(self, arrays: Sequence[pa.Array]) -> tuple[list[pa.Array], Optional[pa.Array]]:
+    def apply(self, arrays: Sequence[pa.Array],
+              spare: Optional[tuple[pa.Array, Sequence[int]]] = None
+              ) -> tuple[list[pa.Array], Optional[pa.Array]]:
+        """The columns to stage and each row's reason for the dead-letter table (or null).
+        ``spare``: (a mask of rows, column positions): there a value that cannot be written is
+        staged as NULL, and the row keeps going."""
         if not self.active:
             return list(arrays), None
+        rows, spared = spare if spare is not None and pc.any(spare[0]).as_py() else (None, ())
+        inputs = list(arrays)
         out = list(arrays)
         reasons: Optional[pa.Array] = None
         for i, (arr, t) in enumerate(zip(arrays, self.types, strict=True)):
@@ -354,8 +363,14 @@ class TextPrep:
                 why = t.why_invalid
             else:
                 continue
+            if rows is not None and i in spared:
+                inputs[i] = pc.if_else(pc.and_kleene(bad, rows), pa.nulls(len(arr), arr.type),
+                                       arr)
+                if not t.array_dims:  # (an array column's list is NULL there already)
+                    out[i] = inputs[i]
+                bad = pc.and_kleene(bad, pc.invert(rows))
             reasons = self._blame(reasons, bad, arr, self.names[i], why)
-        for i, (arr, t) in enumerate(zip(arrays, self.types, strict=True)):
+        for i, (arr, t) in enumerate(zip(inputs, self.types, strict=True)):
             if t.staged is None or t.array_dims:  # (arrays: made lists above)
                 continue
             if reasons is not None and reasons.null_count < len(reasons):
@@ -365,6 +380,8 @@ class TextPrep:
                 out[i] = _parse(arr, t.staged)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                 out[i], bad = _parse_each(arr, t.staged)
+                if rows is not None and i in spared:
+                    bad = pc.and_kleene(bad, pc.invert(rows))  # (NULL in out[i] already)
                 reasons = self._blame(reasons, bad, arr, self.names[i],
                                       f"cannot be read as {t.describe()}")
         return out, reasons

@@ -589,6 +589,12 @@ class KafkaStager:
                 staged = Path(work) / "dead.parquet"
                 pq.write_table(table, staged)
                 written = self._write_dead(target, staged, upto, self.names.get(topic, topic))
+            if written < len(items):
+                # Written by a run that stopped before its tables' commits, perhaps before it
+                # could say so: said again, not written again.
+                log.warning("%d record(s) of topic %s could not be applied and are in %s with "
+                            "the reason in _dlq_reason (written there before a restart)",
+                            len(items) - written, topic, self.sink.dead_letter_target(target))
             if not written:
                 continue
             first = items[0]

@@ -13,14 +13,20 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from walberg import metrics
-from walberg.apply.batch import BatchBuilder, SchemaChanged, StagedTable, seq_filter
+from walberg.apply.batch import (
+    BatchBuilder,
+    SchemaChanged,
+    StagedTable,
+    dead_rows,
+    seq_filter,
+)
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.types import UnsupportedType
 from walberg.buffer.kinds import FrameKind
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.errors import DecodeError
-from walberg.faults import crash_point
+from walberg.faults import crash_point, failure_point
 from walberg.model import Begin, Commit, Lsn, Relation, Truncate
 from walberg.runtime.applier import Batch, grow_batch, let_go
 from walberg.runtime.pg_decode import Chunk, Chunks
@@ -98,6 +104,9 @@ class PgStager:
         self._early_done = threading.Event()  # the early batch stops growing now
         self._lake_read = threading.Event()  # the lake is read: the early batch is awaited
         self._early_once = False  # (a --once run: its early batch grows until all is read)
+        # The (table, batch LSN) whose dead letters this run has said: a commit tried again
+        # says only what it adds; a batch replayed after a restart says them all again.
+        self._dead_said: set[tuple[str, Lsn]] = set()
 
     # ---- which segments ----------------------------------------------------------------------
 
@@ -379,9 +388,21 @@ class PgStager:
         assert staged.dead_letters is not None
         target = self.tables.targets[table]
         sink = self._sink()
-        dropped = sink.write_dead_letters(target, staged.columns, staged.dead_letters, batch.lsn,
+        written = sink.write_dead_letters(target, staged.columns, staged.dead_letters, batch.lsn,
                                           where=seq_filter(batch.max_seq, batch.void, []))
-        count_dead(sink, table, target, dropped)
+        failure_point("dead-letters")
+        count_dead(sink, table, target, written)
+        if (table, batch.lsn) in self._dead_said:
+            return
+        self._dead_said.add((table, batch.lsn))
+        # The rest were in the dead-letter table already: written by a run (or an attempt)
+        # that stopped before the table's commit, perhaps before it could say so.
+        held = dead_rows(staged.dead_letters, batch.max_seq, batch.void) - written
+        if held > 0:
+            log.warning("%d row(s) of %s could not be written exactly and are in %s with the "
+                        "reason in _dlq_reason (written there before a restart, or a retry, of "
+                        "the commit up to LSN %s)", held, table,
+                        sink.dead_letter_target(target), batch.lsn)
 
     def before_commit(self, batch: Batch) -> None:
         pass

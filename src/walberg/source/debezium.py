@@ -544,30 +544,37 @@ class Images:
         self.names = frozenset(c.name for c in columns)
         self.fields = tuple((c.name, t) for c, t in zip(columns, types, strict=True))
         self.keys = tuple((i, c.name) for i, c in enumerate(columns) if c.is_key)
+        self._key_at = frozenset(i for i, _ in self.keys)
 
-    def row(self, values: Optional[Mapping[str, Any]]) -> Row:
+    def row(self, values: Optional[Mapping[str, Any]], old: bool = False) -> Row:
         """A before/after object as a staged row in the table's column order. A field the
-        table lacks is a schema mismatch; a column the record lacks is NULL."""
+        table lacks is a schema mismatch; a column the record lacks is NULL. ``old``: the row
+        a change replaces or deletes, needed only for its key: a value outside the key that
+        cannot be stored is NULL rather than the record's refusal."""
         values = values or {}
         if not values.keys() <= self.names:
             extra = set(values) - self.names
             raise BadRecord(f"schema mismatch: field(s) {', '.join(sorted(extra))} not in the "
                             f"table ({', '.join(c.name for c in self.columns)})")
         out: list[Value] = []
-        for name, t in self.fields:
+        spare = old and bool(self.keys)
+        for i, (name, t) in enumerate(self.fields):
             try:
                 out.append(to_text(values.get(name), t))
-            except BadRecord as exc:
-                raise BadRecord(f"column {name}: {exc}") from None
-            except (ValueError, OverflowError) as exc:
+            except (BadRecord, ValueError, OverflowError) as exc:
+                if spare and i not in self._key_at:
+                    out.append(None)
+                    continue
+                if isinstance(exc, BadRecord):
+                    raise BadRecord(f"column {name}: {exc}") from None
                 # A lone surrogate escape (no UTF-8 text holds it), an integer no double
                 # holds: the record cannot be stored, and must not stop the run.
                 raise BadRecord(f"column {name}: {values.get(name)!r:.60} cannot be stored as "
                                 f"{_type_name(t.oid)}: {exc}") from None
         return tuple(out)
 
-    def image(self, values: Optional[Mapping[str, Any]], key: Optional[Mapping[str, Any]]
-              ) -> Row:
+    def image(self, values: Optional[Mapping[str, Any]], key: Optional[Mapping[str, Any]],
+              old: bool = False) -> Row:
         """``row``, with key columns missing from the object taken from the message key."""
         if key is not None:
             given = values or {}
@@ -575,7 +582,7 @@ class Images:
                        if given.get(n) is None and key.get(n) is not None}
             if missing:
                 values = {**given, **missing}
-        staged = self.row(values)
+        staged = self.row(values, old)
         for i, n in self.keys:
             if staged[i] is None or staged[i] is UNCHANGED:
                 raise BadRecord(f"missing key: key column {n} has no value in the record "
@@ -593,10 +600,10 @@ class Images:
         if op == "r":
             return [(Op.UPDATE, self.image(event.after, key))]
         if op == "d":
-            return [(Op.DELETE, self.image(event.before, key))]
+            return [(Op.DELETE, self.image(event.before, key, old=True))]
         new = self.image(event.after, key)
         if event.before is not None:
-            old = self.image(event.before, key)
+            old = self.image(event.before, key, old=True)
             if any(old[i] != new[i] for i, _ in self.keys):
                 # A changed key: the old row goes, the new one comes (like pgoutput's key change).
                 return [(Op.DELETE, old), (Op.INSERT, new)]

@@ -312,8 +312,7 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
     replication stream never carries: (True, None). A constant default without a recorded
     value: the table was rewritten since the column was added (ALTER ... TYPE, VACUUM FULL:
     the rows hold it now), or the default was set after the column was added, when they kept
-    NULL; the catalog as it is now cannot tell them apart, so the default is taken (as for the
-    rewrite, which a batch of several ALTERs meets)."""
+    NULL (``_default_set_later`` tells them apart by the rows)."""
     with conn.cursor() as cur:
         cur.execute(
             """SELECT a.atthasdef, a.atthasmissing, a.attmissingval::text,
@@ -328,7 +327,7 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
             return True, row[2]
         if row is not None and row[4]:
             return True, None  # an identity (no pg_attrdef row): numbered by the rewrite
-        if row is None or not row[0]:
+        if row is None or not row[0] or _default_set_later(cur, table, column):
             return False, None
         cur.execute(f"EXPLAIN (VERBOSE, FORMAT JSON) SELECT {row[3]}")
         plan = cur.fetchone()[0]
@@ -337,6 +336,26 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
             return True, None
         cur.execute(f"SELECT ARRAY[({row[3]})]::text")
         return True, cur.fetchone()[0]
+
+
+def _default_set_later(cur: Any, table: str, column: str) -> bool:
+    """Whether ``column``'s default came after the column (ADD COLUMN, then ALTER COLUMN ...
+    SET DEFAULT): a row older than the default (its xmin before the pg_attrdef row's) holds
+    NULL there. Had the column been added with the default, every row older than it would
+    hold the default: the rows of a table rewritten since (VACUUM FULL, CLUSTER) keep their
+    xmin and hold the value, and a rewrite by ALTER TABLE makes every row as new as itself.
+    Reads the table until the first such row (the whole table when there is none)."""
+    schema, name = split_name(table)
+    cur.execute(
+        sql.SQL("""SELECT EXISTS (
+                       SELECT 1 FROM {table} t
+                       WHERE t.{column} IS NULL AND age(t.xmin) > (
+                           SELECT age(d.xmin) FROM pg_attrdef d
+                           JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+                           WHERE d.adrelid = %s::regclass AND a.attname = %s))""").format(
+            table=sql.Identifier(schema, name), column=sql.Identifier(column)),
+        (quote_table(table), column))
+    return bool(cur.fetchone()[0])
 
 
 # Postgres's FirstNormalObjectId: OIDs below it belong to Postgres itself.
