@@ -780,3 +780,54 @@ def test_a_new_primary_key_never_reads_the_old_key_s_index(
         cur.execute(f"UPDATE {table} SET v = 3 WHERE uid BETWEEN 300 AND 305 OR uid < 5")
     run_once(config, spark)
     assert iceberg_rows(warehouse, target, key="uid") == postgres_rows(pg_conn, table, key="uid")
+
+
+def test_a_table_made_again_never_reads_the_old_table_s_index(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The Iceberg table is dropped and walberg copies it again: another table (its own
+    table-uuid). The old table's key index is put back in its place, its snapshot id made the
+    new table's (as if two ids had met by chance): read, it would delete rows by position in
+    data files the new table does not have. It is made anew instead. So is an index of the
+    right table that the older walberg wrote (no table recorded), once."""
+    import shutil
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 200) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+    directory = config.index_dir / target
+    shutil.copytree(directory, tmp_path / "old-index")
+    old_uuid = hadoop_table(warehouse, target).metadata.table_uuid
+
+    spark.sql(f"DROP TABLE {quote_target(target)}")
+    run_once(config, spark)  # copied again
+    made_again = hadoop_table(warehouse, target)
+    assert made_again.metadata.table_uuid != old_uuid
+    shutil.rmtree(directory)
+    shutil.copytree(tmp_path / "old-index", directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["snapshot"] = made_again.current_snapshot().snapshot_id
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = -v WHERE id BETWEEN 90 AND 110")
+        cur.execute(f"DELETE FROM {table} WHERE id = 150")
+    _run_logged(config, spark, caplog)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    # (from the lake, or the copy the new table's index keeps in the warehouse)
+    assert re.search("rebuilt from the lake|fetched from the warehouse", caplog.text), \
+        caplog.text[-3000:]
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest.pop("table") == str(made_again.metadata.table_uuid)
+    (directory / "manifest.json").write_text(json.dumps(manifest))  # as the older walberg
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 0 WHERE id BETWEEN 100 AND 120")
+    _run_logged(config, spark, caplog)
+    assert re.search("rebuilt from the lake|fetched from the warehouse", caplog.text), \
+        caplog.text[-3000:]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
