@@ -159,9 +159,9 @@ def walberg_cli(*args: str, timeout: float = 300, cwd: Path | None = None,
                           stdin=subprocess.DEVNULL)
 
 
-def walberg_ok(*args: str, timeout: float = 300) -> str:
+def walberg_ok(*args: str, timeout: float = 300, cwd: Path | None = None) -> str:
     """``walberg_cli`` that must exit 0 (else the output's tail is the failure); its stdout."""
-    done = walberg_cli(*args, timeout=timeout)
+    done = walberg_cli(*args, timeout=timeout, cwd=cwd)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -258,14 +258,17 @@ def test_another_writer_between_the_index_and_the_commit_is_never_a_second_row(
         hadoop_table(warehouse, target).current_snapshot().snapshot_id
 
 
+@pytest.mark.parametrize("expire", [False, True])
 def test_a_compaction_the_commit_landed_on_is_not_taken_for_the_index(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, expire: bool) -> None:
     """Another writer compacts the table after walberg looked its batch up, before the row
     delta commits. The batch deletes nothing of the compacted files, so Iceberg puts the commit
     on top of the compaction; the index, which knows the files from before it, is not taken
     as the new snapshot's (a later update would delete the row from a file no longer in the
-    table, and the key would have two rows)."""
+    table, and the key would have two rows). ``expire``: the other writer then expires every
+    snapshot but the compaction's, the index's among them: the commit, validated from it,
+    fails, and is tried again once the index has caught up with the table."""
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
@@ -278,21 +281,32 @@ def test_a_compaction_the_commit_landed_on_is_not_taken_for_the_index(
         cur.execute(f"UPDATE {table} SET v = 2 WHERE id = 1001")
     compacted: list[int] = []
     real = keyed.crash_point
-    _, namespace, name = target.split(".")
+    catalog, namespace, name = target.split(".")
 
     def compaction(point: str, *args: Any, **kwargs: Any) -> None:
         if point == "row-delta" and not compacted:  # the lookup is done, the commit not yet
-            spark.sql(f"CALL {target.split('.')[0]}.system.rewrite_data_files(table => "
+            spark.sql(f"CALL {catalog}.system.rewrite_data_files(table => "
                       f"'{namespace}.{name}', options => map('rewrite-all', 'true'))")
+            if expire:
+                spark.sql(f"CALL {catalog}.system.expire_snapshots(table => "
+                          f"'{namespace}.{name}', older_than => TIMESTAMP '2999-01-01', "
+                          "retain_last => 1)")
             compacted.append(hadoop_table(warehouse, target).current_snapshot().snapshot_id)
         real(point, *args, **kwargs)
 
     monkeypatch.setattr(keyed, "crash_point", compaction)
-    run_once(config, spark)
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
     monkeypatch.undo()
     assert compacted
     landed = hadoop_table(warehouse, target).current_snapshot()
     assert landed.parent_snapshot_id == compacted[0]  # (the commit went on top of it)
+    if expire:
+        assert len(hadoop_table(warehouse, target).snapshots()) == 2
+        assert re.search(rf"commit to {re.escape(target)} failed .*trying again",
+                         caplog.text), caplog.text[-3000:]
+        # (the index followed the compaction's files to the table's snapshot, then the batch)
+        assert KeyIndex(config.index_dir / target).snapshot == landed.snapshot_id
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = -5 WHERE id = 5")
         cur.execute(f"DELETE FROM {table} WHERE id = 6")
@@ -766,3 +780,54 @@ def test_a_new_primary_key_never_reads_the_old_key_s_index(
         cur.execute(f"UPDATE {table} SET v = 3 WHERE uid BETWEEN 300 AND 305 OR uid < 5")
     run_once(config, spark)
     assert iceberg_rows(warehouse, target, key="uid") == postgres_rows(pg_conn, table, key="uid")
+
+
+def test_a_table_made_again_never_reads_the_old_table_s_index(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The Iceberg table is dropped and walberg copies it again: another table (its own
+    table-uuid). The old table's key index is put back in its place, its snapshot id made the
+    new table's (as if two ids had met by chance): read, it would delete rows by position in
+    data files the new table does not have. It is made anew instead. So is an index of the
+    right table that the older walberg wrote (no table recorded), once."""
+    import shutil
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 200) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    target = config.target_for(table)
+    run_once(config, spark)
+    directory = config.index_dir / target
+    shutil.copytree(directory, tmp_path / "old-index")
+    old_uuid = hadoop_table(warehouse, target).metadata.table_uuid
+
+    spark.sql(f"DROP TABLE {quote_target(target)}")
+    run_once(config, spark)  # copied again
+    made_again = hadoop_table(warehouse, target)
+    assert made_again.metadata.table_uuid != old_uuid
+    shutil.rmtree(directory)
+    shutil.copytree(tmp_path / "old-index", directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["snapshot"] = made_again.current_snapshot().snapshot_id
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = -v WHERE id BETWEEN 90 AND 110")
+        cur.execute(f"DELETE FROM {table} WHERE id = 150")
+    _run_logged(config, spark, caplog)
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+    # (from the lake, or the copy the new table's index keeps in the warehouse)
+    assert re.search("rebuilt from the lake|fetched from the warehouse", caplog.text), \
+        caplog.text[-3000:]
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest.pop("table") == str(made_again.metadata.table_uuid)
+    (directory / "manifest.json").write_text(json.dumps(manifest))  # as the older walberg
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET v = 0 WHERE id BETWEEN 100 AND 120")
+    _run_logged(config, spark, caplog)
+    assert re.search("rebuilt from the lake|fetched from the warehouse", caplog.text), \
+        caplog.text[-3000:]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)

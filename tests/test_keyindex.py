@@ -5,6 +5,7 @@ the same."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyClash, KeyCodec
-from walberg.apply.position.keyindex import Entry, KeyIndex
+from walberg.apply.position.keyindex import MANIFEST, Entry, KeyIndex
 
 Model = dict[int, tuple[str, int]]
 
@@ -201,6 +202,27 @@ def test_a_hit_counts_only_when_its_check_matches(tmp_path: Path) -> None:
     with pytest.raises(KeyClash):
         KeyIndex(tmp_path / "other").rebuild(1, iter([(np.array([1, 1]), np.array([1, 2]),
                                                         ["a", "a"], np.array([0, 1]))]))
+
+
+def test_an_index_is_of_one_table_whatever_its_snapshot_id(tmp_path: Path) -> None:
+    """The index records the Iceberg table it describes (its table-uuid) beside the snapshot:
+    another table under the same name (dropped and made again, restored from elsewhere) is not
+    read at the same snapshot id. An index from before the table was recorded is not read for
+    a table either (made again, once); read without one (tools, tests), it still answers."""
+    entries = [(np.array([1, 2]), None, ["a", "b"], np.array([0, 0]))]
+    KeyIndex(tmp_path / "one", table="uuid-1").rebuild(7, iter(entries))
+    assert KeyIndex(tmp_path / "one", table="uuid-1").built
+    assert KeyIndex(tmp_path / "one").table == "uuid-1"
+    other = KeyIndex(tmp_path / "one", table="uuid-2")
+    assert not other.built and other.snapshot is None
+    other.rebuild(7, iter(entries))  # made again for the other table, which it is now
+    assert KeyIndex(tmp_path / "one").table == "uuid-2"
+    assert not KeyIndex(tmp_path / "one", table="uuid-1").built
+
+    KeyIndex(tmp_path / "legacy").rebuild(7, iter(entries))  # as the older code wrote it
+    assert "table" not in json.loads((tmp_path / "legacy" / MANIFEST).read_text())
+    assert KeyIndex(tmp_path / "legacy").built
+    assert not KeyIndex(tmp_path / "legacy", table="uuid-1").built
 
 
 @settings(max_examples=30, deadline=None)

@@ -21,7 +21,8 @@ from walberg.apply.position.keystore import KeyStore, Place
 
 
 def _index(folder: Path, keys: list[int], encoding: str = "pair") -> KeyIndex:
-    index = KeyIndex(folder, encoding=encoding, chunk=5, max_delta=1000, keys=["a", "b"])
+    index = KeyIndex(folder, encoding=encoding, chunk=5, max_delta=1000, keys=["a", "b"],
+                     table="uuid-1")
     ordered = np.array(sorted(set(keys)), np.int64)
     checks = ordered * 7 + 1 if encoding == "pair" else None  # ("int": no checks written)
     index.rebuild(10, iter([(ordered, checks, [f"s3a://b/t/data/f{k % 3}.parquet"
@@ -60,7 +61,11 @@ def test_a_fetched_index_answers_as_the_kept_one(tmp_path_factory: object, keys:
     try:
         store.keep("t", place, index.directory, root)
         store.close()
-        fetched = store.fetch(place, root / "there", encoding, ["a", "b"], lambda s: True)
+        # Another table in its place (dropped and made again), at the same snapshot id: none.
+        assert store.fetch(place, root / "other", encoding, ["a", "b"], "uuid-2",
+                           lambda s: True) is None
+        fetched = store.fetch(place, root / "there", encoding, ["a", "b"], "uuid-1",
+                              lambda s: True)
     finally:
         keystore.PIECE = old_piece
     assert fetched == 11
@@ -100,11 +105,11 @@ def test_only_the_newest_state_stays_and_only_usable_ones_are_fetched(tmp_path: 
     assert bases == {index._base}, left
     assert not list(tmp_path.glob("keep-*")), "the links taken to keep are removed"
 
-    assert store.fetch(place, tmp_path / "a", "pair", None, lambda s: s != 14) is None
-    assert store.fetch(place, tmp_path / "b", "int", None, lambda s: True) is None
+    assert store.fetch(place, tmp_path / "a", "pair", None, None, lambda s: s != 14) is None
+    assert store.fetch(place, tmp_path / "b", "int", None, None, lambda s: True) is None
     # Made for the key (a, b): not for another key of the same types (a new primary key).
-    assert store.fetch(place, tmp_path / "b", "pair", ["a", "c"], lambda s: True) is None
-    assert store.fetch(place, tmp_path / "c", "pair", ["a", "b"], lambda s: s == 14) == 14
+    assert store.fetch(place, tmp_path / "b", "pair", ["a", "c"], None, lambda s: True) is None
+    assert store.fetch(place, tmp_path / "c", "pair", ["a", "b"], None, lambda s: s == 14) == 14
     assert _answers(KeyIndex(tmp_path / "c", encoding="pair"), list(range(20))) == \
         _answers(index, list(range(20)))
     assert not KeyIndex(tmp_path / "c", encoding="pair", keys=["a", "c"]).built
@@ -119,6 +124,6 @@ def test_a_fetch_that_fails_leaves_no_index(tmp_path: Path) -> None:
     store.close()
     (tmp_path / "warehouse" / index._base / "positions.0").write_bytes(b"not zstd")
     with pytest.raises(OSError):  # (Arrow: the zstd stream is not one)
-        store.fetch(place, tmp_path / "there", "pair", None, lambda s: True)
+        store.fetch(place, tmp_path / "there", "pair", None, None, lambda s: True)
     assert not (tmp_path / "there").exists()
     assert not KeyIndex(tmp_path / "there", encoding="pair").built

@@ -73,7 +73,7 @@ def test_run_maintains_on_schedule_between_batches(pg_conn: Any, postgres: Any, 
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
     raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
-    raw["maintenance"] = {"every": "2s", "snapshot_retention": "0s", "retain_last": 2}
+    raw["maintenance"] = {"every": "2s", "snapshot_retention": "0s", "retain_last": 1}
     config = parse_config(raw, tmp_path, "test")
     pipeline = Pipeline(config, session=spark)
     lake = Lake(config, session=spark)

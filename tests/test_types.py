@@ -290,6 +290,8 @@ ROWS = [
      "d": "9999-12-31", "ts": "2038-01-19 03:14:08", "tstz": "1969-07-20 20:17:40+00"},
     # id 5: verify's column separator (0x1f) inside a text
     {"tx": "a\x1fVb", "vc": "c"},
+    # id 6: a vertical tab, and its JSON escape as text (verify compares arrays as JSON)
+    {"tx": "a\x0bb\\u000b", "vc": "\x0b", "at": '{"a\x0bb","\\\\u000b","\\\\u001F"}'},
 ]
 # Rows that cannot be written exactly: they must land in the dead-letter table.
 BAD = {

@@ -98,11 +98,14 @@ def _spark_text(v: str, sql: str) -> str:
 
 
 # Postgres escapes a control character in JSON with lowercase hex digits, Spark (Jackson) with
-# uppercase: Postgres's side spelled as Spark's.
-_JACKSON_ESCAPES = "{}"
+# uppercase: Postgres's side spelled as Spark's. A text that holds a backslash and "u000b" reads
+# "\\u000b" in JSON and is not an escape: escaped backslashes stand aside meanwhile as chr(1),
+# which JSON never holds raw (every control character in it is escaped).
+_JACKSON_ESCAPES = "replace({}, '\\\\', chr(1))"
 for _code in (0x0B, 0x0E, 0x0F, 0x1A, 0x1B, 0x1C, 0x1D, 0x1E, 0x1F):
     _JACKSON_ESCAPES = (f"replace({_JACKSON_ESCAPES}, '\\u{_code:04x}', "
                         f"'\\u{_code:04X}')")
+_JACKSON_ESCAPES = f"replace({_JACKSON_ESCAPES}, chr(1), '\\\\')"
 
 
 def pg_render(col: Column, t: SparkType) -> str:

@@ -111,8 +111,7 @@ def remembered(kind: str, path: Path, check: Callable[[], str], keep_mtime: bool
         st = path.resolve().stat()
     except OSError:
         return check()
-    key = f"{kind}\n{path.resolve()}\n{st.st_ino}\n{st.st_size}\n" \
-          f"{st.st_mtime_ns if keep_mtime else ''}"
+    key = f"{kind}\n{path.resolve()}\n{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns if keep_mtime else ''}"
     memo = temp_folder() / "checked" / hashlib.sha1(key.encode()).hexdigest()[:20]
     try:
         return memo.read_text()
@@ -289,8 +288,7 @@ def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dic
     any) of a session."""
     java = find_java()
     version = check_java(java)
-    if "JAVA_HOME" not in os.environ:
-        os.environ["JAVA_HOME"] = str(java.resolve().parent.parent)
+    os.environ.setdefault("JAVA_HOME", str(java.resolve().parent.parent))
     jar = iceberg_jar()
     log_conf = _log_config()
     prefix = f"spark.sql.catalog.{catalog}"
@@ -304,6 +302,8 @@ def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dic
         "spark.sql.shuffle.partitions": "2",
         "spark.sql.adaptive.enabled": "true",
         "spark.driver.memory": "2g",
+        # Spark's own catalog makes this folder when first touched (default: ./spark-warehouse)
+        "spark.sql.warehouse.dir": str(temp_folder() / "spark-warehouse"),
         # A value that does not fit its type must fail loudly, never become NULL.
         "spark.sql.ansi.enabled": "true",
         prefix: "org.apache.iceberg.spark.SparkCatalog",

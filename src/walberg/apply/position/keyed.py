@@ -8,24 +8,23 @@ row delta (``rowdelta.commit_row_delta``): the rows of the keys it changes or de
 deleted by (data file, position), its new rows are added, in one commit that carries the
 source's marks. Nothing reads the table.
 
-Which tables: a key of integer, date, timestamp or text-like columns (uuid, text, varchar,
-and any combination of them; ``keycodec`` says how each key becomes an index entry),
-partitioned or not (deletes are written per partition), format 2 (position-delete files) or 3
-(deletion vectors), merge-on-read, written by one source or fanned in from several (each
-source's index holds its own partition), in upsert mode, with ``sink.apply_by_position`` on
-(the default). Which batches: those without a TRUNCATE and
-without an UPDATE that left a TOASTed value unsent (its value has to come from the lake's
-row). Every other table or batch takes the MERGE, as before; so does a table two of whose keys
-share an index entry (``KeyClash``, a 64-bit clash: about one table in 400,000 at ten million
-keys).
+Which tables: a key of integer, date, timestamp or text-like columns (uuid, text, varchar, and
+any combination of them; ``keycodec`` says how each key becomes an index entry), partitioned or
+not (deletes are written per partition), format 2 (position-delete files) or 3 (deletion
+vectors), merge-on-read, written by one source or fanned in from several (each source's index
+holds its own partition), in upsert mode, with ``sink.apply_by_position`` on (the default).
+Which batches: those without a TRUNCATE and without an UPDATE that left a TOASTed value unsent
+(its value has to come from the lake's row). Every other table or batch takes the MERGE, as
+before; so does a table two of whose keys share an index entry (``KeyClash``, a 64-bit clash:
+about one table in 400,000 at ten million keys).
 
-The index describes one snapshot of the table. Before a batch it is brought to the table's
-current snapshot: nothing to do when it is there already; the rows of appends since (an
-insert-only batch, a chunk of the initial copy) and of compactions (``walberg maintain``) are
-taken from the files they wrote; anything else (a MERGE, a crash between a commit and the
-index's update, a copy that replaced the table) rebuilds it from the lake. So the index is
-derived from the lake and never needs to be committed with it: a kill -9 at any point costs
-at most one rebuild.
+The index describes one snapshot of one table (by table-uuid: one dropped and made again is
+another). Before a batch it is brought to the table's current snapshot: nothing to do when it is
+there already; the rows of appends since (an insert-only batch, a chunk of the initial copy) and
+of compactions (``walberg maintain``) are taken from the files they wrote; anything else (a MERGE,
+a crash between a commit and the index's update, a copy that replaced the table) rebuilds it from
+the lake. So the index is derived from the lake and never needs to be committed with it: a kill -9
+at any point costs at most one rebuild.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ from walberg.apply.position.keyindex import (
     sorted_unique_pairs,
 )
 from walberg.apply.position.keystore import KeyStore, Place, place_of
-from walberg.apply.position.lakekeys import Files, live_scan
+from walberg.apply.position.lakekeys import Files, live_scan, table_uuid
 from walberg.apply.position.livefiles import LiveFiles, read_blob
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.position.rowdelta import (
@@ -221,12 +220,12 @@ class KeyedApply:
         positions, codec = found_key
         keys = [columns[i].name for i in positions]
         self._wait_for_fetch(target)
-        found = self._indexes.get(target)
-        if found is None or found.encoding != codec.name or found.keys not in (None, tuple(keys)):
+        table = java_table(self.lake.spark, target) if table is None else table
+        uuid, found = table_uuid(table), self._indexes.get(target)
+        if found is None or (found.encoding, found.table) != (codec.name, uuid) or \
+                found.keys not in (None, tuple(keys)):
             found = self._indexes[target] = KeyIndex(self._directory(target),
-                                                     encoding=codec.name, keys=keys)
-        if table is None:
-            table = java_table(self.lake.spark, target)
+                                                     encoding=codec.name, keys=keys, table=uuid)
         current = table.currentSnapshot()
         now = None if current is None else int(current.snapshotId())
         if not found.built and self._store is not None:
@@ -309,7 +308,7 @@ class KeyedApply:
         directory = self._directory(target)
         try:
             snapshot = self._store.fetch(
-                place, directory, None if codec is None else codec.name, keys,
+                place, directory, None if codec is None else codec.name, keys, table_uuid(table),
                 lambda s: s == now or self._appends_since(table, s, now) is not None)
         except Exception as exc:
             log.warning("key index of %s: the copy in the warehouse could not be read (%s); "
@@ -588,9 +587,10 @@ class KeyedApply:
             if found is None:
                 return
             try:
+                table = java_table(self.lake.spark, target)
                 if keys is not None and copied is not None and copied.snapshot is not None:
-                    self._index_from_copy(target, found[1], keys, copied.snapshot)
-                self.index(target, columns)
+                    self._index_from_copy(target, found[1], keys, copied.snapshot, table)
+                self.index(target, columns, table)
             except ByMerge as exc:
                 self.clashed(target, exc)
         finally:
@@ -598,13 +598,13 @@ class KeyedApply:
                 keys.discard()
 
     def _index_from_copy(self, target: str, codec: KeyCodec, keys: KeysAsWritten,
-                         snapshot: int) -> None:
-        """The table's index made from the keys its copy's rows gave as they were written, as
-        of the copy's commit ``snapshot``; on a failure other than ``ByMerge``, left for
-        ``index`` to make from the lake (with a warning)."""
+                         snapshot: int, table: Any) -> None:
+        """The table's index (``table``: the Iceberg Java table) made from the keys its copy's
+        rows gave as they were written, as of the copy's commit ``snapshot``; on a failure
+        other than ``ByMerge``, left for ``index`` to make from the lake (with a warning)."""
         started = time.monotonic()
         index = self._indexes[target] = KeyIndex(self._directory(target), encoding=codec.name,
-                                                 keys=keys.names)
+                                                 keys=keys.names, table=table_uuid(table))
         try:
             keys.finish(index, snapshot)
         except ByMerge:

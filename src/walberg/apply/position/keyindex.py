@@ -55,14 +55,26 @@ def keys_of(manifest: Mapping[str, Any]) -> Optional[tuple[str, ...]]:
     return None if keys is None else tuple(keys)
 
 
+def table_of(manifest: Mapping[str, Any]) -> Optional[str]:
+    """The Iceberg table (its table-uuid) an index's manifest describes (None: an index from
+    before it was recorded)."""
+    table = manifest.get("table")
+    return None if table is None else str(table)
+
+
 def made_for(manifest: Mapping[str, Any], encoding: Optional[str],
-             keys: Optional[Sequence[str]]) -> bool:
+             keys: Optional[Sequence[str]], table: Optional[str] = None) -> bool:
     """Whether the index of ``manifest`` holds keys of ``encoding`` and of the columns ``keys``
-    (None: any). A table whose key became other columns of the same types (a new primary key,
-    REPLICA IDENTITY USING INDEX) must not read the index of the old ones."""
+    (None: any), of the Iceberg table whose table-uuid is ``table`` (None: any). A table whose
+    key became other columns of the same types (a new primary key, REPLICA IDENTITY USING
+    INDEX) must not read the index of the old ones; nor may a table dropped and created again
+    under the same name (or another table put in its place) read the old table's, even at a
+    snapshot id that happens to be the same. An index from before the table was recorded
+    describes no table for sure: it is made again."""
     held = keys_of(manifest)
     return ((encoding is None or encoding_of(manifest) == encoding)
-            and (keys is None or held is None or held == tuple(keys)))
+            and (keys is None or held is None or held == tuple(keys))
+            and (table is None or table_of(manifest) == table))
 
 
 @dataclass
@@ -137,14 +149,16 @@ class KeyIndex:
 
     def __init__(self, directory: Path, chunk: int = 1 << 20, max_delta: int = 2_000_000,
                  encoding: str = "int", keys: Optional[Sequence[str]] = None,
-                 max_runs: int = 16) -> None:
+                 max_runs: int = 16, table: Optional[str] = None) -> None:
         """``encoding``: the key codec's name (``keycodec.KeyCodec.name``); ``keys``: the key
-        columns' names (None: those of the index on disk). An index on disk made for another
-        encoding or other columns is not read (the caller rebuilds it). More than
-        ``max_runs`` deltas are joined into one."""
+        columns' names (None: those of the index on disk); ``table``: the Iceberg table's
+        table-uuid (None: that of the index on disk). An index on disk made for another
+        encoding, other columns or another table is not read (the caller rebuilds it). More
+        than ``max_runs`` deltas are joined into one."""
         self.directory = directory
         self.encoding = encoding
         self.keys: Optional[tuple[str, ...]] = None if keys is None else tuple(keys)
+        self.table = table
         self.chunk = chunk
         self.max_delta = max_delta
         self.max_runs = max_runs
@@ -164,10 +178,12 @@ class KeyIndex:
         if not path.exists():
             return
         manifest = json.loads(path.read_text())
-        if not made_for(manifest, self.encoding, self.keys):
+        if not made_for(manifest, self.encoding, self.keys, self.table):
             return
         if self.keys is None:
             self.keys = keys_of(manifest)
+        if self.table is None:
+            self.table = table_of(manifest)
         self.snapshot = manifest["snapshot"]
         self._files = manifest["files"]
         self._file_ids = {f: i for i, f in enumerate(self._files)}
@@ -186,7 +202,8 @@ class KeyIndex:
         manifest = {"snapshot": self.snapshot, "files": self._files, "base": self._base,
                     "base_size": self._base_size, "deltas": self._delta_names,
                     "encoding": self.encoding,
-                    **({} if self.keys is None else {"keys": list(self.keys)})}
+                    **({} if self.keys is None else {"keys": list(self.keys)}),
+                    **({} if self.table is None else {"table": self.table})}
         partial = self.directory / f"{MANIFEST}.{uuid.uuid4().hex}"
         with open(partial, "w") as out:
             json.dump(manifest, out)

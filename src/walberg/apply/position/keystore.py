@@ -20,10 +20,11 @@ state of a table is kept. A run waits for it before it ends (``close``). A crash
 leaves the folder at an older snapshot, or with files no manifest names (removed by the next
 keep): a manifest only names files written before it.
 
-Fetched: only when this disk has no index for the table, and only a manifest whose snapshot is
-the table's current one or one the index follows to it (appends and compactions since; the
-caller says which). Anything else, or any failure, and the index is read from the lake as
-before: the copy in the warehouse saves time, never decides what is right.
+Fetched: only when this disk has no index for the table, and only a manifest of the same table
+(its table-uuid) whose snapshot is the table's current one or one the index follows to it
+(appends and compactions since; the caller says which). Anything else, or any failure, and the
+index is read from the lake as before: the copy in the warehouse saves time, never decides what
+is right.
 """
 
 from __future__ import annotations
@@ -222,10 +223,12 @@ class KeyStore:
     # ---- fetching ---------------------------------------------------------------------------
 
     def fetch(self, place: Place, directory: Path, encoding: Optional[str],
-              keys: Optional[Sequence[str]], usable: Callable[[int], bool]) -> Optional[int]:
+              keys: Optional[Sequence[str]], table: Optional[str],
+              usable: Callable[[int], bool]) -> Optional[int]:
         """Bring into ``directory`` (holding no index) the newest kept index whose snapshot is
-        ``usable`` and made with ``encoding`` for the key columns ``keys`` (None: any); its
-        snapshot, or None (nothing to fetch)."""
+        ``usable`` and made with ``encoding`` for the key columns ``keys`` (None: any) of the
+        table whose table-uuid is ``table`` (None: any); its snapshot, or None (nothing to
+        fetch)."""
         infos = place.fs.get_file_info(pafs.FileSelector(place.folder, allow_not_found=True))
         found = sorted((int(m.group(1)) for m in (_SNAPSHOT.fullmatch(i.base_name)
                                                   for i in infos) if m), reverse=True)
@@ -234,7 +237,7 @@ class KeyStore:
                 continue
             with place.fs.open_input_stream(place.path(f"snapshot-{snapshot}.json")) as source:
                 manifest = json.loads(source.read().decode())
-            if not made_for(manifest, encoding, keys):
+            if not made_for(manifest, encoding, keys, table):
                 return None
             packed = bool(manifest.pop("packed", False))
             sizes: dict[str, int] = manifest.pop("kept")

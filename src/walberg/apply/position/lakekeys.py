@@ -32,6 +32,13 @@ from walberg.apply.session import java_items
 from walberg.errors import ApplyError
 
 
+def table_uuid(table: Any) -> Optional[str]:
+    """The Iceberg Java table's table-uuid, what a key index describes besides a snapshot id
+    (None: its metadata has none, as some written by old Iceberg versions)."""
+    found = table.operations().current().uuid()
+    return None if found is None else str(found)
+
+
 @dataclass(frozen=True)
 class Delete:
     """A delete file that applies to a data file: a position-delete file (Parquet), or a
