@@ -20,8 +20,8 @@ from walberg.buffer.store import SegmentStore
 from walberg.config import parse_config
 from walberg.errors import Terminal
 from walberg.runtime.applier import Batch
-from walberg.runtime.kafka_frames import FRAME_KAFKA, FRAME_KAFKA_PAST, FRAME_KAFKA_RUN
-from walberg.runtime.kafka_stager import KafkaReport, KafkaStager
+from walberg.runtime.kafka.frames import FRAME_KAFKA, FRAME_KAFKA_PAST, FRAME_KAFKA_RUN
+from walberg.runtime.kafka.stager import KafkaReport, KafkaStager
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 

@@ -38,8 +38,8 @@ DEFAULT_FOLDER = "_walberg_staging"
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # `walberg verify`'s folder in buffer.dir for the source's row hashes (ops.verify).
 VERIFY_FOLDER = "walberg-verify-"
-# The folders made in buffer.dir for one batch (runtime.pg_stager, runtime.kafka_stager), one
-# initial copy (runtime.initial_copy), a Kafka batch's dead letters (runtime.kafka_stager) or
+# The folders made in buffer.dir for one batch (runtime.pg_stager, runtime.kafka.stager), one
+# initial copy (runtime.initial_copy), a Kafka batch's dead letters (runtime.kafka.stager) or
 # one verify.
 LOCAL_FOLDERS = ("batch-", "walberg-copy-", "walberg-dlq-", VERIFY_FOLDER)
 

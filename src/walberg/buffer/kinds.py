@@ -3,7 +3,7 @@ other: a kind not listed here was written by a newer walberg, and what it holds 
 applied by this one (skipping it would leave its changes out of the lake without a word).
 
 The segment store reads payloads of no kind; the stages that write a kind read it back
-(``runtime.pg_stager``, ``runtime.kafka_frames``)."""
+(``runtime.pg_stager``, ``runtime.kafka.frames``)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.errors import SourceError, Terminal, Transient
 from walberg.runtime.applier import Partition
-from walberg.runtime.kafka_frames import FRAME_KAFKA_PAST, FRAME_KAFKA_RUN
+from walberg.runtime.kafka.frames import FRAME_KAFKA_PAST, FRAME_KAFKA_RUN
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 

@@ -31,7 +31,7 @@ from walberg.faults import failure_point
 from walberg.lakeside import commit_with_retries
 from walberg.model import Column, Layout, Lsn
 from walberg.runtime.applier import Batch, Partition, grow_batch
-from walberg.runtime.kafka_frames import read_segment
+from walberg.runtime.kafka.frames import read_segment
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
 from walberg.source import kafka
