@@ -13,7 +13,7 @@ it exactly once in the lake:
   lake (the earliest offset for a partition the lake has never seen), never from the
   consumer group's committed offsets, which walberg writes only for lag monitoring;
 - records that cannot be applied are written to the dead-letter files before the table's
-  commit, and a replay never writes a record there twice (see ``KafkaStager.before_commit``);
+  commit, and a replay never writes a record there twice (see ``DeadLetters.write``);
 - segments are removed only once what they hold is in Iceberg.
 """
 

@@ -39,7 +39,7 @@ _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # `walberg verify`'s folder in buffer.dir for the source's row hashes (ops.verify).
 VERIFY_FOLDER = "walberg-verify-"
 # The folders made in buffer.dir for one batch (runtime.pg_stager, runtime.kafka.stager), one
-# initial copy (runtime.initial_copy), a Kafka batch's dead letters (runtime.kafka.stager) or
+# initial copy (runtime.initial_copy), a Kafka batch's dead letters (runtime.kafka.dead_letters) or
 # one verify.
 LOCAL_FOLDERS = ("batch-", "walberg-copy-", "walberg-dlq-", VERIFY_FOLDER)
 

@@ -1,55 +1,39 @@
-"""A Kafka batch: the Debezium records of sealed segments staged as changes per table, and
-what a table needs before its commit (created from the records' shape). Commits of a Kafka
-batch are marked with the next offset of every partition of the table's topic that the batch
-read (``walberg.offset.<topic>.<partition>``)."""
+"""A Kafka batch: the Debezium records of sealed segments staged as changes per table (runs of
+a topic's records decoded in columns, the others one at a time), the next offset of every
+partition read, and the records that cannot be applied. The stager the applier drives: what a
+topic's table is lives in ``tables``, the offsets a commit carries in ``marks``, the writing of
+dead letters in ``dead_letters``."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from walberg import metrics
-from walberg.apply import evolution
 from walberg.apply.batch import BatchBuilder, StagedTable
-from walberg.apply.iceberg import OFFSET_PROPERTY, IcebergSink
-from walberg.apply.types import TypeMap, pg_type_for
+from walberg.apply.iceberg import IcebergSink
+from walberg.apply.types import TypeMap
 from walberg.buffer.store import SegmentInfo, SegmentStore
-from walberg.config import Config, KafkaTopic
-from walberg.errors import ConfigError
-from walberg.faults import failure_point
-from walberg.lakeside import commit_with_retries
-from walberg.model import Column, Layout, Lsn
+from walberg.config import Config
 from walberg.runtime.applier import Batch, Partition, grow_batch
+from walberg.runtime.kafka.dead_letters import DeadLetters, refused
 from walberg.runtime.kafka.frames import read_segment
+from walberg.runtime.kafka.marks import OffsetMarks
+from walberg.runtime.kafka.tables import NewColumns, Shape, TopicTables
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
 from walberg.source import kafka
-from walberg.source.debezium_columns import Columns, Decoded, is_envelope, split_envelope
+from walberg.source.debezium_columns import Columns, Decoded, split_envelope
 
 log = logging.getLogger("walberg")
 
 _RUN = 50_000  # records decoded in columns at once, at most
-# A topic's table's key columns (a JSON list), for a run whose first record names none: a
-# Debezium truncate has no message key.
-KEY_PROPERTY = "walberg.key"
-_SCHEMAS = 64  # schema texts remembered per table, at most
-
-DEAD_LETTER_SCHEMA = pa.schema([
-    pa.field("topic", pa.string()), pa.field("partition", pa.int32()),
-    pa.field("offset", pa.int64()), pa.field("timestamp_ms", pa.int64()),
-    pa.field("key", pa.binary()), pa.field("value", pa.binary()),
-    pa.field("table", pa.string()), pa.field("_dlq_reason", pa.string())])
 
 
 @dataclass
@@ -58,92 +42,6 @@ class KafkaReport:
     records: int = 0  # changes staged for Iceberg
     dead_letters: int = 0
     offsets: dict[Partition, int] = field(default_factory=dict)  # next offset applied
-
-
-@dataclass
-class _Shape:
-    """A topic's table as walberg stages it: columns (with keys) and their value types."""
-
-    columns: tuple[Column, ...]
-    types: tuple[dbz.FieldType, ...]
-    images: dbz.Images = field(init=False)  # (records without a schema of their own)
-
-    decoder: Columns = field(init=False)  # the same, a run of records at a time
-    # Records with a schema of their own: a decoder per schema text seen (and checked).
-    schemas: dict[bytes, Columns] = field(init=False, default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.images = dbz.Images(self.columns, self.types)
-        self.decoder = Columns(self.images)
-
-
-def offsets_text(offsets: Mapping[Partition, int]) -> str:
-    return ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(offsets.items())) or "-"
-
-
-class OffsetMarks:
-    """A Kafka commit records the next offset of each partition of the table's topic."""
-
-    def __init__(self, state: RunState, topics: dict[str, str]) -> None:
-        self.state = state
-        self.topics = topics  # table name -> topic
-        # The changelog beside a table in mode both: the next offset of each partition it
-        # holds (it commits before its table, so it may hold more than the table).
-        self.changelog: dict[str, dict[Partition, int]] = {}
-
-    def _of(self, table: str, batch: Batch) -> dict[Partition, int]:
-        topic = self.topics.get(table)
-        return {tp: o for tp, o in batch.offsets.items() if topic is None or tp[0] == topic}
-
-    def marks(self, table: str, batch: Batch) -> Optional[dict[str, str]]:
-        return {f"{OFFSET_PROPERTY}.{t}.{p}": str(o) for (t, p), o in self._of(table, batch).items()}
-
-    def landed(self, sink: IcebergSink, table: str, target: str, batch: Batch) -> bool:
-        held = sink.committed_offsets(target)
-        return all(held.get(tp, -1) >= o for tp, o in self._of(table, batch).items())
-
-    def upto(self, table: str, batch: Batch) -> str:
-        return f"offsets {offsets_text(self._of(table, batch) if table else batch.offsets)}"
-
-    def held(self, table: str) -> str:
-        topic = self.topics.get(table)
-        held = {tp: o for tp, o in self.state.lake_offsets().items() if tp[0] == topic}
-        return f"offsets {offsets_text(held)}"
-
-    def record(self, table: str, batch: Batch) -> None:
-        self.state.advance_offsets(self._of(table, batch), lake=True)
-
-    def in_changelog(self, table: str, batch: Batch) -> tuple[Optional[Lsn], list[tuple[int, int]]]:
-        """The seq ranges of the batch's records below the offsets the changelog holds: a
-        replay after its commit landed and the table's did not (they are a run of records at
-        the batch's start, so mostly one range)."""
-        held = self.changelog.get(table)
-        if not held:
-            return None, []
-        topic = self.topics.get(table)
-        skip: list[tuple[int, int]] = []
-        before = False  # whether the record before (of this topic) is skipped too
-        for seq, t, p, o in batch.records:
-            if t != topic:
-                continue
-            if o >= held.get((t, p), 0):
-                before = False
-            elif before:
-                skip[-1] = (skip[-1][0], seq)
-            else:
-                skip.append((seq - 1, seq))  # a record's changes take seq - 1 and seq
-                before = True
-        return None, skip
-
-    def changelog_holds(self, table: str, batch: Batch) -> None:
-        held = self.changelog.setdefault(table, {})
-        for tp, o in self._of(table, batch).items():
-            held[tp] = max(held.get(tp, 0), o)
-
-    def read_changelog(self, sink: IcebergSink, table: str, changelog: str) -> None:
-        topic = self.topics.get(table)
-        self.changelog[table] = {tp: o for tp, o in sink.committed_offsets(changelog).items()
-                                 if tp[0] == topic}
 
 
 class KafkaStager:
@@ -161,17 +59,10 @@ class KafkaStager:
         self.topics = list(self.kafka.topics)
         self.names = {t: self.kafka.table_for(t) for t in self.topics}  # topic -> table name
         self.targets = targets  # topic -> Iceberg table
-        self._sink = sink
         self.report = report
         self.marks = OffsetMarks(state, {n: t for t, n in self.names.items()})
-        self._shapes: dict[str, _Shape] = {}
-
-    @property
-    def sink(self) -> IcebergSink:
-        return self._sink()
-
-    def _topic_of(self, name: str) -> str:
-        return next(t for t, n in self.names.items() if n == name)
+        self.tables = TopicTables(config, types, self.names, targets, sink)
+        self.dead = DeadLetters(config, state, self.names, targets, sink, self.marks)
 
     def prepare_next(self, after: Optional[Batch]) -> Optional[Batch]:
         """The sealed segments after ``after``'s, ``buffer.max_batch_bytes`` at a time,
@@ -236,7 +127,7 @@ class KafkaStager:
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=self.config.segment_dir))
         builder = BatchBuilder(workdir, prep=lambda name, columns: self.types.prep(
-            columns, self.targets[self._topic_of(name)]))
+            columns, self.targets[self.tables.topic_of(name)]))
         into = _Staging(builder)
         read: list[SegmentInfo] = []
         cut = False
@@ -260,7 +151,7 @@ class KafkaStager:
                     segments += more
                     waited += waited_now
             staged = builder.finish()
-            into.dead += _refused(staged, into.by_seq)
+            into.dead += refused(staged, into.by_seq)
             # (not the records themselves: the batch lives on through its commit, beside the
             # next one's staging)
             both = {t for t in self.topics if self.config.layout_for(self.names[t]).mode == "both"}
@@ -283,7 +174,7 @@ class KafkaStager:
         i = 0
         while i < len(records):
             topic = records[i].topic
-            shape = self._shapes.get(topic) if topic in self.names else None
+            shape = self.tables.shapes.get(topic) if topic in self.names else None
             decoder, text = self._form(shape, records[i])
             if shape is None or decoder is None:
                 if self._stage_one(into, records[i]):
@@ -310,13 +201,13 @@ class KafkaStager:
                     for k in range(lo + a, lo + b):
                         if self._stage_one(into, run[k]):
                             return True
-                        if self._shapes.get(topic) is not shape:  # the record's schema added columns
+                        if self.tables.shapes.get(topic) is not shape:  # the record's schema added columns
                             return self._stage_records(into, run[k + 1:] + records[j:])
             i = j
         return False
 
     @staticmethod
-    def _form(shape: Optional[_Shape], record: kafka.Record) -> tuple[Optional[Columns], bytes]:
+    def _form(shape: Optional[Shape], record: kafka.Record) -> tuple[Optional[Columns], bytes]:
         """The decoder that takes the record in columns, and the text it reads (the value, or
         the payload of a value whose schema text was seen before); None: one at a time."""
         value = record.value
@@ -338,12 +229,12 @@ class KafkaStager:
                 into.by_seq[into.seq] = record
         except dbz.BadRecord as exc:
             into.dead.append((record, str(exc)))
-        except _NewColumns:
+        except NewColumns:
             return True
         into.upto[tp] = max(into.upto.get(tp, 0), record.offset + 1)
         return False
 
-    def _stage_decoded(self, into: _Staging, topic: str, shape: _Shape,
+    def _stage_decoded(self, into: _Staging, topic: str, shape: Shape,
                        records: list[kafka.Record], decoded: Decoded, lo: int, hi: int) -> None:
         """Stage records decoded in columns (rows lo..hi of ``decoded``): one change each."""
         seqs = into.seq + 2 * np.arange(1, len(records) + 1, dtype=np.int64)
@@ -365,16 +256,16 @@ class KafkaStager:
             return False  # a tombstone: Kafka's compaction marker, not a change
         event = dbz.parse_event(record.value)
         key = dbz.parse_key(record.key)
-        shape = self._shape(record.topic, event, key)
+        shape = self.tables.shape(record.topic, event, key)
         name, target = self.names[record.topic], self.targets[record.topic]
         if event.fields is not None:
-            shape = self._widened(record.topic, shape, event.fields, builder)
+            shape = self.tables.widened(record.topic, shape, event.fields, builder)
         images = shape.images
         if event.fields is not None:
             table = {c.name: (c, t) for c, t in zip(shape.columns, shape.types, strict=True)}
             fields = tuple((n, dbz.as_column(t, *table[n]) if n in table else t)
                            for n, t in event.fields)
-            dbz.check_fields(fields, shape.columns, lambda t, c: self._same_type(t, c, target))
+            dbz.check_fields(fields, shape.columns, lambda t, c: self.tables.same_type(t, c, target))
             # The record's own encoding (e.g. microseconds or milliseconds) reads its values.
             given = dict(fields)
             images = dbz.Images(shape.columns, tuple(
@@ -387,176 +278,14 @@ class KafkaStager:
         for i, (op, row) in enumerate(staged):
             builder.add(name, shape.columns, op, seq - len(staged) + 1 + i, lsn, row)
         if event.fields is not None:
-            self._learn(shape, record.value, images)
+            self.tables.learn(shape, record.value, images)
         return True
-
-    @staticmethod
-    def _learn(shape: _Shape, value: bytes, images: dbz.Images) -> None:
-        """Remember a schema text whose record was staged, so that later records carrying the
-        same text (byte for byte) are decoded in columns with the same types."""
-        parts = split_envelope(value)
-        if parts is None or parts[0] in shape.schemas or len(shape.schemas) >= _SCHEMAS:
-            return
-        if is_envelope(parts):
-            shape.schemas[parts[0]] = Columns(images)
-
-    def _widened(self, topic: str, shape: _Shape, fields: tuple[tuple[str, dbz.FieldType], ...],
-                 builder: BatchBuilder) -> _Shape:
-        """Schema evolution a record's schema asks for: fields the table lacks become new
-        (nullable) columns at its end, and a field whose type Iceberg can widen the column to
-        in place (int32 to int64, float32 to float64, a decimal of more digits at the same
-        scale: what Debezium sends after the source column's type was widened) widens it;
-        unless the pipeline file gives the columns or ``sink.schema_evolution`` is strict (or,
-        for a widening, add_columns).
-        Raises _NewColumns when this batch already has rows of the table with the old
-        columns."""
-        target = self.targets[topic]
-        names = {c.name: i for i, c in enumerate(shape.columns)}
-        new = [(n, t) for n, t in fields if n not in names]
-        wider: dict[int, dbz.FieldType] = {}
-        for n, t in fields:
-            if n in names:
-                col = shape.columns[names[n]]
-                mine = self._spark_type(Column(n, t.oid, t.modifier), target)
-                theirs = self._spark_type(col, target)
-                if mine != theirs and evolution.widens(theirs, mine):
-                    wider[names[n]] = t
-        chosen = self.kafka.tables.get(topic)
-        table = self.names[topic]
-        mode = self.config.layout_for(table).schema_evolution
-        if mode != "full":
-            wider = {}  # (add_columns: additions only)
-        if not (new or wider) or (chosen is not None and chosen.columns) or mode == "strict":
-            return shape  # (a field the table lacks, or of another type, is then a dead letter)
-        if builder.columns_of(table) is not None:
-            raise _NewColumns(topic)
-        kept = tuple(Column(c.name, wider[i].oid, wider[i].modifier, c.is_key) if i in wider
-                     else c for i, c in enumerate(shape.columns))
-        columns = kept + tuple(Column(n, t.oid, t.modifier, False) for n, t in new)
-        for c in columns:
-            self.types.spark_type(c, target)
-        types = tuple(wider.get(i, t) for i, t in enumerate(shape.types))
-        widened = self._shapes[topic] = _Shape(columns, types + tuple(t for _, t in new))
-        log.info("%s: the records' schema %s; %s follows", topic, "; ".join(
-            [f"adds {n}" for n, _ in new] +
-            [f"widens {shape.columns[i].name} to {self._spark_type(kept[i], target)}"
-             for i in sorted(wider)]), target)
-        return widened
-
-    def _spark_type(self, col: Column, target: str) -> str:
-        return str(self.types.spark_type(col, target).describe())
-
-    def _same_type(self, t: dbz.FieldType, col: Column, target: str) -> bool:
-        """Whether a record's field lands in ``col`` as it is: the same Iceberg type, or a
-        narrower one the column was widened from (records written before the widening)."""
-        mine = self._spark_type(Column(col.name, t.oid, t.modifier), target)
-        theirs = self._spark_type(col, target)
-        return mine == theirs or evolution.widens(mine, theirs)
-
-    def _fields(self, topic: str, event: dbz.Event) -> list[tuple[str, dbz.FieldType]]:
-        """The table's columns: from the pipeline file, else the existing Iceberg table, else
-        the record's schema, else its JSON values."""
-        chosen = self.kafka.tables.get(topic) or KafkaTopic.model_validate({})
-        target = self.targets[topic]
-        if chosen.columns:
-            try:
-                return [(n, dbz.type_from_name(t)) for n, t in chosen.columns.items()]
-            except ValueError as exc:
-                raise ConfigError(f"source.kafka.tables.{topic}.columns: {exc}") from None
-        if self.sink.table_exists(target):
-            return [(n, dbz.FieldType(*pg_type_for(t, f"{target}.{n}")))
-                    for n, t in self.sink.schema(target)]
-        if event.fields is not None:
-            return list(event.fields)
-        image = event.after if event.after is not None else event.before
-        if image is None:
-            raise dbz.BadRecord("no columns to learn the table from: the table does not "
-                                "exist yet and this first record has no row and no schema")
-        return [(n, dbz.infer_type(v)) for n, v in image.items()]
-
-    def _shape(self, topic: str, event: dbz.Event, key: Optional[Mapping[str, Any]]) -> _Shape:
-        """The table's columns and key, settled by the first record of a run."""
-        shape = self._shapes.get(topic)
-        if shape is not None:
-            return shape
-        chosen = self.kafka.tables.get(topic) or KafkaTopic.model_validate({})
-        target = self.targets[topic]
-        where = f"source.kafka.tables.{topic}"
-        fields = self._fields(topic, event)
-        names = [n for n, _ in fields]
-        keys = list(chosen.key)
-        if keys:
-            missing = [k for k in keys if k not in names]
-            if missing:
-                raise ConfigError(f"{where}.key names {', '.join(missing)}, which the table "
-                                  f"{target} does not have ({', '.join(names)})")
-        elif key:
-            keys = [k for k in key if k in names]
-            if len(keys) != len(key):
-                raise dbz.BadRecord(f"missing key: the message key's fields {', '.join(key)} "
-                                    f"are not all columns of {target}")
-        elif self.sink.table_exists(target):
-            keys = [k for k in self._recorded_key(target) if k in names]
-        if not keys:
-            raise dbz.BadRecord(f"missing key: the record has no message key and {where}.key "
-                                "is not set")
-        columns = tuple(Column(n, t.oid, t.modifier, n in keys) for n, t in fields)
-        for c in columns:
-            self.types.spark_type(c, target)
-        shape = self._shapes[topic] = _Shape(columns, tuple(t for _, t in fields))
-        log.info("%s -> %s: columns %s, key %s", topic, target,
-                 ", ".join(f"{c.name} {self.types.spark_type(c, target).describe()}"
-                           for c in columns), ", ".join(keys))
-        return shape
 
     # ---- before and after the commits --------------------------------------------------------
 
     def follow(self, table: str, staged: StagedTable, batch: Batch) -> None:
-        """The topic's table (and in mode both its changelog) exists and takes the staged
-        columns."""
-        topic = self._topic_of(table)
-        layout = self.config.layout_for(table)
-        if layout.mode == "append":
-            self._follow(topic, self.targets[topic], staged, self.sink.ensure_changelog)
-            return
-        if layout.mode == "both":
-            self._follow(topic, self.config.changelog_for_topic(topic), staged,
-                         self.sink.ensure_changelog)
-        self._follow(topic, self.targets[topic], staged, self.sink.ensure_table)
-
-    def _recorded_key(self, target: str) -> list[str]:
-        value = self.sink.properties(target, KEY_PROPERTY).get(KEY_PROPERTY)
-        try:
-            return [str(k) for k in json.loads(value)] if value else []
-        except (ValueError, TypeError):
-            return []  # (not walberg's)
-
-    def _follow(self, topic: str, target: str, staged: StagedTable,
-                ensure: Callable[[str, tuple[Column, ...], Layout], bool]) -> None:
-        keys = [c.name for c in staged.columns if c.is_key]
-        layout = self.config.layout_for(self.names[topic])
-        made = dataclasses.replace(layout, properties={**layout.properties,
-                                                       KEY_PROPERTY: json.dumps(keys)})
-        if ensure(target, staged.columns, made):
-            log.info("created %s", target)
-        elif not self.sink.columns_match(target, staged.columns):
-            current = self.sink.schema(target)
-            wanted = [(c.name, self.types.spark_type(c, target).describe())
-                      for c in staged.columns]
-            try:
-                steps = evolution.plan(current, wanted)
-            except evolution.NotEvolvable:
-                steps = []
-            if not steps or any(s.kind not in ("add", "widen") for s in steps):
-                raise ConfigError(f"{target} has columns {current}, not those walberg staged "
-                                  f"for topic {topic}; give the table's columns in "
-                                  f"source.kafka.tables.{topic}.columns")
-            after = {n: (wanted[i - 1][0] if i else "") for i, (n, _) in enumerate(wanted)}
-            self.sink.evolve(target, steps, after)
-            log.info("evolved the schema of %s to follow topic %s: %s", target, topic,
-                     "; ".join(s.describe() for s in steps))
-        if keys and self._recorded_key(target) != keys:  # (a table made before it was kept)
-            self.sink.set_property(target, KEY_PROPERTY, json.dumps(keys))
+        """See ``TopicTables.follow``."""
+        self.tables.follow(table, staged, batch)
 
     def replays_inserts(self, table: str) -> bool:
         # A connector that crashed sends its last events again, creates included: a `c`
@@ -567,62 +296,8 @@ class KafkaStager:
         pass  # gathered with the batch's records: written by before_commit
 
     def before_commit(self, batch: Batch) -> None:
-        """The batch's dead letters, before any table's commit: into ``<table>__dlq``, an
-        Iceberg table like a Postgres source's dead-letter table (one place to look), in one
-        commit per table carrying the next offset of each partition they come from. A replay
-        after a crash leaves out the records that table holds already, so none is written
-        twice."""
-        by_target: dict[str, list[tuple[kafka.Record, str]]] = {}
-        for record, reason in batch.dead:
-            by_target.setdefault(self.targets[record.topic], []).append((record, reason))
-        for target, items in sorted(by_target.items()):
-            items.sort(key=lambda item: (item[0].partition, item[0].offset))
-            upto = {(r.topic, r.partition): r.offset + 1 for r, _ in items}
-            table = pa.Table.from_pylist([
-                {"topic": r.topic, "partition": r.partition, "offset": r.offset,
-                 "timestamp_ms": r.timestamp, "key": r.key, "value": r.value,
-                 "table": target, "_dlq_reason": why} for r, why in items],
-                schema=DEAD_LETTER_SCHEMA)
-            topic = items[0][0].topic
-            with tempfile.TemporaryDirectory(prefix="walberg-dlq-",
-                                             dir=self.config.segment_dir) as work:
-                staged = Path(work) / "dead.parquet"
-                pq.write_table(table, staged)
-                written = self._write_dead(target, staged, upto, self.names.get(topic, topic))
-            if written < len(items):
-                # Written by a run that stopped before its tables' commits, perhaps before it
-                # could say so: said again, not written again.
-                log.warning("%d record(s) of topic %s could not be applied and are in %s with "
-                            "the reason in _dlq_reason (written there before a restart)",
-                            len(items) - written, topic, self.sink.dead_letter_target(target))
-            if not written:
-                continue
-            first = items[0]
-            metrics.DEAD_LETTERS.labels(self.names.get(topic, topic)).inc(written)
-            self.report.dead_letters += written
-            log.warning("%d record(s) of topic %s could not be applied and went to %s with the "
-                        "reason in _dlq_reason; the first: partition %d offset %d: %s", written,
-                        topic, self.sink.dead_letter_target(target), first[0].partition,
-                        first[0].offset, first[1])
-
-    def _write_dead(self, target: str, staged: Path, upto: dict[Partition, int],
-                    table: str) -> int:
-        """``write_record_dead_letters`` (its commit marked with the next offset of each
-        partition, ``upto``), tried again on storage or catalog failures like a table's commit;
-        a retry leaves out what an attempt whose outcome was unknown wrote."""
-        marks = {f"{OFFSET_PROPERTY}.{t}.{p}": str(o) for (t, p), o in upto.items()}
-        written = 0
-
-        def write() -> None:
-            nonlocal written
-            written += self.sink.write_record_dead_letters(target, staged, marks)
-            failure_point("dead-letters")
-
-        commit_with_retries(self.config.sink, self.state.stop, self.sink, table,
-                            self.sink.dead_letter_target(target), write, lambda: False,
-                            f"offsets {offsets_text(upto)}",
-                            self.marks.held(table))
-        return written
+        """The batch's dead letters, before any table's commit (see ``DeadLetters.write``)."""
+        self.report.dead_letters += self.dead.write(batch)
 
     def applied(self, batch: Batch) -> None:
         self.state.advance_offsets(batch.offsets, lake=False)
@@ -642,28 +317,5 @@ class _Staging:
     seq: int = 0  # of the last change staged (a record takes two: see _stage_one)
     upto: dict[Partition, int] = field(default_factory=dict)  # next offset read, per partition
     dead: list[tuple[kafka.Record, str]] = field(default_factory=list)
-    # Each record staged, by the last seq of its changes (for Batch.records and _refused)
+    # Each record staged, by the last seq of its changes (for Batch.records and refused)
     by_seq: dict[int, kafka.Record] = field(default_factory=dict)
-
-
-class _NewColumns(Exception):
-    """A record adds columns to a table the batch has rows of: the batch ends before it."""
-
-
-def _refused(staged: Mapping[str, StagedTable],
-             by_seq: Mapping[int, kafka.Record]) -> list[tuple[kafka.Record, str]]:
-    """Rows the staging refused (a value the Iceberg type cannot hold exactly), back to the
-    records they came from."""
-    out: list[tuple[kafka.Record, str]] = []
-    for st in staged.values():
-        if st.dead_letters is None:
-            continue
-        rows = pq.read_table(st.dead_letters, columns=["_wb_seq", "_dlq_reason"]).to_pylist()
-        seen: set[int] = set()
-        for r in rows:
-            seq = r["_wb_seq"]
-            record = by_seq.get(seq) or by_seq.get(seq + 1)
-            if record is not None and id(record) not in seen:
-                seen.add(id(record))
-                out.append((record, r["_dlq_reason"]))
-    return out
