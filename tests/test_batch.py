@@ -27,8 +27,8 @@ from walberg.apply.batch import (
 )
 from walberg.apply.iceberg import IcebergSink
 from walberg.config_sink import Catalog, Sink
-from walberg.lakeside import commit_with_retries
 from walberg.model import UNCHANGED, Column, Lsn, Op
+from walberg.runtime.lakeside import commit_with_retries
 
 COLUMNS = (Column("id", 23, -1, True), Column("v", 25), Column("n", 1700, (10 << 16 | 2) + 4))
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from walberg import docs
 from walberg.config import parse_config
+from walberg.ops import config_docs as docs
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -20,7 +20,7 @@ FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
 def test_the_config_reference_is_current() -> None:
-    assert docs.main(["--check"]) == 0, "run: python -m walberg.docs --write"
+    assert docs.main(["--check"]) == 0, "run: python -m walberg.ops.config_docs --write"
 
 
 def test_every_config_key_has_a_description() -> None:

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from conftest import make_config
 from lake import duckdb_rows, hadoop_table
 from walberg import faults
-from walberg import verify as digest
 from walberg.apply.position import datafiles
 from walberg.apply.types import (
     BOOL,
@@ -43,6 +42,7 @@ from walberg.apply.types import (
 from walberg.errors import ApplyError, ConfigError
 from walberg.lake.services import Lake
 from walberg.model import Column, PgType
+from walberg.ops import digest
 from walberg.ops.verify import verify
 from walberg.pipeline import Pipeline
 from walberg.source.postgres import connect

@@ -31,10 +31,10 @@ from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.errors import ConfigError
 from walberg.lake.maintain import maintain_on_schedule, written_beside
-from walberg.lakeside import open_session, ready_storage, release, stage_root
 from walberg.runtime.applier import Applier
 from walberg.runtime.kafka.reader import KafkaReader
 from walberg.runtime.kafka.stager import KafkaReport, KafkaStager
+from walberg.runtime.lakeside import open_session, ready_storage, release, stage_root
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import Tables
 from walberg.source import kafka

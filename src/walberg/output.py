@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from walberg.lake.history import Snapshot
     from walberg.lake.maintain import TableMaintenance
     from walberg.ops.check import SourceChecks
+    from walberg.ops.digest import TableVerdict
     from walberg.ops.status import Status
-    from walberg.verify import TableVerdict
 
 T = TypeVar("T")
 

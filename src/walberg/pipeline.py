@@ -31,10 +31,10 @@ from walberg.buffer.store import SegmentStore
 from walberg.config import Config, load_config
 from walberg.errors import ConfigError, TablesParked, Terminal
 from walberg.lake.maintain import maintain_on_schedule, written_beside
-from walberg.lakeside import open_session, ready_storage, release, stage_root
 from walberg.model import Lsn
 from walberg.runtime.applier import Applier
 from walberg.runtime.initial_copy import InitialCopy
+from walberg.runtime.lakeside import open_session, ready_storage, release, stage_root
 from walberg.runtime.parking import Parking
 from walberg.runtime.pg_reader import PgReader, Relations
 from walberg.runtime.pg_stager import PgStager

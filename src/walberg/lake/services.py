@@ -21,7 +21,7 @@ from walberg.apply.session import LSN_PROPERTY
 from walberg.apply.types import TypeMap
 from walberg.config import Config, PostgresSource
 from walberg.errors import ConfigError, Terminal
-from walberg.lakeside import open_session
+from walberg.runtime.lakeside import open_session
 from walberg.source import postgres as pg
 
 SourceKind = Literal["postgres", "kafka"]

@@ -1,6 +1,6 @@
 """`walberg verify`: prove that each Iceberg table equals its Postgres table (row counts, an
 order-independent hash over all columns, and on a difference the first differing keys). How
-each side hashes its rows is in ``walberg.verify``; this module reads the source at one WAL
+each side hashes its rows is in ``walberg.ops.digest``; this module reads the source at one WAL
 position, waits for a running walberg to commit past it, and compares."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from walberg import verify as digest
 from walberg.apply import staging
 from walberg.buffer.files import inspect_directory
 from walberg.errors import SourceError, Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.model import Lsn
+from walberg.ops import digest
+from walberg.ops.digest import TableVerdict
 from walberg.source import postgres as pg
-from walberg.verify import TableVerdict
 
 
 def verify(lake: Lake, tables: Optional[list[str]] = None, limit: int = 20,

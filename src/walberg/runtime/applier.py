@@ -27,8 +27,8 @@ from walberg.apply.jvm.spark import with_commit_properties
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point, failure_point
-from walberg.lakeside import commit_with_retries, count_files
 from walberg.model import Lsn, Op, pg_epoch
+from walberg.runtime.lakeside import commit_with_retries, count_files
 from walberg.runtime.parking import Parking
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import SchemaStop, Tables

@@ -17,9 +17,9 @@ from walberg.apply.batch import StagedTable
 from walberg.apply.iceberg import OFFSET_PROPERTY, IcebergSink
 from walberg.config import Config
 from walberg.faults import failure_point
-from walberg.lakeside import commit_with_retries
 from walberg.runtime.applier import Batch, Partition
 from walberg.runtime.kafka.marks import OffsetMarks, offsets_text
+from walberg.runtime.lakeside import commit_with_retries
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 
