@@ -21,7 +21,7 @@ from walberg.runtime.pg_stream import PgStream, Relations
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import PgTables
 from walberg.source import postgres as pg
-from walberg.source.stream import ReplicationStream
+from walberg.source.stream import CreatedSlot, ReplicationStream
 
 log = logging.getLogger("walberg")
 
@@ -129,19 +129,7 @@ class PgReader:
             opened.append(stream)
             stream.open()
             server = stream.identify()
-            if slot is None:
-                # Before a new slot is made: a lake written from another server, or before a
-                # failover that lost the slot, is not silently copied again.
-                self.server.same_server_as_lake(server, slot_exists=False)
-            failover = self._failover_wanted(conn)
-            created = stream.create_slot(failover=failover) if slot is None else None
-            if created:
-                log.info("created replication slot %s at %s%s", created.name,
-                         created.consistent_point, " (a failover slot)" if failover else "")
-            elif failover and slot is not None and slot.failover is False:
-                stream.make_failover()
-                log.info("replication slot %s is a failover slot now: standbys with "
-                         "sync_replication_slots = on keep it in step", self.pg.slot)
+            created = self._make_slot(conn, stream, slot, server)
             target = pg.current_wal_lsn(conn) if once else None
             if created is None:
                 self.streamer.start_early(stream, target)
@@ -157,32 +145,7 @@ class PgReader:
             if self.parking is not None:
                 self.parking.load(self.tables.tables)
                 self._park_refused()
-            # Copies owed are said in the lake before they start (``owe_copy``): a run that
-            # stops before one lands leaves the table's old mark, and the next run must not
-            # take it for a table that holds what the slot does not stream again.
-            if created is not None:
-                # A new slot streams only what commits after its consistent point; a table whose
-                # lake copy is older than that would miss changes, so it is copied again.
-                for t, lsn in self.state.committed().items():
-                    if lsn < created.consistent_point:
-                        log.warning("%s holds data up to LSN %s but the replication slot is new "
-                                    "(starts at %s): copying it again", t, lsn,
-                                    created.consistent_point)
-                        sink.owe_copy(self.tables.targets[t], created.consistent_point)
-                        self.state.forget_committed(t)
-            if self.recopy:
-                now = pg.current_wal_lsn(conn)
-                for t in self.recopy:
-                    if self.state.committed_at(t) is not None:
-                        sink.owe_copy(self.tables.targets[t], now)
-                    self.state.forget_committed(t)
-            for t, lsn in self.state.committed().items():
-                since = sink.copy_owed(self.tables.targets[t])
-                if since is not None and lsn < since:
-                    log.warning("%s was to be copied again (from LSN %s at least: a new "
-                                "replication slot, or walberg resync) and that copy did not "
-                                "land: copying it now", t, since)
-                    self.state.forget_committed(t)
+            self._owe_copies(conn, created)
             committed = self.state.committed()
             owed = [t for t in self.tables.tables if t not in committed]
             for t in owed:
@@ -204,6 +167,57 @@ class PgReader:
                 conn.close()
             except Exception:
                 pass
+
+    def _make_slot(self, conn: Any, stream: ReplicationStream, slot: Optional[pg.SlotState],
+                   server: tuple[str, int]) -> Optional[CreatedSlot]:
+        """The slot made where missing (a failover slot where wanted), or an existing one made a
+        failover slot; returns the slot made, if any."""
+        if slot is None:
+            # Before a new slot is made: a lake written from another server, or before a
+            # failover that lost the slot, is not silently copied again.
+            self.server.same_server_as_lake(server, slot_exists=False)
+        failover = self._failover_wanted(conn)
+        created = stream.create_slot(failover=failover) if slot is None else None
+        if created:
+            log.info("created replication slot %s at %s%s", created.name,
+                     created.consistent_point, " (a failover slot)" if failover else "")
+        elif failover and slot is not None and slot.failover is False:
+            stream.make_failover()
+            log.info("replication slot %s is a failover slot now: standbys with "
+                     "sync_replication_slots = on keep it in step", self.pg.slot)
+        return created
+
+    def _owe_copies(self, conn: Any, created: Optional[CreatedSlot]) -> None:
+        """The tables to copy again (a new slot, `walberg resync`, a copy owed that did not land)
+        lose their mark in the run state.
+
+        Copies owed are said in the lake before they start (``owe_copy``): a run that stops
+        before one lands leaves the table's old mark, and the next run must not take it for a
+        table that holds what the slot does not stream again."""
+        sink = self.tables.sink
+        if created is not None:
+            # A new slot streams only what commits after its consistent point; a table whose
+            # lake copy is older than that would miss changes, so it is copied again.
+            for t, lsn in self.state.committed().items():
+                if lsn < created.consistent_point:
+                    log.warning("%s holds data up to LSN %s but the replication slot is new "
+                                "(starts at %s): copying it again", t, lsn,
+                                created.consistent_point)
+                    sink.owe_copy(self.tables.targets[t], created.consistent_point)
+                    self.state.forget_committed(t)
+        if self.recopy:
+            now = pg.current_wal_lsn(conn)
+            for t in self.recopy:
+                if self.state.committed_at(t) is not None:
+                    sink.owe_copy(self.tables.targets[t], now)
+                self.state.forget_committed(t)
+        for t, lsn in self.state.committed().items():
+            since = sink.copy_owed(self.tables.targets[t])
+            if since is not None and lsn < since:
+                log.warning("%s was to be copied again (from LSN %s at least: a new "
+                            "replication slot, or walberg resync) and that copy did not "
+                            "land: copying it now", t, since)
+                self.state.forget_committed(t)
 
     def _park_refused(self) -> None:
         """A table that lost its key after the lake took it (REPLICA IDENTITY NOTHING, its

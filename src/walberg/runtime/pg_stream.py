@@ -276,16 +276,7 @@ class PgStream:
                                 "that it does not hold the server's shutdown up")
             ready = self._lake_ready.is_set()
             if not at.in_txn and store.pending_bytes() > backlog_limit:
-                # Spark is behind: stop reading for a moment (status updates keep flowing).
-                # Only between transactions, with what was read sealed: a batch ends at a
-                # commit, so a reader paused inside a transaction larger than this (sent whole,
-                # not streamed in progress), or with the commit that ends one in the active
-                # segment, would wait for a batch that cannot come.
-                if store.active_bytes():
-                    self.seal(clean=True)
-                stream.confirm(state.confirmable())
-                stream.keepalive()
-                self._await_progress()
+                self._wait_for_spark(stream)
                 continue
             # --once: what committed after the target is left for the next run, so a source
             # that never stops writing cannot keep this run from ending.
@@ -344,6 +335,18 @@ class PgStream:
                 # Ask for a keepalive: its WAL end tells how far the server has looked.
                 stream.keepalive(force=True, reply=True)
                 last_ask = time.monotonic()
+
+    def _wait_for_spark(self, stream: ReplicationStream) -> None:
+        """Spark is behind: stop reading for a moment (status updates keep flowing). Only
+        between transactions, with what was read sealed: a batch ends at a commit, so a reader
+        paused inside a transaction larger than the backlog limit (sent whole, not streamed in
+        progress), or with the commit that ends one in the active segment, would wait for a
+        batch that cannot come."""
+        if self.store.active_bytes():
+            self.seal(clean=True)
+        stream.confirm(self.state.confirmable())
+        stream.keepalive()
+        self._await_progress()
 
     def _message(self, payload: bytes, wal_start: int, streamed: StreamedTransactions,
                  at: "_Cursor", target: Optional[Lsn]) -> bool:
