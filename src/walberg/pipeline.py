@@ -36,8 +36,9 @@ from walberg.runtime.applier import Applier
 from walberg.runtime.initial_copy import InitialCopy
 from walberg.runtime.lakeside import open_session, ready_storage, release, stage_root
 from walberg.runtime.parking import Parking
-from walberg.runtime.pg_reader import PgReader, Relations
+from walberg.runtime.pg_reader import PgReader
 from walberg.runtime.pg_stager import PgStager
+from walberg.runtime.pg_stream import Relations
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import PgTables
 

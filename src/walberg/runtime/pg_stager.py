@@ -216,8 +216,8 @@ class PgStager:
     # ---- staging before the lake is read --------------------------------------------------------
 
     def start_early(self, once: bool = False) -> None:
-        """The stream started before the lake was read (a slot that exists, see the reader's
-        ``_start_early``): stage the first batch now, in a thread, from the segments it writes,
+        """The stream started before the lake was read (a slot that exists, see
+        ``PgStream.start_early``): stage the first batch now, in a thread, from the segments it writes,
         while the Spark session starts and the tables are checked. It is staged as if every
         table's mark lay before the first transaction it holds (the case after a clean stop),
         and used only if the lake, once read, says so (``_take_early``); otherwise it is thrown
