@@ -17,6 +17,7 @@ Every failure names the importing module, the file and line, and the import as w
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -283,3 +284,70 @@ def test_no_import_cycle() -> None:
     assert sum(len(e) for e in edges.values()) > 50  # the graph was read
     found = [_describe(group, _cycle(edges, group)) for group in _groups(edges)]
     assert not found, _report("walberg's modules import each other in a cycle", found)
+
+
+# ---- sizes: what a newcomer can read -------------------------------------------------------
+
+MAX_MODULE_LINES = 650
+MAX_FUNCTION_LINES = 90
+MAX_CLASS_LINES = 500
+MAX_MODULES_PER_FOLDER = 15
+
+
+def _sizes() -> Iterator[tuple[Path, str, str, int]]:
+    """(file, kind, name, lines) of every module, class and function of walberg."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        yield path, "module", module_name(path), len(text.splitlines())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                kind = "class"
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                kind = "function"
+            else:
+                continue
+            assert node.end_lineno is not None
+            yield path, kind, node.name, node.end_lineno - node.lineno + 1
+
+
+def test_modules_classes_and_functions_stay_readable() -> None:
+    """No module over 650 lines, no class over 500, no function over 90: split what grows
+    along what changes together (see docs/how-it-works.md#the-packages)."""
+    limits = {"module": MAX_MODULE_LINES, "class": MAX_CLASS_LINES,
+              "function": MAX_FUNCTION_LINES}
+    over = [f"{path.relative_to(SRC.parent)}: {kind} {name} has {lines} lines (at most "
+            f"{limits[kind]})" for path, kind, name, lines in _sizes() if lines > limits[kind]]
+    assert not over, _report("too long to read as one piece", over)
+
+
+def test_no_folder_holds_more_than_fifteen_modules() -> None:
+    crowded = []
+    for folder in [PACKAGE, *sorted(p for p in PACKAGE.rglob("*") if p.is_dir()
+                                    and (p / "__init__.py").exists())]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_MODULES_PER_FOLDER:
+            crowded.append(f"{folder.relative_to(SRC.parent)}: {len(modules)} modules")
+    assert not crowded, _report(
+        f"a folder with more than {MAX_MODULES_PER_FOLDER} modules (split it by reason to "
+        "change, as apply/position/ and apply/jvm/ are)", crowded)
+
+
+def test_the_package_map_in_the_docs_names_every_package() -> None:
+    """docs/how-it-works.md#the-packages: one line a package, each package once, none that is
+    gone."""
+    text = (SRC.parent / "docs" / "how-it-works.md").read_text()
+    section = text.split("## The packages", 1)[1].split("\n## ", 1)[0]
+    mapped = re.findall(r"^- `(walberg(?:\.[a-z_]+)*)`:", section, flags=re.M)
+    packages = sorted(module_name(p.parent) for p in PACKAGE.rglob("__init__.py"))
+    assert sorted(mapped) == packages, (
+        f"the map lists {sorted(set(mapped) - set(packages))} that are no packages and misses "
+        f"{sorted(set(packages) - set(mapped))}")
+
+
+def test_runtime_never_imports_the_commands() -> None:
+    """The commands (ops, lake) are built on the runtime, not the other way round."""
+    violations = [f"{imp}  -> {target}" for imp in walberg_imports()
+                  if _within(imp.module, "walberg.runtime") for target in imp.targets
+                  if _within(target, "walberg.ops") or _within(target, "walberg.lake")
+                  or target == "walberg.cli"]
+    assert not violations, _report("the runtime imports a command", violations)

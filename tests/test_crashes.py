@@ -125,21 +125,21 @@ def test_a_restart_streams_while_the_lake_is_checked_and_confirms_nothing_early(
     """A restart reads the backlog into segments while Spark starts (pipeline: streaming
     begins before the lake is checked, with a slot that exists). Killed then, it has written
     segments and told the slot nothing; the next run applies every change once."""
-    from walberg.source import postgres as pg
+    from walberg.source import slots
 
     table, config, path = _copied(pg_conn, postgres, spark, warehouse, tmp_path, unique)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 1 WHERE id % 3 = 0")
         cur.execute(f"DELETE FROM {table} WHERE id % 7 = 0")
         cur.execute(f"INSERT INTO {table} SELECT g, 2, 'new' FROM generate_series(3001, 4000) g")
-    slot_before = pg.slot_state(pg_conn, config.postgres.slot)
+    slot_before = slots.slot_state(pg_conn, config.postgres.slot)
     assert slot_before is not None
 
     _killed_once_at(path, "lake-check:1")
     written = [p for p in (tmp_path / "segments").iterdir()
                if p.name.endswith((".sealed", ".active")) and p.stat().st_size > 0]
     assert written, "the stream wrote segments while the lake was being checked"
-    slot_after = pg.slot_state(pg_conn, config.postgres.slot)
+    slot_after = slots.slot_state(pg_conn, config.postgres.slot)
     assert slot_after is not None and slot_after.confirmed_flush == slot_before.confirmed_flush, \
         "nothing may be confirmed to the slot before the lake has been read"
 

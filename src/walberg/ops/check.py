@@ -17,7 +17,7 @@ from walberg.apply.jvm.spark import JAR_PACKAGE, check_java, find_java, iceberg_
 from walberg.errors import Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.runtime.parking import parked_why
-from walberg.source import kafka
+from walberg.source import kafka, slots
 from walberg.source import postgres as pg
 
 
@@ -145,7 +145,7 @@ def publication(p: Probe) -> str:
 
 def replication_slot(p: Probe) -> str:
     slot = p.source.postgres.slot
-    state = pg.slot_state(p.conn, slot)
+    state = slots.slot_state(p.conn, slot)
     if state is None:
         return f"slot {slot} missing: walberg will create it"
     used = f", in use by server pid {state.active_pid}" if state.active_pid else ""
@@ -158,14 +158,14 @@ def failover(p: Probe) -> str:
     """Whether a failover to a standby would keep the slot (reported, not required: a server
     before PostgreSQL 17, or one without standbys, is fine as it is)."""
     src = p.source.postgres
-    if not pg.supports_failover_slots(p.conn):
+    if not slots.supports_failover_slots(p.conn):
         return (f"PostgreSQL {pg.server_version(p.conn) // 10000} has no failover slots (17+): "
                 "a promoted standby would not have the slot, and `walberg resync` would copy "
                 "the tables again")
     if src.failover_slot is False:
         return ("source.postgres.failover_slot is false: a promoted standby will not have the "
                 "slot; set it to true (or remove it) to keep the slot through a failover")
-    good, missing = pg.failover_readiness(p.conn, src.dsn, src.slot)
+    good, missing = slots.failover_readiness(p.conn, src.dsn, src.slot)
     if missing:
         raise Terminal("a failover would lose the slot:\n" +
                        "\n".join(f"         {line}" for line in missing))

@@ -14,6 +14,7 @@ from walberg.errors import SlotLost, TablesParked
 from walberg.lake.services import Lake, LakeSource, qualified
 from walberg.pipeline import Pipeline, RunReport
 from walberg.source import postgres as pg
+from walberg.source import slots
 
 log = logging.getLogger("walberg")
 
@@ -41,7 +42,7 @@ def _slot_lost(source: LakeSource) -> bool:
     trouble with the slot (one of another plugin or database by that name) is an error."""
     conn = pg.connect(source.postgres.dsn)
     try:
-        pg.slot_state(conn, source.postgres.slot)
+        slots.slot_state(conn, source.postgres.slot)
         return False
     except SlotLost:
         return True
@@ -83,13 +84,13 @@ def resync_source(lake: Lake, source: LakeSource,
         conn = pg.connect(src.dsn)
         try:
             try:
-                state = pg.slot_state(conn, src.slot)
+                state = slots.slot_state(conn, src.slot)
                 lost = False
             except SlotLost:
                 state, lost = None, True
             if tables is None or lost:
                 if lost or state is not None:
-                    pg.drop_slot(conn, src.slot)
+                    slots.drop_slot(conn, src.slot)
                 _discard_segments(config.segment_dir)
                 again = set(source.targets)
             else:

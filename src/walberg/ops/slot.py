@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from walberg.config import Config
 from walberg.errors import ConfigError, SourceError
 from walberg.source import postgres as pg
+from walberg.source import slots
 from walberg.source.stream import CreatedSlot, ReplicationStream
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def drop_slot(config: Config) -> bool:
     src = config.postgres
     conn = pg.connect(src.dsn)
     try:
-        return pg.drop_slot(conn, src.slot)
+        return slots.drop_slot(conn, src.slot)
     finally:
         conn.close()
 
@@ -52,7 +53,7 @@ def create_slot(config: Config, session: Any = None) -> Optional[CreatedSlot]:
     src = config.postgres
     conn = pg.connect(src.dsn)
     try:
-        if pg.slot_state(conn, src.slot) is not None:
+        if slots.slot_state(conn, src.slot) is not None:
             return None
     finally:
         conn.close()

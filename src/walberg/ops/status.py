@@ -20,7 +20,7 @@ from walberg.errors import Transient, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.model import Lsn, pg_epoch
 from walberg.runtime.parking import parked_why
-from walberg.source import kafka
+from walberg.source import kafka, slots
 from walberg.source import postgres as pg
 from walberg.source.framing import commit_end_lsn, commit_time
 from walberg.source.pgoutput import Decoder, Tag
@@ -229,7 +229,7 @@ def _slot(source: LakeSource) -> SlotStatus:
     except Transient as exc:
         return SlotStatus(error=str(exc))
     try:
-        state = pg.slot_state(conn, src.slot)
+        state = slots.slot_state(conn, src.slot)
         now = pg.current_wal_lsn(conn)
     except WalbergError as exc:
         return SlotStatus(error=str(exc))
@@ -246,7 +246,7 @@ def _slot(source: LakeSource) -> SlotStatus:
         active_pid=state.active_pid, warning=_slot_warning(state, retained))
 
 
-def _slot_warning(state: pg.SlotState, retained: int) -> Optional[str]:
+def _slot_warning(state: slots.SlotState, retained: int) -> Optional[str]:
     """Say so before the server invalidates the slot: once it has, every table must be copied
     again. 'unreserved': the WAL is past max_slot_wal_keep_size and goes at the next
     checkpoint; and a slot whose remaining room is no more than what it holds already."""

@@ -19,6 +19,7 @@ from walberg.model import Lsn
 from walberg.ops import digest
 from walberg.ops.digest import TableVerdict
 from walberg.source import postgres as pg
+from walberg.source import slots
 
 
 def verify(lake: Lake, tables: Optional[list[str]] = None, limit: int = 20,
@@ -114,7 +115,7 @@ def _confirmed(conn: Any, slot: str) -> Lsn:
     """How far the slot is confirmed (0: no usable slot): walberg confirms only what the lake
     holds."""
     try:
-        state = pg.slot_state(conn, slot)
+        state = slots.slot_state(conn, slot)
     except WalbergError:  # (lost, or not walberg's: the run says so; verify compares anyway)
         return Lsn(0)
     return Lsn(0) if state is None else state.confirmed_flush

@@ -16,6 +16,7 @@ from walberg.config import Config
 from walberg.model import Lsn, pg_epoch
 from walberg.runtime.state import RunState
 from walberg.source import postgres as pg
+from walberg.source import slots
 from walberg.source.framing import commit_time
 
 log = logging.getLogger("walberg")
@@ -67,7 +68,7 @@ class ReaderGauges:
         try:
             if self._gauge_conn is None or self._gauge_conn.closed:
                 self._gauge_conn = pg.connect(self.pg.dsn)
-            slot = pg.slot_state(self._gauge_conn, self.pg.slot)
+            slot = slots.slot_state(self._gauge_conn, self.pg.slot)
             now = pg.current_wal_lsn(self._gauge_conn)
         except Exception as exc:  # metrics must never stop the stream
             log.debug("slot metrics not updated: %s", exc)

@@ -21,6 +21,7 @@ from walberg.runtime.pg_stream import PgStream, Relations
 from walberg.runtime.state import RunState
 from walberg.runtime.tables import PgTables
 from walberg.source import postgres as pg
+from walberg.source import slots
 from walberg.source.stream import CreatedSlot, ReplicationStream
 
 log = logging.getLogger("walberg")
@@ -121,7 +122,7 @@ class PgReader:
         try:
             pg.check_wal_level(conn)
             infos = self._describe(conn)
-            slot = pg.slot_state(conn, self.pg.slot)
+            slot = slots.slot_state(conn, self.pg.slot)
             if slot is not None and slot.active_pid is not None:
                 slot = self._wait_for_free_slot(conn, slot)
             stream = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication,
@@ -168,7 +169,7 @@ class PgReader:
             except Exception:
                 pass
 
-    def _make_slot(self, conn: Any, stream: ReplicationStream, slot: Optional[pg.SlotState],
+    def _make_slot(self, conn: Any, stream: ReplicationStream, slot: Optional[slots.SlotState],
                    server: tuple[str, int]) -> Optional[CreatedSlot]:
         """The slot made where missing (a failover slot where wanted), or an existing one made a
         failover slot; returns the slot made, if any."""
@@ -234,7 +235,7 @@ class PgReader:
     def _failover_wanted(self, conn: Any) -> bool:
         """Whether the slot is to be a failover slot: as configured, else wherever the server
         has them (PostgreSQL 17+). Asked of an older server, it is reported, not required."""
-        supported = pg.supports_failover_slots(conn)
+        supported = slots.supports_failover_slots(conn)
         if self.pg.failover_slot and not supported:
             log.warning("source.postgres.failover_slot is set, but PostgreSQL %s has no "
                         "failover slots (they exist from 17 on): the slot is an ordinary one, "
@@ -242,14 +243,14 @@ class PgReader:
                         pg.server_version(conn) // 10000)
         return supported and self.pg.failover_slot is not False
 
-    def _wait_for_free_slot(self, conn: Any, slot: pg.SlotState) -> Optional[pg.SlotState]:
+    def _wait_for_free_slot(self, conn: Any, slot: slots.SlotState) -> Optional[slots.SlotState]:
         """Another process streams from our slot. A walberg that just died leaves its server
         process behind for a moment, so wait a little; then refuse, naming the other side."""
         deadline = time.monotonic() + self.slot_wait_seconds
-        state: Optional[pg.SlotState] = slot
+        state: Optional[slots.SlotState] = slot
         while state is not None and state.active_pid is not None:
             if time.monotonic() > deadline:
-                who = pg.describe_backend(conn, state.active_pid)
+                who = slots.describe_backend(conn, state.active_pid)
                 raise Terminal(
                     f"replication slot {self.pg.slot} is in use by another process: {who}. "
                     "Another walberg may be running this pipeline already; stop it first, or "
@@ -257,7 +258,7 @@ class PgReader:
                     "died, the server frees the slot within wal_sender_timeout; run again then."
                 )
             time.sleep(0.2)
-            state = pg.slot_state(conn, self.pg.slot)
+            state = slots.slot_state(conn, self.pg.slot)
         return state
 
     def stream(self, stream: ReplicationStream, target: Optional[Lsn]) -> None:

@@ -24,6 +24,7 @@ from walberg.runtime.pg_server import ServerCheck
 from walberg.runtime.pg_stager import FRAME_PGOUTPUT, FRAME_PREAMBLE
 from walberg.runtime.state import RunState, SegmentMeta
 from walberg.source import postgres as pg
+from walberg.source import slots
 from walberg.source.framing import (
     CHANGE_TAGS,
     Committed,
@@ -205,7 +206,7 @@ class PgStream:
     def _slot_exists(self) -> bool:
         conn = pg.connect(self.pg.dsn)
         try:
-            return pg.slot_state(conn, self.pg.slot) is not None
+            return slots.slot_state(conn, self.pg.slot) is not None
         finally:
             conn.close()
 
@@ -217,7 +218,7 @@ class PgStream:
         except WalbergError:
             return None  # the server is unreachable: reconnecting is the right thing
         try:
-            if pg.slot_state(conn, self.pg.slot) is None:
+            if slots.slot_state(conn, self.pg.slot) is None:
                 moved = self.server.moved_without_slot()
                 if moved is not None:
                     return moved
@@ -240,7 +241,7 @@ class PgStream:
         try:
             deadline = time.monotonic() + timeout
             while True:
-                state = pg.slot_state(conn, self.pg.slot)
+                state = slots.slot_state(conn, self.pg.slot)
                 if state is None or state.confirmed_flush >= self.state.confirmable():
                     return
                 if time.monotonic() > deadline:

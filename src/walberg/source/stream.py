@@ -14,7 +14,8 @@ import psycopg2.extras
 
 from walberg.errors import SourceError, Transient
 from walberg.model import Lsn
-from walberg.source.postgres import connect, redact, report_slot_wait
+from walberg.source.postgres import connect, redact
+from walberg.source.slots import report_slot_wait
 
 # What a read or a status update raises when the replication connection is gone. A server
 # that crashed or restarted under the stream surfaces as a bare DatabaseError from libpq
