@@ -21,9 +21,9 @@ import yaml
 from walberg.apply.jdbc import driver_jar
 from walberg.apply.jvm.spark import build_session, stop_session
 from walberg.config import Config, parse_config
-from walberg.embedded_pg import EmbeddedPostgres
 from walberg.model import Lsn
 from walberg.pipeline import Pipeline
+from walberg.source.embedded_pg import EmbeddedPostgres
 
 CATALOG = "lake"
 _names = itertools.count(1)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import psycopg2
 
-from walberg.embedded_pg import EmbeddedPostgres
+from walberg.source.embedded_pg import EmbeddedPostgres
 
 
 class Standby(EmbeddedPostgres):

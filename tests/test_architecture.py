@@ -33,7 +33,7 @@ STAGES = ("walberg.source", "walberg.buffer", "walberg.apply")
 SHARED = frozenset({"walberg.errors", "walberg.model", "walberg.config", "walberg.config_sink",
                     "walberg.metrics",
                     "walberg.progress", "walberg.faults"})
-# Each third-party driver and the only places that may import it. (embedded_pg.py runs
+# Each third-party driver and the only places that may import it. (source/embedded_pg.py runs
 # PostgreSQL's own binaries and needs no driver.)
 DRIVERS = {
     "psycopg2": ("walberg.source",),
@@ -351,3 +351,16 @@ def test_runtime_never_imports_the_commands() -> None:
                   if _within(target, "walberg.ops") or _within(target, "walberg.lake")
                   or target == "walberg.cli"]
     assert not violations, _report("the runtime imports a command", violations)
+
+
+def test_the_top_level_holds_the_pipelines_and_the_shared_modules() -> None:
+    """The rest lives in the package that owns it (see docs/how-it-works.md#the-packages)."""
+    top = sorted(module_name(p) for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert set(top) <= SHARED | {"walberg.pipeline", "walberg.kafka_pipeline"}, top
+
+
+def test_ops_never_import_the_command_line() -> None:
+    violations = [f"{imp}  -> {target}" for imp in walberg_imports()
+                  if not _within(imp.module, "walberg.cli") for target in imp.targets
+                  if _within(target, "walberg.cli")]
+    assert not violations, _report("the command line is imported from below it", violations)

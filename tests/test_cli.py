@@ -125,7 +125,7 @@ def test_json_log_lines(tmp_path: Path) -> None:
 
 
 def test_a_server_without_logical_wal_is_refused_with_the_fix(tmp_path: Path) -> None:
-    from walberg.embedded_pg import EmbeddedPostgres
+    from walberg.source.embedded_pg import EmbeddedPostgres
 
     with EmbeddedPostgres(settings={"wal_level": "replica"}) as server:
         cfg = tmp_path / "pipeline.yaml"
@@ -178,7 +178,7 @@ def test_database_commands_on_a_kafka_pipeline_say_so_in_one_line(
 
 
 def test_the_command_line_and_the_demo_do_not_import_each_other() -> None:
-    done = subprocess.run([sys.executable, "-c", "import sys, walberg.demo; "
+    done = subprocess.run([sys.executable, "-c", "import sys, walberg.cli.demo; "
                            "print('walberg.cli' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -19,10 +19,10 @@ from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg.apply import batch
 from walberg.apply.position import datafiles
 from walberg.config import parse_config
-from walberg.embedded_pg import psql_client
 from walberg.errors import SourceError
 from walberg.runtime import initial_copy
 from walberg.source import snapshot
+from walberg.source.embedded_pg import psql_client
 from walberg.source.postgres import SESSION_OPTIONS, describe_table
 
 

@@ -17,13 +17,13 @@ from conftest import insert_lsn, run_once, running
 from lake import iceberg_rows, postgres_rows
 from replica import Standby, connect, kill, start_pair, wait_synced
 from walberg.config import Config, parse_config
-from walberg.embedded_pg import EmbeddedPostgres
 from walberg.errors import Terminal
 from walberg.lake.services import Lake
 from walberg.ops.check import check
 from walberg.ops.resync import plan, resync
 from walberg.ops.verify import verify
 from walberg.pipeline import Pipeline
+from walberg.source.embedded_pg import EmbeddedPostgres
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY
 
 from conftest import insert_lsn, make_config, run_once, running
 from lake import hadoop_table
+from walberg.cli.output import status_text
 from walberg.lake.services import Lake
 from walberg.ops.status import status
-from walberg.output import status_text
 from walberg.pipeline import Pipeline
 
 

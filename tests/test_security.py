@@ -16,13 +16,13 @@ from prometheus_client import REGISTRY, generate_latest
 
 from conftest import as_file, make_config, run_once
 from lake import iceberg_rows, postgres_rows
+from walberg.cli.output import plain
 from walberg.config import parse_config
 from walberg.errors import WalbergError
 from walberg.lake.services import Lake
 from walberg.ops.check import check
 from walberg.ops.status import status as status_of
 from walberg.ops.verify import verify
-from walberg.output import plain
 
 SECRET = "S3cr3t-Pa55-do-not-print"
 
@@ -104,7 +104,7 @@ def test_tls_with_verify_full(spark: Any, warehouse: Path, tmp_path: Path, uniqu
     (psql, which copies over connections in the clear, has no TLS)."""
     import psycopg2
 
-    from walberg.embedded_pg import EmbeddedPostgres
+    from walberg.source.embedded_pg import EmbeddedPostgres
 
     if shutil.which("openssl") is None or not (DEBIAN_PG / "postgres").exists():
         pytest.skip("needs openssl and Debian's postgresql-15 (see .ci/run)")

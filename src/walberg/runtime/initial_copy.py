@@ -22,7 +22,6 @@ from walberg.apply.batch import DeadLetters, csv_tables, csv_to_parquet
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
 from walberg.apply.types import TextPrep
 from walberg.config import Config
-from walberg.embedded_pg import psql_client
 from walberg.faults import crash_point
 from walberg.model import Lsn, Relation
 from walberg.progress import CopyProgress
@@ -31,6 +30,7 @@ from walberg.runtime.tables import PgTables, count_dead
 from walberg.source import chunks
 from walberg.source import postgres as pg
 from walberg.source.chunks import Span
+from walberg.source.embedded_pg import psql_client
 from walberg.source.snapshot import copy_table, hold_and_check, in_snapshot
 from walberg.source.stream import CreatedSlot, ReplicationStream
 

@@ -13,12 +13,12 @@ from walberg.apply import staging
 from walberg.apply.catalog import storage
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.jvm.spark import build_session, stop_session, storage_watch, watch_storage
+from walberg.apply.jvm.sparkargs import session_args
 from walberg.apply.jvm.watch import StorageWatch
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.config_sink import Sink
 from walberg.errors import ApplyError, StorageUnavailable, WalbergError
-from walberg.sparkargs import session_args
 
 log = logging.getLogger("walberg")
 

@@ -1,6 +1,6 @@
 """The command line: parse, load the config, call the command's module (the pipeline for `run`,
 walberg.lake for the lake's reads, walberg.ops for the operator commands), show its result
-through walberg.output, and turn errors into one readable paragraph and an exit code
+through walberg.cli.output, and turn errors into one readable paragraph and an exit code
 (``--debug`` shows the stack trace). Each subcommand names its handler (``set_defaults``)."""
 
 from __future__ import annotations
@@ -241,8 +241,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # The driver's JVM starts (a second or more) while the rest of walberg is imported: the one
     # last started for this pipeline file at once, else the one its settings give once read.
     memo = start_jvm_for_file(Path(args.config), args.once)
+    from walberg.apply.jvm.sparkargs import start_early
     from walberg.config import load_config
-    from walberg.sparkargs import start_early
 
     config = load_config(args.config)
     start_early(config, args.once, memo)
@@ -298,7 +298,7 @@ def _run_kafka(config: "Config", once: bool) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from walberg.demo import run_demo
+    from walberg.cli.demo import run_demo
 
     return run_demo(rows=args.rows, directory=args.dir)
 
@@ -344,7 +344,7 @@ def _show(args: argparse.Namespace, lake: "Lake", statement: Callable[[], str]) 
     """Print a query's result, or write it to --output."""
     from pathlib import Path
 
-    from walberg.output import format_table
+    from walberg.cli.output import format_table
 
     if args.format == "table":
         if args.output:
@@ -381,8 +381,8 @@ def _to_stdout(args: argparse.Namespace, lake: "Lake", statement: str) -> int:
 
 @_on_lake
 def _cmd_check(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.cli.output import by_source, checks_text, emit
     from walberg.ops.check import check
-    from walberg.output import by_source, checks_text, emit
 
     results = check(lake)
     emit(results, args.json, checks_text, by_source)
@@ -391,8 +391,8 @@ def _cmd_check(args: argparse.Namespace, lake: "Lake") -> int:
 
 @_on_lake
 def _cmd_status(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.cli.output import by_source, emit, status_text
     from walberg.ops.status import status
-    from walberg.output import by_source, emit, status_text
 
     emit(status(lake), args.json, status_text, by_source)
     return 0
@@ -400,8 +400,8 @@ def _cmd_status(args: argparse.Namespace, lake: "Lake") -> int:
 
 @_on_lake
 def _cmd_verify(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.cli.output import emit, verdicts_text
     from walberg.ops.verify import verify
-    from walberg.output import emit, verdicts_text
 
     verdicts = verify(lake, args.table, args.limit, args.wait)
     emit(verdicts, args.json, verdicts_text)
@@ -410,8 +410,8 @@ def _cmd_verify(args: argparse.Namespace, lake: "Lake") -> int:
 
 @_on_lake
 def _cmd_maintain(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.cli.output import emit, maintenance_table
     from walberg.lake.maintain import maintain
-    from walberg.output import emit, maintenance_table
 
     emit(maintain(lake, args.table), args.json, maintenance_table)
     return 0
@@ -419,8 +419,8 @@ def _cmd_maintain(args: argparse.Namespace, lake: "Lake") -> int:
 
 @_on_lake
 def _cmd_history(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.cli.output import emit, history_table
     from walberg.lake.history import history
-    from walberg.output import emit, history_table
 
     emit(history(lake, args.table), args.json, history_table)
     return 0
@@ -516,7 +516,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,14 +12,14 @@ from typing import Any, Optional
 
 import yaml
 
+from walberg.cli.output import format_table, history_table
 from walberg.config import Config, parse_config
-from walberg.embedded_pg import EmbeddedPostgres
 from walberg.lake.history import history
 from walberg.lake.services import Lake
 from walberg.model import Lsn
-from walberg.output import format_table, history_table
 from walberg.pipeline import Pipeline
 from walberg.source import postgres as pg
+from walberg.source.embedded_pg import EmbeddedPostgres
 
 TABLE = "public.employee"
 
