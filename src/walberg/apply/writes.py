@@ -20,7 +20,8 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
-from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call
+from walberg.apply.jvm.calls import spark_call
+from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.merge.merging import MergeApply
 from walberg.apply.merge.netting import net
 from walberg.apply.position.keycodec import ByMerge

@@ -8,7 +8,8 @@ import uuid
 from typing import Any, Mapping, Optional, Sequence
 
 from walberg.apply.batch import StagedTable
-from walberg.apply.jvm.spark import spark_call, with_commit_properties
+from walberg.apply.jvm.calls import spark_call
+from walberg.apply.jvm.commits import with_commit_properties
 from walberg.apply.merge.netting import carry_unchanged, last_change, net
 from walberg.apply.session import LSN_COLUMN, SOURCE_COLUMN, LakeSession, quote_target
 from walberg.apply.types import quote
