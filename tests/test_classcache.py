@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from walberg.apply.jvm import classcache
-from walberg.apply.jvm.spark import _settings, check_java, find_java, iceberg_jar, session_archive
+from walberg.apply.jvm.java import check_java, find_java, iceberg_jar
+from walberg.apply.jvm.spark import _settings, session_archive
 
 pytestmark = pytest.mark.slow
 

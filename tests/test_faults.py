@@ -168,7 +168,7 @@ def test_postgres_restarts_and_crashes_while_streaming(
 def test_which_java_failures_are_worth_a_retry(spark: Any) -> None:
     """The classification behind the commit retry, on real Java exceptions: storage and
     catalog trouble and lost races are retried; errors in the data or the statement are not."""
-    from walberg.apply.jvm.spark import _transient
+    from walberg.apply.jvm.calls import _transient
 
     jvm = spark._jvm
     gateway = spark.sparkContext._gateway

@@ -10,7 +10,7 @@ changes of the batch (commit order, then position in the transaction), ``_wb_op`
 transaction committed right after a batch's last has the batch's end LSN), ``_wb_unchanged``
 lists (as ",i,j,") columns an UPDATE left untouched (unchanged TOAST values). The netting (last change per key
 wins) happens here at the end of staging when the keys' text is their identity and the batch's
-extent is known (``BatchBuilder.finish``), else in Spark, see ``apply.writes``.
+extent is known (``BatchBuilder.finish``), else in Spark, see ``apply.merge.netting``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class StagedTable:
     dead_letters: Optional[Path] = None  # staged rows for the dead-letter table
     dead_rows: int = 0
     # An UPDATE that changed the key and left a TOASTed value unsent: its value lives under
-    # the old key (see apply.writes's _carry_unchanged).
+    # the old key (see apply.merge.netting.carry_unchanged).
     moved_unchanged: bool = False
     # No key occurs twice among the staged rows: the batch needs no netting per key.
     unique_keys: bool = False

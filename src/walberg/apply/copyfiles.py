@@ -20,8 +20,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.jvm.calls import spark_call
+from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.jvm.helper import batch_helper
-from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call
 from walberg.apply.position import datafiles
 from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.partitions import NotHere, Partitioner

@@ -7,7 +7,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional, Sequence
 
-from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call
+from walberg.apply.jvm.calls import spark_call
+from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.session import SOURCE_COLUMN, LakeSession, quote_target
 from walberg.apply.types import quote, sql_string
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.calls import spark_call
 from walberg.apply.session import LakeSession, quote_target
 from walberg.apply.snapshots import Snapshots
 

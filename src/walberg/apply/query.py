@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.calls import spark_call
 from walberg.apply.session import LakeSession
 
 

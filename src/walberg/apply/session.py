@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 from walberg.apply.batch import value_column
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.calls import spark_call
 from walberg.apply.staging import StageArea
 from walberg.apply.types import TypeMap, quote
 from walberg.model import Column, Lsn

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.calls import spark_call
 from walberg.apply.session import (
     COPY_PREFIX,
     LSN_PROPERTY,

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.calls import spark_call
 from walberg.faults import crash_point
 
 log = logging.getLogger("walberg")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from walberg.apply.evolution import Step
-from walberg.apply.jvm.spark import spark_call
+from walberg.apply.jvm.calls import spark_call
 from walberg.apply.session import (
     LSN_COLUMN,
     OP_COLUMN,

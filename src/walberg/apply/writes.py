@@ -1,12 +1,11 @@
 """Writing to a table, each write one commit that carries the position it covers: the initial
-copy (whole, or chunk by chunk), a staged batch (appended, or MERGEd by key, or as a multiset of
-whole rows), a changelog table's rows, and the dead-letter table ``<target>__dlq`` of rows that
-cannot be written exactly."""
+copy (whole, or chunk by chunk), a staged batch (by position, see apply.position.keyed, else by
+Spark SQL, see apply.merge), a changelog table's rows, and the dead-letter table
+``<target>__dlq`` of rows that cannot be written exactly."""
 
 from __future__ import annotations
 
 import logging
-import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -21,7 +20,10 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
-from walberg.apply.jvm.spark import one_commit_at_a_time, spark_call, with_commit_properties
+from walberg.apply.jvm.calls import spark_call
+from walberg.apply.jvm.commits import one_commit_at_a_time
+from walberg.apply.merge.merging import MergeApply
+from walberg.apply.merge.netting import net
 from walberg.apply.position.keycodec import ByMerge
 from walberg.apply.position.keyed import KeyedApply
 from walberg.apply.position.partitions import NotHere
@@ -42,53 +44,6 @@ from walberg.model import Column, Lsn, Op
 log = logging.getLogger("walberg")
 
 
-def _fill_unchanged(df: Any, keys: list[str], unchanged: list[int]) -> Any:
-    """An UPDATE that left a TOASTed value untouched does not carry it. If an earlier change in
-    the same batch carried it (an INSERT, or an UPDATE that set it), take the value from there;
-    otherwise the mark stays and the MERGE keeps what the lake already has."""
-    from pyspark.sql import Window
-    from pyspark.sql.functions import col, expr, last, struct, when
-
-    upto = (Window.partitionBy(*keys).orderBy(col("_wb_seq"))
-            .rowsBetween(Window.unboundedPreceding, Window.currentRow))
-    marks = col("_wb_unchanged")
-    for i in unchanged:
-        name = value_column(i)
-        hit = marks.contains(f",{i},")
-        carried = last(when(~hit | marks.isNull(), struct(col(name).alias("v"))), True).over(upto)
-        df = (df.withColumn("_wb_fill", carried)
-              .withColumn(name, when(hit & col("_wb_fill").isNotNull(), col("_wb_fill.v"))
-                          .otherwise(col(name)))
-              .withColumn("_wb_unchanged",
-                          when(hit & col("_wb_fill").isNotNull(),
-                               expr(f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
-                          .otherwise(marks))
-              .drop("_wb_fill"))
-    return df
-
-
-def _net(df: Any, staged: StagedTable) -> Any:
-    """The last change per key of a batch, each carrying the TOASTed values an earlier change
-    of the batch carried (see ``_fill_unchanged``). A hash aggregate, no sort; skipped when
-    staging found no key twice, each row then being its key's last change already."""
-    keys = [value_column(i) for i, c in enumerate(staged.columns) if c.is_key]
-    if staged.unchanged_columns:
-        df = _fill_unchanged(df, keys, sorted(staged.unchanged_columns))
-    return _last_change(df, keys)
-
-
-def _last_change(df: Any, keys: Sequence[str]) -> Any:
-    """Each key's change with the highest ``_wb_seq`` (``keys``: column names as Spark SQL
-    takes them)."""
-    from pyspark.sql.functions import col, max_by, struct
-
-    names = [k.strip("`") for k in keys]
-    rest = [c for c in df.columns if c not in names]
-    return (df.groupBy(*[col(k) for k in keys])
-            .agg(max_by(struct(*[col(f"`{c}`") for c in rest]), "_wb_seq").alias("_wb_last"))
-            .select(*[col(k) for k in keys], "_wb_last.*"))
-
-
 class Writes:
     """Every commit of data to the tables one sink writes. Keeps what each dead-letter table
     already holds (the LSN of its last commit), so a replayed batch adds no dead letter twice."""
@@ -99,6 +54,7 @@ class Writes:
         self.tables = tables
         self.snapshots = snapshots
         self.keyed = keyed if keyed is not None else KeyedApply(lake, tables, None)
+        self.merge = MergeApply(lake)
         self._dead_lsn: dict[str, Optional[Lsn]] = {}
 
     def forget(self, target: str) -> None:
@@ -429,7 +385,7 @@ class Writes:
             # reads the staged rows only if the new rows cannot be written on the driver.
             def last_changes() -> Any:
                 df = staged_rows()
-                return df if staged.unique_keys else _net(df, staged)
+                return df if staged.unique_keys else net(df, staged)
 
             try:
                 spark_call(f"applying a batch to {target} by position",
@@ -441,257 +397,6 @@ class Writes:
 
         # Sources fanning in to this table apply from threads of one process: one Spark SQL
         # write at a time per table, as the row delta commits (see one_commit_at_a_time).
-        one_commit_at_a_time(target, lambda: self._apply_by_spark(
+        one_commit_at_a_time(target, lambda: self.merge.apply(
             target, staged, staged_rows() if staged.files else None, lsn, truncate, marks,
             upsert))
-
-    def _apply_by_spark(self, target: str, staged: StagedTable, df: Optional[Any], lsn: Lsn,
-                        truncate: Optional[int], marks: Optional[Mapping[str, str]],
-                        upsert: bool) -> None:
-        """``apply``'s Spark SQL write: an append, a multiset's, a MERGE, or a reload after a
-        TRUNCATE."""
-        columns = staged.columns
-        if staged.insert_only and df is not None and not upsert:
-            typed = self.lake.typed(df, target, columns, "_wb_lsn")
-            spark_call(f"appending to {target}",
-                       lambda: self.lake.writer(typed, target, lsn, marks).append())
-            return
-
-        if df is not None and all(c.is_key for c in columns):
-            # No key but the whole row (REPLICA IDENTITY FULL): the table is a multiset.
-            self._apply_multiset(target, columns, df, lsn, truncated=truncate is not None,
-                                 marks=marks)
-            return
-
-        meta = ["_wb_op", "_wb_unchanged", "_wb_seq"]
-        netted: Optional[Any] = None
-        if df is not None and staged.moved_unchanged:
-            # A key change left a TOASTed value unsent: follow each row back through its key
-            # changes to where the value was sent (or to the lake), then net.
-            typed = self.lake.typed(df, target, columns, "_wb_lsn", keep=meta)
-            typed = self._carry_unchanged(target, staged, typed, from_lake=truncate is None)
-            netted = _last_change(typed, [quote(c.name) for c in columns if c.is_key])
-        elif df is not None:
-            if not staged.unique_keys:
-                df = _net(df, staged)
-            netted = self.lake.typed(df, target, columns, "_wb_lsn", keep=meta)
-
-        if truncate is not None:
-            self._reload(target, netted, lsn, marks)
-            return
-
-        assert netted is not None
-        self._merge_by_key(target, staged, netted, lsn, marks)
-
-    def _reload(self, target: str, typed: Optional[Any], lsn: Lsn,
-                marks: Optional[Mapping[str, str]]) -> None:
-        """A TRUNCATE voids everything before it: the table (this source's rows of it) becomes
-        exactly what follows, ``typed`` netted per key (None: nothing)."""
-        from pyspark.sql.functions import lit
-
-        if typed is None:
-            empty = self.lake.spark.table(quote_target(target)).where(lit(False))
-            spark_call(f"truncating {target}",
-                       lambda: self.lake.writer(empty, target, lsn, marks)
-                       .overwrite(self.lake.own_rows()))
-            return
-        rows = typed.where("_wb_op <> 'D'").drop("_wb_op", "_wb_unchanged", "_wb_seq")
-        spark_call(f"truncating and reloading {target}",
-                   lambda: self.lake.writer(rows, target, lsn, marks)
-                   .overwrite(self.lake.own_rows()))
-
-    def _merge_by_key(self, target: str, staged: StagedTable, typed: Any, lsn: Lsn,
-                      marks: Optional[Mapping[str, str]]) -> None:
-        """MERGE the last change per key (``typed``: the table's columns, ``_wb_op``,
-        ``_wb_unchanged``, ``_wb_seq``) into the table: deletes, updates (keeping what the lake
-        has of a TOASTed value the change did not carry) and inserts."""
-        columns = staged.columns
-        names = [c.name for c in columns] + [LSN_COLUMN]
-        on = " AND ".join(f"t.{quote(c.name)} <=> s.{quote(c.name)}" for c in columns if c.is_key)
-        if self.lake.source is not None:
-            on = f"t.{quote(SOURCE_COLUMN)} = '{self.lake.source}' AND {on}"
-            names.append(SOURCE_COLUMN)  # inserted with the row, never updated
-
-        def assignment(i: int, name: str) -> str:
-            if i in staged.unchanged_columns:
-                # An untouched TOAST value was not sent: keep what the lake has.
-                return (f"t.{quote(name)} = CASE WHEN s._wb_unchanged LIKE '%,{i},%' "
-                        f"THEN t.{quote(name)} ELSE s.{quote(name)} END")
-            return f"t.{quote(name)} = s.{quote(name)}"
-
-        sets = ", ".join(assignment(i, n) for i, n in enumerate(names) if n != SOURCE_COLUMN)
-        cols = ", ".join(quote(n) for n in names)
-        vals = ", ".join(f"s.{quote(n)}" for n in names)
-        self._merge(target, typed,
-                    f"ON {on} "
-                    f"WHEN MATCHED AND s._wb_op = 'D' THEN DELETE "
-                    f"WHEN MATCHED THEN UPDATE SET {sets} "
-                    f"WHEN NOT MATCHED AND s._wb_op <> 'D' THEN INSERT ({cols}) VALUES ({vals})",
-                    lsn, marks)
-
-    def _merge(self, target: str, source: Any, clauses: str, lsn: Lsn,
-               marks: Optional[Mapping[str, str]]) -> None:
-        """``MERGE INTO target t USING <source> s <clauses>`` in one commit marked ``lsn`` (or
-        ``marks``). The source is a temporary view of this MERGE's own: views live in the
-        Spark session, which the sources of a fan-in table share, each applying from its own
-        thread, so a name derived from the target would let one source MERGE the other's
-        batch."""
-        view = f"walberg_batch_{uuid.uuid4().hex}"
-        source.createOrReplaceTempView(view)
-        statement = f"MERGE INTO {quote_target(target)} t USING {view} s {clauses}"
-        try:
-            spark_call(f"merging a batch into {target}",
-                       lambda: with_commit_properties(self.lake.spark,
-                                                      dict(self.lake.marks(lsn, marks)),
-                                                      lambda: self.lake.spark.sql(statement)))
-        finally:
-            self.lake.spark.catalog.dropTempView(view)
-
-    def _apply_multiset(self, target: str, columns: Sequence[Column], df: Any, lsn: Lsn,
-                        truncated: bool, marks: Optional[Mapping[str, str]] = None) -> None:
-        """Apply a batch to a table identified by whole rows, where equal rows may repeat: per
-        distinct row, the batch's inserts minus deletes change how many copies the lake holds.
-        One MERGE deletes every copy of each changed row and inserts the new number of them
-        (after a TRUNCATE, an overwrite with the batch's surviving rows)."""
-        from pyspark.sql.functions import coalesce, col, explode, expr, lit, sequence
-        from pyspark.sql.functions import max as max_
-        from pyspark.sql.functions import sum as sum_
-
-        names = [c.name for c in columns]
-        rows = self.lake.typed(df, target, columns, "_wb_lsn", keep=["_wb_op"])
-        if self.lake.source is not None:
-            rows = rows.drop(SOURCE_COLUMN)
-        delta = (rows.groupBy(*[quote(n) for n in names])
-                 .agg(sum_(expr("CASE _wb_op WHEN 'I' THEN 1 WHEN 'D' THEN -1 ELSE 0 END"))
-                      .alias("_d"), max_(col(quote(LSN_COLUMN))).alias("_lsn"))
-                 .where("_d <> 0"))
-        if truncated:
-            counted = delta.withColumn("_n", col("_d"))
-        else:
-            lake = (self.lake.spark.table(quote_target(target)).where(self.lake.own_rows())
-                    .groupBy(*[quote(n) for n in names]).count()
-                    .select(*[col(quote(n)).alias(f"_l{i}") for i, n in enumerate(names)],
-                            col("count").alias("_have")))
-            on = None
-            for i, n in enumerate(names):
-                cond = delta[quote(n)].eqNullSafe(lake[f"_l{i}"])
-                on = cond if on is None else on & cond
-            counted = (delta.join(lake, on, "left")
-                       .withColumn("_n", coalesce(col("_have"), lit(0)) + col("_d")))
-        extra = ([f"'{self.lake.source}' AS {quote(SOURCE_COLUMN)}"] if self.lake.source is not None
-                 else [])
-        copies = (counted.where("_n > 0")
-                  .withColumn("_copy", explode(sequence(lit(1), col("_n").cast("int"))))
-                  .selectExpr(*[quote(n) for n in names], f"_lsn AS {quote(LSN_COLUMN)}",
-                              *extra))
-        if truncated:
-            spark_call(f"truncating and reloading {target}",
-                       lambda: self.lake.writer(copies, target, lsn, marks)
-                       .overwrite(self.lake.own_rows()))
-            return
-        deleters = counted.selectExpr(*[quote(n) for n in names],
-                                      f"CAST(NULL AS BIGINT) AS {quote(LSN_COLUMN)}",
-                                      *([f"'{self.lake.source}' AS {quote(SOURCE_COLUMN)}"]
-                                        if self.lake.source is not None else []),
-                                      "'D' AS _kind")
-        source = deleters.unionByName(copies.withColumn("_kind", lit("I")))
-        on_sql = " AND ".join(f"t.{quote(n)} <=> s.{quote(n)}" for n in names)
-        if self.lake.source is not None:
-            on_sql = f"t.{quote(SOURCE_COLUMN)} = '{self.lake.source}' AND {on_sql}"
-        all_names = names + [LSN_COLUMN] + ([SOURCE_COLUMN] if self.lake.source is not None else [])
-        cols = ", ".join(quote(n) for n in all_names)
-        vals = ", ".join(f"s.{quote(n)}" for n in all_names)
-        self._merge(target, source,
-                    f"ON s._kind = 'D' AND {on_sql} WHEN MATCHED THEN DELETE "
-                    f"WHEN NOT MATCHED AND s._kind = 'I' THEN INSERT ({cols}) VALUES ({vals})",
-                    lsn, marks)
-
-    def _carry_unchanged(self, target: str, staged: StagedTable, every: Any,
-                         from_lake: bool) -> Any:
-        """Fill in the TOASTed values that UPDATEs left unsent, in a batch where a key change
-        did (``every``: the batch's rows, typed, not netted). A row's unsent value is its
-        predecessor's: for an UPDATE, the change before it of the same key (back to that
-        key's last INSERT, or the lake's row); for the insert half of a key change (sequence
-        s, its delete half s-1 names the old key), the old key's last change before s-1. Each
-        pass fills every row whose predecessor has the value, so a chain of key changes and
-        updates of any length is followed to where the value was sent; the passes stop when
-        one fills nothing. ``from_lake``: a value not sent in the batch is the lake's (not so
-        after a TRUNCATE). Returns the batch's rows, filled."""
-        from pyspark.sql import Window
-        from pyspark.sql.functions import col, expr, last, length, lit, max_by, struct, when
-        from pyspark.sql.functions import sum as sum_
-
-        columns = staged.columns
-        names = [c.name for c in columns]
-        keys = [quote(c.name) for c in columns if c.is_key]
-        unchanged = sorted(staged.unchanged_columns)
-        if from_lake:
-            # The lake's row of each key the batch touches heads that key's history.
-            touched = every.select(*keys).distinct()
-            lake = (self.lake.spark.table(quote_target(target)).where(self.lake.own_rows())
-                    .join(touched, [k.strip("`") for k in keys], "left_semi"))
-            meta = ("_wb_op", "_wb_unchanged", "_wb_seq")
-            heads = lake.select(*[col(quote(c)) for c in every.columns if c not in meta],
-                                lit("L").alias("_wb_op"),
-                                lit(None).cast("string").alias("_wb_unchanged"),
-                                lit(-1).cast("bigint").alias("_wb_seq"))
-            every = every.unionByName(heads).localCheckpoint()
-
-        def marked(i: int) -> Any:
-            return col("_wb_unchanged").contains(f",{i},")
-
-        def filled(df: Any, i: int, found: Any) -> Any:
-            hit = marked(i) & found.isNotNull()
-            return (df.withColumn(names[i], when(hit, found.getField("v"))
-                                  .otherwise(col(quote(names[i]))))
-                    .withColumn("_wb_unchanged", when(hit, expr(
-                        f"nullif(replace(_wb_unchanged, ',{i},', ','), ',')"))
-                        .otherwise(col("_wb_unchanged"))))
-
-        def left(df: Any) -> int:
-            return int(df.select(sum_(length(col("_wb_unchanged")))).first()[0] or 0)
-
-        remaining = left(every)
-        while remaining:
-            # An UPDATE takes the value from the last change of its key since the key's last
-            # INSERT (a segment) that has it.
-            by_key = Window.partitionBy(*keys).orderBy("_wb_seq").rowsBetween(
-                Window.unboundedPreceding, Window.currentRow)
-            every = every.withColumn("_wb_seg", sum_(
-                when(col("_wb_op").isin("I", "L"), 1).otherwise(0)).over(by_key))
-            in_segment = Window.partitionBy(*keys, "_wb_seg").orderBy("_wb_seq").rowsBetween(
-                Window.unboundedPreceding, Window.currentRow)
-            for i in unchanged:
-                source = (col("_wb_op") != "D") & (col("_wb_unchanged").isNull() | ~marked(i))
-                found = last(when(source, struct(col(quote(names[i])).alias("v"))), True) \
-                    .over(in_segment)
-                every = filled(every, i, when(col("_wb_op") == "U", found))
-            every = every.drop("_wb_seg")
-            # The insert half of a key change takes it from the old key's last change before.
-            moved = every.where("_wb_op = 'I' AND _wb_unchanged IS NOT NULL")
-            links = every.where("_wb_op = 'D'").select(
-                *[col(k).alias(f"_o{j}") for j, k in enumerate(keys)],
-                (col("_wb_seq") + 1).alias("_m_seq"))
-            wanted = moved.select(col("_wb_seq").alias("_m")).join(
-                links, col("_m") == col("_m_seq")).drop("_m")
-            history = every.where("_wb_op <> 'D'")
-            on = None
-            for j, k in enumerate(keys):
-                cond = history[k].eqNullSafe(wanted[f"_o{j}"])
-                on = cond if on is None else on & cond
-            assert on is not None
-            before = wanted.join(history, on & (history["_wb_seq"] < wanted["_m_seq"] - 1))
-            last_before = before.groupBy("_m_seq").agg(max_by(struct(
-                *[col(quote(names[i])).alias(f"v{i}") for i in unchanged],
-                col("_wb_unchanged").alias("u")), col("_wb_seq")).alias("_p"))
-            every = every.join(last_before, every["_wb_seq"] == last_before["_m_seq"], "left")
-            for i in unchanged:
-                has = col("_p").isNotNull() & (col("_p.u").isNull()
-                                               | ~col("_p.u").contains(f",{i},"))
-                every = filled(every, i, when(has, struct(col(f"_p.v{i}").alias("v"))))
-            every = every.drop("_m_seq", "_p").localCheckpoint()
-            now = left(every)
-            if now == remaining:
-                break
-            remaining = now
-        return every.where("_wb_op <> 'L'")

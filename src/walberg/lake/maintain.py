@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional
 
 from walberg import metrics
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.jvm.spark import one_commit_at_a_time
+from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.session import DLQ_SUFFIX
 from walberg.config import Config, Maintenance, changelog_beside
 from walberg.errors import WalbergError

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from walberg.apply import staging
 from walberg.apply.catalog import catalogs, storage
-from walberg.apply.jvm.spark import JAR_PACKAGE, check_java, find_java, iceberg_jar
+from walberg.apply.jvm.java import JAR_PACKAGE, check_java, find_java, iceberg_jar
 from walberg.errors import Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.runtime.parking import parked_why

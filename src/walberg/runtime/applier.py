@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar
 from walberg import metrics
 from walberg.apply.batch import BatchBuilder, StagedTable
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.jvm.spark import with_commit_properties
+from walberg.apply.jvm.commits import with_commit_properties
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point, failure_point

@@ -12,7 +12,8 @@ from walberg import metrics
 from walberg.apply import staging
 from walberg.apply.catalog import storage
 from walberg.apply.iceberg import IcebergSink
-from walberg.apply.jvm.spark import build_session, stop_session, storage_watch, watch_storage
+from walberg.apply.jvm.calls import storage_watch, watch_storage
+from walberg.apply.jvm.spark import build_session, stop_session
 from walberg.apply.jvm.sparkargs import session_args
 from walberg.apply.jvm.watch import StorageWatch
 from walberg.buffer.store import SegmentStore

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from walberg.apply.jvm.classcache import dump_options, prune, starts_with
-from walberg.apply.jvm.spark import build_session, find_java, temp_folder
+from walberg.apply.jvm.java import find_java, temp_folder
+from walberg.apply.jvm.spark import build_session
 
 # Statements that load what a batch, a copy and a start-up use: catalog lookups, DDL, reading
 # Parquet, netting by window, writes, a MERGE and a delete by position.

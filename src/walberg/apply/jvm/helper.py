@@ -69,7 +69,7 @@ def _compile(spark: Any) -> Any:
         compiler.cook(source)
         made = _instance(spark, compiler.getClassLoader())
     except Exception as exc:
-        from walberg.apply.jvm.spark import java_message
+        from walberg.apply.jvm.calls import java_message
 
         raise ApplyError(f"compiling walberg's Java helper ({_SOURCE.name}) in the driver's "
                          f"JVM with Spark's Janino failed: {java_message(exc)}. Is Spark's "
@@ -95,7 +95,7 @@ def _memo(spark: Any, source: str) -> Optional[Path]:
     """Where the class files of this ``source``, compiled against this JVM's Spark and
     Iceberg, are remembered (None: not here, the folder could be another user's)."""
     from walberg.apply.jvm import launch
-    from walberg.apply.jvm.spark import temp_folder
+    from walberg.apply.jvm.java import temp_folder
 
     folder = temp_folder() / "launch"
     if not launch.private(folder.parent) or not launch.private(folder):

