@@ -79,7 +79,7 @@ from run import _Null, save_results, timed  # noqa: E402
 from walberg.apply.catalog import storage  # noqa: E402
 from walberg.apply.jvm import classcache  # noqa: E402
 from walberg.apply.jvm.spark import session_archive  # noqa: E402
-from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+from walberg.source.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 10_000  # changes per source transaction
 FAN_IN = ("east", "west")  # the databases (and walberg sources) of the fanin shape

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from backlog import bytecode, walberg_once, write_config  # noqa: E402
 from run import save_results, timed  # noqa: E402
 
-from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+from walberg.source.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 
 def command(*args: str) -> float:

@@ -59,7 +59,7 @@ from sustained import (  # noqa: E402
 )
 
 from walberg.apply.catalog.metadata import read_hadoop_history  # noqa: E402
-from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+from walberg.source.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 KEYS = ("bigint", "uuid", "composite")
 

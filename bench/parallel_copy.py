@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import ROOT, config_for, copy_table_baseline, run_once, save_results, timed  # noqa: E402
 
-from walberg.apply.jdbc import driver_jar  # noqa: E402
+from walberg.apply.initial.jdbc import driver_jar  # noqa: E402
 from walberg.apply.jvm.spark import build_session, stop_session  # noqa: E402
-from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+from walberg.source.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 
 def main() -> int:

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from walberg.apply.jvm.spark import build_session, stop_session  # noqa: E402
 from walberg.config import parse_config  # noqa: E402
-from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
 from walberg.pipeline import Pipeline  # noqa: E402
+from walberg.source.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 
 def rss_mb() -> float:

@@ -60,7 +60,7 @@ from backlog import SHAPES, bytecode, make_table, recvlogical, walberg_once  # n
 from run import save_results  # noqa: E402
 
 from walberg.apply.catalog.metadata import read_hadoop_history  # noqa: E402
-from walberg.embedded_pg import EmbeddedPostgres  # noqa: E402
+from walberg.source.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 TXN = 1_000  # changes per transaction while writing flat out
 

@@ -18,7 +18,7 @@ import psycopg2
 import pytest
 import yaml
 
-from walberg.apply.jdbc import driver_jar
+from walberg.apply.initial.jdbc import driver_jar
 from walberg.apply.jvm.spark import build_session, stop_session
 from walberg.config import Config, parse_config
 from walberg.model import Lsn

@@ -325,7 +325,7 @@ def _same(a: Any, b: Any, column: str) -> bool:
 
 
 # Every column is staged in its type, so the copy and the batches' new rows are written on the
-# driver (apply.copyfiles). A table with a sort order (or a compression the driver does not
+# driver (apply.initial.files). A table with a sort order (or a compression the driver does not
 # write) has them written by Spark; the test asks for that path directly. The matrix goes both
 # ways. COPY's rows come through psql where psycopg2's connection is in the clear (this suite's
 # server), through psycopg2 otherwise: the Spark way reads them through psycopg2.

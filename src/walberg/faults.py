@@ -12,7 +12,7 @@ for a cluster's executors, the commit that reads it not yet made), ``committed``
 committed to Iceberg, its segments not yet removed and the slot not yet told), ``lake-check``
 (a second into a restart's check of the lake, while the stream already fills segments),
 ``reshaped`` (a table copied again took the source's columns, its copy not yet made),
-``copy-files``, ``row-delta`` and ``indexed`` (see apply.copyfiles and apply.position.keyed),
+``copy-files``, ``row-delta`` and ``indexed`` (see apply.initial.files and apply.position.keyed),
 ``key-store`` (a key index's files sent to the warehouse, its manifest not yet; see
 apply.position.keystore), ``chunk`` (a chunk of a jdbc initial copy committed) and ``copied`` (a
 table's initial copy committed, the stream not yet started).

@@ -18,10 +18,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pyarrow as pa
 
-from walberg.apply import copyrefresh
 from walberg.apply.batch import StagedTable
-from walberg.apply.copyfiles import CopyFiles
 from walberg.apply.evolution import Step
+from walberg.apply.initial import refresh as copyrefresh
+from walberg.apply.initial.files import CopyFiles
 from walberg.apply.maintenance import Maintenance
 from walberg.apply.position.keyed import KeyedApply
 from walberg.apply.query import Queries, pin_tables

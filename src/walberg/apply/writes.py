@@ -11,7 +11,6 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import pyarrow as pa
 
-from walberg.apply import copyfiles
 from walberg.apply.batch import (
     DLQ_REASON,
     OP_LABEL_SQL,
@@ -20,6 +19,7 @@ from walberg.apply.batch import (
     seq_filter,
     value_column,
 )
+from walberg.apply.initial import files as copyfiles
 from walberg.apply.jvm.calls import spark_call
 from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.merge.merging import MergeApply
@@ -134,7 +134,7 @@ class Writes:
     def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
                   lsn: Lsn, on_driver: bool = True) -> None:
         """Replace the table's contents with the initial copy, in one commit marked ``lsn``:
-        written on the driver when staging left every column in its type (apply.copyfiles),
+        written on the driver when staging left every column in its type (apply.initial.files),
         else by Spark. ``on_driver``: False when ``copy_here`` or ``write_copy_parts`` has
         already found (and said) that this table's copy is Spark's."""
         copied = copyfiles.write_copy(

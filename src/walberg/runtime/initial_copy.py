@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from walberg import metrics
-from walberg.apply import jdbc
 from walberg.apply.batch import DeadLetters, csv_tables, csv_to_parquet
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
+from walberg.apply.initial import jdbc
 from walberg.apply.types import TextPrep
 from walberg.config import Config
 from walberg.faults import crash_point

@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from walberg.apply import jdbc
 from walberg.apply.catalog import catalogs, storage
+from walberg.apply.initial import jdbc
 from walberg.config import Config
 
 log = logging.getLogger("walberg")

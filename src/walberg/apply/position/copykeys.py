@@ -1,4 +1,4 @@
-"""The key index of an initial copy written on the driver (``apply.copyfiles``), made from the
+"""The key index of an initial copy written on the driver (``apply.initial.files``), made from the
 copy's rows as they are written instead of read back from the lake.
 
 The index of a table applied by position was made after its copy by reading the copy's data

@@ -8,7 +8,7 @@ into the table's data files instead: its column names and Iceberg field ids, dec
 as integers (as Iceberg's own writer does), its compression and level, files rolled at its
 ``write.target-file-size-bytes``. Each file's metrics are read from its footer by Iceberg's
 ``ParquetUtil``, and the caller commits the files through Iceberg's API: the initial copy
-(``apply.copyfiles``) in an overwrite, a batch applied by position (``apply.position.keyed``) in its
+(``apply.initial.files``) in an overwrite, a batch applied by position (``apply.position.keyed``) in its
 row delta.
 
 Which tables (``why_not``): without a sort order, partitioned by transforms ``Partitioner``

@@ -86,7 +86,7 @@ from walberg.faults import crash_point
 from walberg.model import Column, Lsn
 
 if TYPE_CHECKING:
-    from walberg.apply.copyfiles import CopyFiles
+    from walberg.apply.initial.files import CopyFiles
 
 log = logging.getLogger("walberg")
 
