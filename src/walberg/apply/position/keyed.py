@@ -63,6 +63,7 @@ from walberg.apply.position.livefiles import LiveFiles, read_blob
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.position.rowdelta import (
     Positions,
+    RowDeltaResult,
     Vectors,
     commit_row_delta,
     deletion_vectors,
@@ -443,7 +444,7 @@ class KeyedApply:
         when ``apply.position.datafiles`` allows, else by Spark from ``netted()`` (the batch's last
         change per key, as a DataFrame). The rows to delete are looked up in the index and
         written as a position-delete file in a thread meanwhile (numpy and Arrow leave the
-        GIL to the other)."""
+        GIL to the other; ``_look_up``)."""
         columns = staged.columns
         found_key = self.key_of(target, columns)
         assert found_key is not None
@@ -457,57 +458,17 @@ class KeyedApply:
         clock.append(time.monotonic())
         with self._scratch() as scratch, \
                 ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
-
-            def look_up() -> tuple[Hits, list[Positions] | Optional[Vectors],
-                                   Optional[tuple[str, Any, Any]], float]:
-                started = time.monotonic()
-                changed, checks, span = _batch_keys(staged.files, positions, codec, max_seq,
-                                                    void)
-                hits = index.lookup(changed, checks)
-                deletes: list[Positions] | Optional[Vectors]
-                if live is not None and live.vectors:
-                    deletes = deletion_vectors(
-                        hits.files, hits.positions, scratch, live.of,
-                        lambda v: read_blob(spark, v, local_path(v.location)))
-                else:
-                    deletes = position_delete_files(
-                        hits.files, hits.positions, scratch,
-                        None if live is None else lambda p: live.of(p).group)
-                # The commit conflicts with another writer's changes to keys in this range
-                # (of the first key column).
-                keys = None if span is None else (key_names[0], *span)
-                return hits, deletes, keys, time.monotonic() - started
-
-            looked_up = pool.submit(look_up)
-            rows: Any = None
-            new_files: Optional[JavaFiles] = None
+            looked_up = pool.submit(_look_up, spark, index, staged, positions, codec, key_names,
+                                    max_seq, void, live, scratch)
             # The new rows' keys as they are written on the driver, by data file and first
             # position: the index's entries for them, with nothing read back after the commit
             # (on object storage that was a Spark job over every new file, one per partition).
             as_written: list[tuple[str, int, pa.Table]] = []
             why = self._why_not_here(target, staged, table)
             started = time.monotonic()
-            if why is None:
-                schema = datafiles.arrow_schema(table, columns, self.lake, target)
-                partitioner = Partitioner.of(table, schema)
-                assert isinstance(partitioner, Partitioner)  # as ``why`` found
-                try:
-                    written = datafiles.write(
-                        spark, table, schema,
-                        _new_rows(staged.files, schema, max_seq, void, self.lake.source),
-                        scratch, "walberg-rows",
-                        None if table.spec().isUnpartitioned() else partitioner,
-                        on_rows=lambda location, first, part: as_written.append(
-                            (location, first, part.select(key_names))))
-                    new_files = datafiles.data_files(spark, table, written)
-                except NotHere as exc:
-                    as_written.clear()
-                    why = str(exc)
-                    log.info("%s by position: this batch's new rows written by Spark, because "
-                             "%s", target, why)
-            if why is not None:
-                rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
-                                       "_wb_lsn")
+            rows, new_files, why = self._write_new_rows(target, staged, netted, table, why,
+                                                        max_seq, void, scratch, key_names,
+                                                        as_written)
             written_in = time.monotonic() - started
             try:
                 hits, deletes, keys, lookup_s = looked_up.result()
@@ -529,6 +490,56 @@ class KeyedApply:
             else:
                 added = _concat(list(written_entries(spark, result.added_files, key_names,
                                                      codec, Path(scratch))))
+        self._follow_commit(target, table, index, live, result, hits, added)
+        clock.append(time.monotonic())
+        log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
+                 "(new rows %.2f s, beside them the lookup and delete file %.2f s; deletes "
+                 "%.2f s, commit %.2f s), index update %.2f s",
+                 target, result.deleted_rows, result.added_rows,
+                 "written on the driver" if why is None else "written by Spark",
+                 clock[1] - clock[0], clock[2] - clock[1], result.seconds[1] + written_in,
+                 lookup_s, result.seconds[0], result.seconds[2], clock[3] - clock[2])
+
+    def _write_new_rows(self, target: str, staged: StagedTable, netted: Callable[[], Any],
+                        table: Any, why: Optional[str], max_seq: int,
+                        void: Sequence[tuple[int, int]], scratch: Path,
+                        key_names: Sequence[str], as_written: list[tuple[str, int, pa.Table]]
+                        ) -> tuple[Any, Optional[JavaFiles], Optional[str]]:
+        """The batch's new rows: as data files written on the driver unless ``why`` (or the
+        writing) says why not, their keys noted in ``as_written``; else as the DataFrame for
+        Spark to write, from ``netted()``. With the reason they are not written here (None:
+        they are)."""
+        spark = self.lake.spark
+        columns = staged.columns
+        rows: Any = None
+        new_files: Optional[JavaFiles] = None
+        if why is None:
+            schema = datafiles.arrow_schema(table, columns, self.lake, target)
+            partitioner = Partitioner.of(table, schema)
+            assert isinstance(partitioner, Partitioner)  # as ``why`` found
+            try:
+                written = datafiles.write(
+                    spark, table, schema,
+                    _new_rows(staged.files, schema, max_seq, void, self.lake.source),
+                    scratch, "walberg-rows",
+                    None if table.spec().isUnpartitioned() else partitioner,
+                    on_rows=lambda location, first, part: as_written.append(
+                        (location, first, part.select(key_names))))
+                new_files = datafiles.data_files(spark, table, written)
+            except NotHere as exc:
+                as_written.clear()
+                why = str(exc)
+                log.info("%s by position: this batch's new rows written by Spark, because "
+                         "%s", target, why)
+        if why is not None:
+            rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns, "_wb_lsn")
+        return rows, new_files, why
+
+    def _follow_commit(self, target: str, table: Any, index: KeyIndex,
+                       live: Optional[LiveFiles], result: RowDeltaResult, hits: Hits,
+                       added: tuple[np.ndarray, np.ndarray, list[str], np.ndarray]) -> None:
+        """After the batch's commit: the index (and the live files) brought to it, and kept;
+        or, if another writer committed in between, forgotten, to be built again."""
         if self._appends_since(table, index.snapshot, result.parent) == []:
             # (on the index's snapshot, or on other sources' commits to a shared table after it)
             index.commit(result.snapshot_id, hits.keys, added)
@@ -542,14 +553,6 @@ class KeyedApply:
             log.info("%s by position: another writer committed between the key index's "
                      "snapshot and this batch's commit; the index is read again", target)
             self.forget(target)
-        clock.append(time.monotonic())
-        log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
-                 "(new rows %.2f s, beside them the lookup and delete file %.2f s; deletes "
-                 "%.2f s, commit %.2f s), index update %.2f s",
-                 target, result.deleted_rows, result.added_rows,
-                 "written on the driver" if why is None else "written by Spark",
-                 clock[1] - clock[0], clock[2] - clock[1], result.seconds[1] + written_in,
-                 lookup_s, result.seconds[0], result.seconds[2], clock[3] - clock[2])
 
     def _why_not_here(self, target: str, staged: StagedTable, table: Any) -> Optional[str]:
         """Why this batch's new rows are written by Spark (None: on the driver). Said in the
@@ -656,6 +659,32 @@ class _Scratch:
 
     def __exit__(self, *exc: Any) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _look_up(spark: Any, index: KeyIndex, staged: StagedTable, positions: Sequence[int],
+             codec: KeyCodec, key_names: Sequence[str], max_seq: int,
+             void: Sequence[tuple[int, int]], live: Optional[LiveFiles], scratch: Path
+             ) -> tuple[Hits, list[Positions] | Optional[Vectors], Optional[tuple[str, Any, Any]],
+                        float]:
+    """The rows a batch deletes, found in the index and written as deletes (position-delete
+    files, or deletion vectors in a table that has them), with the range of the batch's keys
+    and the seconds it took."""
+    started = time.monotonic()
+    changed, checks, span = _batch_keys(staged.files, positions, codec, max_seq, void)
+    hits = index.lookup(changed, checks)
+    deletes: list[Positions] | Optional[Vectors]
+    if live is not None and live.vectors:
+        deletes = deletion_vectors(
+            hits.files, hits.positions, scratch, live.of,
+            lambda v: read_blob(spark, v, local_path(v.location)))
+    else:
+        deletes = position_delete_files(
+            hits.files, hits.positions, scratch,
+            None if live is None else lambda p: live.of(p).group)
+    # The commit conflicts with another writer's changes to keys in this range (of the first
+    # key column).
+    keys = None if span is None else (key_names[0], *span)
+    return hits, deletes, keys, time.monotonic() - started
 
 
 def _batch_keys(files: Sequence[Path], positions: Sequence[int], codec: KeyCodec, max_seq: int,

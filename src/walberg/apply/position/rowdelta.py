@@ -213,32 +213,14 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     from."""
     if table is None:
         table = java_table(spark, target)
-    if isinstance(deletes, Positions):
-        deletes = [deletes]
     helper = batch_helper(spark)
-    deleted = 0
     new_files = data_files if data_files is not None else JavaFiles.empty(spark)
     written: list[str] = new_files.locations
     staged: Any = None
     clock = [time.monotonic()]
     committing = False
     try:
-        replaced = spark._jvm.java.util.ArrayList()
-        if isinstance(deletes, Vectors):
-            assert live is not None
-            files, deleted, referenced = _upload_vectors(spark, table, deletes, live)
-            replaced = helper.pick(live.java_vectors, json.dumps(deletes.replaced))
-        elif isinstance(deletes, list):
-            if len(deletes) == 1 and deletes[0].partition_of is None:
-                files, deleted, referenced = _upload_position_deletes(spark, table, deletes[0])
-            else:
-                assert live is not None or all(d.partition_of is None for d in deletes)
-                files, deleted, referenced = _upload_partition_deletes(spark, table, deletes,
-                                                                       live)
-        elif deletes is not None:
-            files, deleted, referenced = _write_position_deletes(spark, table, deletes)
-        else:
-            files, deleted, referenced = JavaFiles.empty(spark), 0, []
+        files, deleted, referenced, replaced = upload_deletes(spark, table, deletes, live)
         written += files.locations
         clock.append(time.monotonic())
         if rows is not None:
@@ -252,16 +234,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         if base_snapshot is not None:
             delta = delta.validateFromSnapshot(base_snapshot)
         delta = helper.fill(delta, new_files.java, files.java, replaced)
-        if referenced:
-            refs = spark._jvm.java.util.ArrayList()
-            for path in referenced:
-                refs.add(path)
-            delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
-        # What another writer did since the base snapshot: deletes or new rows for these keys.
-        delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles()
-        conflicts = _conflicts(spark, keys, source)
-        if conflicts is not None:
-            delta = delta.conflictDetectionFilter(conflicts)
+        delta = _validated(spark, delta, referenced, keys, source)
         added = new_files.records
         for key, value in properties.items():
             delta = delta.set(key, value)
@@ -297,6 +270,50 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                           new_files, files,
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]),
                           parent)
+
+
+def upload_deletes(spark: Any, table: Any,
+                   deletes: "Optional[Any | Positions | list[Positions] | Vectors]",
+                   live: Optional[LiveFiles]) -> tuple[JavaFiles, int, list[str], Any]:
+    """``deletes`` (see ``commit_row_delta``) put in the table's data folder as Iceberg delete
+    files: those files, the positions they delete, the data files they point into, and the
+    earlier deletion vectors they replace (a Java list, empty but for deletion vectors)."""
+    if isinstance(deletes, Positions):
+        deletes = [deletes]
+    replaced = spark._jvm.java.util.ArrayList()
+    if isinstance(deletes, Vectors):
+        assert live is not None
+        files, deleted, referenced = _upload_vectors(spark, table, deletes, live)
+        replaced = batch_helper(spark).pick(live.java_vectors, json.dumps(deletes.replaced))
+    elif isinstance(deletes, list):
+        if len(deletes) == 1 and deletes[0].partition_of is None:
+            files, deleted, referenced = _upload_position_deletes(spark, table, deletes[0])
+        else:
+            assert live is not None or all(d.partition_of is None for d in deletes)
+            files, deleted, referenced = _upload_partition_deletes(spark, table, deletes, live)
+    elif deletes is not None:
+        files, deleted, referenced = _write_position_deletes(spark, table, deletes)
+    else:
+        files, deleted, referenced = JavaFiles.empty(spark), 0, []
+    return files, deleted, referenced, replaced
+
+
+def _validated(spark: Any, delta: Any, referenced: list[str],
+               keys: Optional[tuple[str, Any, Any]], source: Optional[str]) -> Any:
+    """The row delta, told what to validate against the commits since its base snapshot (see
+    ``commit_row_delta``): the data files its deletes point into (``referenced``) still there,
+    and no other writer's deletes or new rows for its keys."""
+    if referenced:
+        refs = spark._jvm.java.util.ArrayList()
+        for path in referenced:
+            refs.add(path)
+        delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
+    # What another writer did since the base snapshot: deletes or new rows for these keys.
+    delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles()
+    conflicts = _conflicts(spark, keys, source)
+    if conflicts is not None:
+        delta = delta.conflictDetectionFilter(conflicts)
+    return delta
 
 
 def _committed(table: Any, properties: Mapping[str, str]) -> Any:
