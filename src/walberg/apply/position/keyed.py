@@ -38,41 +38,30 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from walberg.apply.batch import StagedTable, applied_rows, value_column
+from walberg.apply.batch import StagedTable
 from walberg.apply.jvm.helper import JavaFiles
 from walberg.apply.position import datafiles, rowdelta
+from walberg.apply.position.batchkeys import concat_entries, entries_as_written, look_up, new_rows
 from walberg.apply.position.copykeys import KeysAsWritten
+from walberg.apply.position.entries import lake_entries, scan_of, written_entries
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import (
     MANIFEST,
     Hits,
     KeyIndex,
     encoding_of,
-    sorted_unique_pairs,
 )
 from walberg.apply.position.keystore import KeyStore, Place, place_of
 from walberg.apply.position.lakekeys import Files, live_scan, table_uuid
-from walberg.apply.position.livefiles import LiveFiles, read_blob
+from walberg.apply.position.livefiles import LiveFiles
 from walberg.apply.position.partitions import NotHere, Partitioner
-from walberg.apply.position.rowdelta import (
-    Positions,
-    RowDeltaResult,
-    Vectors,
-    commit_row_delta,
-    deletion_vectors,
-    lake_entries,
-    local_path,
-    position_delete_files,
-    scan_of,
-    written_entries,
-)
+from walberg.apply.position.rowdelta import RowDeltaResult, commit_row_delta
 from walberg.apply.readahead import ahead
 from walberg.apply.session import (
     LSN_PROPERTY,
@@ -247,7 +236,7 @@ class KeyedApply:
                 if live is not None and live.snapshot == found.snapshot:
                     # (else _know_files reads them all below)
                     live.added(JavaFiles.of(self.lake.spark, appended), now)
-                found.commit(now, np.empty(0, np.int64), _concat(entries))
+                found.commit(now, np.empty(0, np.int64), concat_entries(entries))
                 log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
                          len(appended), time.monotonic() - started)
             else:
@@ -444,7 +433,7 @@ class KeyedApply:
         when ``apply.position.datafiles`` allows, else by Spark from ``netted()`` (the batch's last
         change per key, as a DataFrame). The rows to delete are looked up in the index and
         written as a position-delete file in a thread meanwhile (numpy and Arrow leave the
-        GIL to the other; ``_look_up``)."""
+        GIL to the other; ``look_up``)."""
         columns = staged.columns
         found_key = self.key_of(target, columns)
         assert found_key is not None
@@ -458,7 +447,7 @@ class KeyedApply:
         clock.append(time.monotonic())
         with self._scratch() as scratch, \
                 ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
-            looked_up = pool.submit(_look_up, spark, index, staged, positions, codec, key_names,
+            looked_up = pool.submit(look_up, spark, index, staged, positions, codec, key_names,
                                     max_seq, void, live, scratch)
             # The new rows' keys as they are written on the driver, by data file and first
             # position: the index's entries for them, with nothing read back after the commit
@@ -486,10 +475,10 @@ class KeyedApply:
             crash_point("indexed", delay=0.5)
             if new_files is not None and \
                     set(result.added_files) == {location for location, _, _ in as_written}:
-                added = _entries_as_written(as_written, key_names, codec)
+                added = entries_as_written(as_written, key_names, codec)
             else:
-                added = _concat(list(written_entries(spark, result.added_files, key_names,
-                                                     codec, Path(scratch))))
+                added = concat_entries(list(written_entries(spark, result.added_files,
+                                                            key_names, codec, Path(scratch))))
         self._follow_commit(target, table, index, live, result, hits, added)
         clock.append(time.monotonic())
         log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
@@ -520,7 +509,7 @@ class KeyedApply:
             try:
                 written = datafiles.write(
                     spark, table, schema,
-                    _new_rows(staged.files, schema, max_seq, void, self.lake.source),
+                    new_rows(staged.files, schema, max_seq, void, self.lake.source),
                     scratch, "walberg-rows",
                     None if table.spec().isUnpartitioned() else partitioner,
                     on_rows=lambda location, first, part: as_written.append(
@@ -661,97 +650,3 @@ class _Scratch:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _look_up(spark: Any, index: KeyIndex, staged: StagedTable, positions: Sequence[int],
-             codec: KeyCodec, key_names: Sequence[str], max_seq: int,
-             void: Sequence[tuple[int, int]], live: Optional[LiveFiles], scratch: Path
-             ) -> tuple[Hits, list[Positions] | Optional[Vectors], Optional[tuple[str, Any, Any]],
-                        float]:
-    """The rows a batch deletes, found in the index and written as deletes (position-delete
-    files, or deletion vectors in a table that has them), with the range of the batch's keys
-    and the seconds it took."""
-    started = time.monotonic()
-    changed, checks, span = _batch_keys(staged.files, positions, codec, max_seq, void)
-    hits = index.lookup(changed, checks)
-    deletes: list[Positions] | Optional[Vectors]
-    if live is not None and live.vectors:
-        deletes = deletion_vectors(
-            hits.files, hits.positions, scratch, live.of,
-            lambda v: read_blob(spark, v, local_path(v.location)))
-    else:
-        deletes = position_delete_files(
-            hits.files, hits.positions, scratch,
-            None if live is None else lambda p: live.of(p).group)
-    # The commit conflicts with another writer's changes to keys in this range (of the first
-    # key column).
-    keys = None if span is None else (key_names[0], *span)
-    return hits, deletes, keys, time.monotonic() - started
-
-
-def _batch_keys(files: Sequence[Path], positions: Sequence[int], codec: KeyCodec, max_seq: int,
-                void: Sequence[tuple[int, int]]
-                ) -> tuple[np.ndarray, np.ndarray, Optional[tuple[Any, Any]]]:
-    """The distinct keys the batch changes (index keys and checks), read from its staged files
-    on the driver; with the lowest and highest value of the first key column among them (in
-    the form an Iceberg expression on that column takes; None if the batch changes none)."""
-    names = [value_column(i) for i in positions]
-    keys: list[np.ndarray] = []
-    checks: list[np.ndarray] = []
-    firsts: list[tuple[Any, Any]] = []
-    for path in files:
-        table = pq.read_table(path, columns=["_wb_seq", *names])
-        seq = table.column("_wb_seq").to_numpy(zero_copy_only=False).astype(np.int64)
-        applied = applied_rows(seq, max_seq, void)
-        if not applied.any():
-            continue
-        table = table.filter(pa.array(applied))
-        k, c = codec.encode([table.column(n) for n in names])
-        keys.append(k)
-        checks.append(c)
-        firsts.append(codec.span(table.column(names[0])))
-    if not keys:
-        return np.empty(0, np.int64), np.empty(0, np.int64), None
-    unique_keys, unique_checks = sorted_unique_pairs(np.concatenate(keys),
-                                                     np.concatenate(checks))
-    return unique_keys, unique_checks, (min(f[0] for f in firsts), max(f[1] for f in firsts))
-
-
-def _entries_as_written(parts: Sequence[tuple[str, int, pa.Table]], key_names: Sequence[str],
-                        codec: KeyCodec) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
-    """Index entries of rows written on the driver: each part's key columns, its data file's
-    location and its first row's position there (its rows follow in order)."""
-    entries = []
-    for location, first, part in parts:
-        keys, checks = codec.encode([part.column(n) for n in key_names])
-        entries.append((keys, checks, [location] * len(keys),
-                        np.arange(first, first + len(keys), dtype=np.int64)))
-    return _concat(entries)
-
-
-def _concat(entries: Sequence[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]
-            ) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
-    if not entries:
-        return np.empty(0, np.int64), np.empty(0, np.int64), [], np.empty(0, np.int64)
-    return (np.concatenate([e[0] for e in entries]), np.concatenate([e[1] for e in entries]),
-            [p for e in entries for p in e[2]], np.concatenate([e[3] for e in entries]))
-
-
-def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,
-              void: Sequence[tuple[int, int]], source: Optional[str]) -> Iterator[pa.Table]:
-    """The rows a netted batch adds (its applied inserts and updates), a row group at a time,
-    in the data files' schema: the staged values, each change's LSN as ``_walberg_lsn``, and
-    in a table several sources share, the source's name."""
-    values = len(schema) - (1 if source is None else 2)
-    for path in files:
-        parquet = pq.ParquetFile(path)
-        for group in range(parquet.num_row_groups):
-            part = parquet.read_row_group(group)
-            seq = part.column("_wb_seq").to_numpy(zero_copy_only=False).astype(np.int64)
-            keep = applied_rows(seq, max_seq, void) & np.asarray(
-                pc.not_equal(part.column("_wb_op"), "D").to_numpy(zero_copy_only=False),
-                dtype=np.bool_)
-            if not keep.any():
-                continue
-            part = part.filter(pa.array(keep))
-            named = [] if source is None else [pa.array([source] * part.num_rows, pa.string())]
-            yield pa.Table.from_arrays(
-                [*part.columns[:values], part.column("_wb_lsn"), *named], schema=schema)

@@ -46,9 +46,9 @@ import numpy as np
 import pyarrow as pa
 from pyarrow import fs as pafs
 
+from walberg.apply.position.entries import local_path
 from walberg.apply.position.keyindex import MANIFEST, made_for
 from walberg.apply.position.lakekeys import s3_path
-from walberg.apply.position.rowdelta import local_path
 from walberg.faults import crash_point
 
 log = logging.getLogger("walberg")
