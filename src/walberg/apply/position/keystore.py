@@ -1,6 +1,6 @@
 """A table's key index kept in the warehouse too, beside the table, versioned by the snapshot it
 describes: a driver that starts on a fresh machine (Kubernetes, EMR) fetches it instead of
-reading every key of the table back (see ``keyed.KeyedApply.index``).
+reading every key of the table back (see ``indexes.KeyIndexes.index``).
 
 Where: ``<table location>/_walberg_keys/<source>/`` (``_one`` with one source). Iceberg's orphan
 file removal (``walberg maintain``) leaves names that begin with ``_`` alone, and a table whose
