@@ -355,7 +355,7 @@ class KeyIndexes:
             return True
         spec = table.specs().get(data_file.specId())
         at = source_field(table, spec)
-        assert at is not None  # (_positional made sure of it)
+        assert at is not None  # (keyed._positional made sure of it)
         jvm = self.lake.spark._jvm
         return str(data_file.partition().get(at, jvm.java.lang.String._java_lang_class)) \
             == self.lake.source
