@@ -17,7 +17,7 @@ import pytest
 from conftest import as_file, make_config, run_once
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg import faults
-from walberg.apply.position import datafiles, keyed
+from walberg.apply.position import datafiles, indexes, keyed
 from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.keyindex import KeyIndex
 from walberg.apply.session import java_table, quote_target
@@ -173,7 +173,7 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         cur.execute(f"DELETE FROM {table} WHERE id % 17 = 0")
     # A warehouse the driver cannot read itself (here made so): Spark reads the table,
     # applying its delete files, and sorts it.
-    monkeypatch.setattr(keyed, "live_scan", lambda *args: None)
+    monkeypatch.setattr(indexes, "live_scan", lambda *args: None)
     with caplog.at_level(logging.INFO, logger="walberg"):
         run_once(config, spark)
     monkeypatch.undo()
@@ -195,7 +195,7 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
     # A compaction that moved more rows than the index follows one by one: it is rebuilt from
     # the compacted files instead (here the limit is lowered below this table's size).
     maintain(Lake(config, session=spark), [table])
-    monkeypatch.setattr(keyed, "FOLLOW_MAX_ROWS", 10)
+    monkeypatch.setattr(indexes, "FOLLOW_MAX_ROWS", 10)
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = 7 WHERE id % 4 = 0")
         cur.execute(f"DELETE FROM {table} WHERE id % 11 = 0")

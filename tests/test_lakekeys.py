@@ -12,9 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from walberg.apply.position.entries import lake_entries
 from walberg.apply.position.keycodec import KeyCodec
 from walberg.apply.position.lakekeys import live_scan
-from walberg.apply.position.rowdelta import lake_entries
 from walberg.apply.session import java_table
 
 
@@ -24,7 +24,7 @@ def test_live_rows_read_on_the_driver_are_sparks(spark: Any, unique: str, tmp_pa
                                                  version: int, partitioned: bool,
                                                  key: str) -> None:
     """Against Spark's own ``_file`` and ``_pos``, and against the entries Spark reads for an
-    index when the driver cannot (``rowdelta.lake_entries``), for a bigint and a text key."""
+    index when the driver cannot (``entries.lake_entries``), for a bigint and a text key."""
     name = f"lake.lakekeys.{unique}_v{version}{'_p' if partitioned else ''}"
     spark.sql(f"CREATE TABLE {name} (id BIGINT, g INT, note STRING, k STRING) USING iceberg "
               f"{'PARTITIONED BY (g)' if partitioned else ''} TBLPROPERTIES "

@@ -12,12 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from lake import duckdb_rows, hadoop_table, iceberg_rows
-from walberg.apply.position.rowdelta import (
-    commit_row_delta,
-    java_table,
-    position_delete_files,
-    warm,
-)
+from walberg.apply.position.deletefiles import position_delete_files
+from walberg.apply.position.rowdelta import commit_row_delta, java_table, warm
 from walberg.errors import ApplyError
 
 ROWS = 2000
@@ -95,9 +91,9 @@ def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
 
     import numpy as np
 
+    from walberg.apply.position.entries import lake_entries, written_entries
     from walberg.apply.position.keycodec import KeyCodec
     from walberg.apply.position.keyindex import KeyIndex
-    from walberg.apply.position.rowdelta import lake_entries, written_entries
 
     codec = KeyCodec(("int",))
 

@@ -18,68 +18,34 @@ Which batches: those without a TRUNCATE and without an UPDATE that left a TOASTe
 before; so does a table two of whose keys share an index entry (``KeyClash``, a 64-bit clash:
 about one table in 400,000 at ten million keys).
 
-The index describes one snapshot of one table (by table-uuid: one dropped and made again is
-another). Before a batch it is brought to the table's current snapshot: nothing to do when it is
-there already; the rows of appends since (an insert-only batch, a chunk of the initial copy) and
-of compactions (``walberg maintain``) are taken from the files they wrote; anything else (a MERGE,
-a crash between a commit and the index's update, a copy that replaced the table) rebuilds it from
-the lake. So the index is derived from the lake and never needs to be committed with it: a kill -9
-at any point costs at most one rebuild.
+The key indexes are kept by ``indexes.KeyIndexes`` (each brought to its table's snapshot
+before a batch, and kept in the warehouse); a batch's keys and new rows are read from its
+staged files by ``batchkeys``; the deletes are written by ``deletefiles``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
-import shutil
-import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from walberg.apply.batch import StagedTable, applied_rows, value_column
+from walberg.apply.batch import StagedTable
 from walberg.apply.jvm.helper import JavaFiles
 from walberg.apply.position import datafiles, rowdelta
+from walberg.apply.position.batchkeys import concat_entries, entries_as_written, look_up, new_rows
 from walberg.apply.position.copykeys import KeysAsWritten
+from walberg.apply.position.entries import written_entries
+from walberg.apply.position.indexes import KeyIndexes, source_field
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
-from walberg.apply.position.keyindex import (
-    MANIFEST,
-    Hits,
-    KeyIndex,
-    encoding_of,
-    sorted_unique_pairs,
-)
-from walberg.apply.position.keystore import KeyStore, Place, place_of
-from walberg.apply.position.lakekeys import Files, live_scan, table_uuid
-from walberg.apply.position.livefiles import LiveFiles, read_blob
 from walberg.apply.position.partitions import NotHere, Partitioner
-from walberg.apply.position.rowdelta import (
-    Positions,
-    Vectors,
-    commit_row_delta,
-    deletion_vectors,
-    lake_entries,
-    local_path,
-    position_delete_files,
-    scan_of,
-    written_entries,
-)
-from walberg.apply.readahead import ahead
-from walberg.apply.session import (
-    LSN_PROPERTY,
-    SOURCE_COLUMN,
-    LakeSession,
-    find_java_table,
-    java_table,
-)
+from walberg.apply.position.rowdelta import commit_row_delta
+from walberg.apply.session import LakeSession, java_table
 from walberg.apply.tables import Tables
 from walberg.apply.types import UUID
 from walberg.faults import crash_point
@@ -89,18 +55,6 @@ if TYPE_CHECKING:
     from walberg.apply.initial.files import CopyFiles
 
 log = logging.getLogger("walberg")
-
-# Commits since the index's snapshot that it follows file by file (past MAX_APPENDS of them,
-# it is rebuilt): an append adds rows; a compaction ("replace") writes every live row of the
-# files it removes into the files it adds, so the added files' rows are every moved key's new
-# place (a deleted key has no entry left to move).
-FOLLOWED = ("append", "replace")
-MAX_APPENDS = 64
-# Past this many rows in the files to follow (a compaction of a large table, mostly), the index
-# is rebuilt instead: every key moved, and reading the keys anew beats merging that many moves
-# into the index, entry by entry (after `walberg maintain` of a 10M-row table, following took
-# 11.6 s; a rebuild reads 10M keys in 1.6 s, 13M in 3.1 s).
-FOLLOW_MAX_ROWS = 2_000_000
 
 
 class KeyedApply:
@@ -113,19 +67,10 @@ class KeyedApply:
         self.lake = lake
         self.tables = tables
         self.root = root
-        self._store = KeyStore() if keep and root is not None else None
-        self._places: dict[str, Optional[Place]] = {}
-        self._kept: dict[str, int] = {}  # the snapshot each index was last kept at
-        self._files: Optional[Files] = None
-        self._fetching: dict[str, Future[None]] = {}  # kept indexes fetched ahead (``warm``)
+        self.indexes = None if root is None else KeyIndexes(lake, root, keep)
         self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
-        self._indexes: dict[str, KeyIndex] = {}
         self._positional: dict[str, bool] = {}
         self._clashed: set[str] = set()  # tables whose keys share index entries: MERGE
-        # Of a partitioned or format-3 table: its live data files' partitions and deletion
-        # vectors (see livefiles), as of a snapshot.
-        self._live: dict[str, Optional[LiveFiles]] = {}
-        self._swept = False
 
     @property
     def _enabled(self) -> bool:
@@ -138,17 +83,10 @@ class KeyedApply:
         commits as fast as later ones; and fetch the kept index of each of ``targets`` that
         has none on this disk (a driver that moved), in a thread too. Best effort: a failure
         is logged at debug level."""
-        if not self._enabled:
+        if self.indexes is None:
             return
-        scratch = self._scratch()  # (swept of what a killed run left, here, before the thread)
-        if self._store is not None:
-            missing = [t for t in targets if t not in self._fetching
-                       and not (self._directory(t) / MANIFEST).exists()]
-            if missing:
-                pool = ThreadPoolExecutor(1, thread_name_prefix="walberg-prefetch")
-                for target in missing:
-                    self._fetching[target] = pool.submit(self._fetch_ahead, target)
-                pool.shutdown(wait=False)
+        scratch = self.indexes.scratch()  # (swept of what a killed run left, before the thread)
+        self.indexes.fetch_ahead(targets)
 
         def run() -> None:
             started = time.monotonic()
@@ -164,14 +102,13 @@ class KeyedApply:
     def forget(self, target: str) -> None:
         """The table may have been replaced or repartitioned: look at it afresh."""
         self._positional.pop(target, None)
-        self._indexes.pop(target, None)
-        self._live.pop(target, None)
-        self._places.pop(target, None)
+        if self.indexes is not None:
+            self.indexes.forget(target)
 
     def close(self) -> None:
         """Before the process ends: wait for the indexes still being kept in the warehouse."""
-        if self._store is not None:
-            self._store.close()
+        if self.indexes is not None:
+            self.indexes.close()
 
     # ---- which tables -----------------------------------------------------------------------
 
@@ -203,237 +140,9 @@ class KeyedApply:
         table is applied by MERGE from now on in this process (a later run finds it out again
         when it builds the index)."""
         self._clashed.add(target)
-        self._indexes.pop(target, None)
+        if self.indexes is not None:
+            self.indexes.drop(target)
         log.warning("%s: applied by MERGE from now on, not by position: %s", target, why)
-
-    # ---- the index --------------------------------------------------------------------------
-
-    def _directory(self, target: str) -> Path:
-        assert self.root is not None
-        return self.root / re.sub(r"[^A-Za-z0-9_.-]", "_", target)
-
-    def index(self, target: str, columns: Sequence[Column], table: Any = None) -> KeyIndex:
-        """The table's key index, brought to its current snapshot (that of ``table``, the
-        Iceberg Java table as just loaded; None: load it)."""
-        found_key = self.key_of(target, columns)
-        assert found_key is not None
-        positions, codec = found_key
-        keys = [columns[i].name for i in positions]
-        self._wait_for_fetch(target)
-        table = java_table(self.lake.spark, target) if table is None else table
-        uuid, found = table_uuid(table), self._indexes.get(target)
-        if found is None or (found.encoding, found.table) != (codec.name, uuid) or \
-                found.keys not in (None, tuple(keys)):
-            found = self._indexes[target] = KeyIndex(self._directory(target),
-                                                     encoding=codec.name, keys=keys, table=uuid)
-        current = table.currentSnapshot()
-        now = None if current is None else int(current.snapshotId())
-        if not found.built and self._store is not None:
-            found = self._fetched(target, table, codec, keys, now) or found
-        if found.built and now == found.snapshot:
-            self._know_files(target, table, now)
-            self._keep(target, table, found)
-            return found
-        appended = self._appends_since(table, found.snapshot, now) if found.built else None
-        started = time.monotonic()
-        with self._scratch() as scratch:
-            if appended is not None:
-                entries = list(written_entries(self.lake.spark,
-                                               tuple(str(f.location()) for f in appended),
-                                               keys, codec, scratch))
-                assert now is not None
-                live = self._live.get(target)
-                if live is not None and live.snapshot == found.snapshot:
-                    # (else _know_files reads them all below)
-                    live.added(JavaFiles.of(self.lake.spark, appended), now)
-                found.commit(now, np.empty(0, np.int64), _concat(entries))
-                log.info("key index of %s: followed %d new data file(s), in %.2f s", target,
-                         len(appended), time.monotonic() - started)
-            else:
-                scan = live_scan(self.lake.spark, table, keys, self.lake.source)
-                if scan is not None:
-                    # The key columns and the deletes are read on the driver and sorted on
-                    # disk, with no Spark job.
-                    found.rebuild_from_files(scan.snapshot, scan.locations,
-                                             ahead(scan.rows(codec), "keys"), scratch)
-                    deletes = (f" and {scan.delete_files} delete file(s)"
-                               if scan.delete_files else "")
-                    how = f"{len(scan.locations)} data file(s){deletes} read on the driver"
-                else:
-                    files: list[str] = []
-                    snapshot, entries_ = lake_entries(self.lake.spark, target, keys, codec,
-                                                      scratch, files, self.lake.source)
-                    if codec.sorted_like_the_table:
-                        found.rebuild(snapshot, entries_, files)
-                        how = "read and sorted by Spark"
-                    else:
-                        found.rebuild_unsorted(snapshot, files, entries_, scratch)
-                        how = "read by Spark, sorted on the driver"
-                log.info("key index of %s rebuilt from the lake (%s): %d keys, in %.2f s",
-                         target, how, found.size, time.monotonic() - started)
-        self._know_files(target, table, found.snapshot)
-        self._keep(target, table, found)
-        return found
-
-    # ---- the index in the warehouse (keystore) -----------------------------------------------
-
-    def _place(self, target: str, table: Any) -> Optional[Place]:
-        """Where the table's index is kept in the warehouse (None: nowhere the driver writes;
-        said once)."""
-        if target not in self._places:
-            location = str(table.location())
-            place = self._places[target] = place_of(location, self.lake.source,
-                                                    lambda: self._lake_files().s3_fs())
-            if place is None:
-                log.info("key index of %s: not kept in the warehouse (%s is neither on this "
-                         "machine nor on S3); a driver on another machine reads its keys",
-                         target, location)
-        return self._places[target]
-
-    def _lake_files(self) -> Files:
-        if self._files is None:
-            self._files = Files(self.lake.spark)
-        return self._files
-
-    def _fetched(self, target: str, table: Any, codec: Optional[KeyCodec],
-                 keys: Optional[Sequence[str]], now: Optional[int]) -> Optional[KeyIndex]:
-        """A driver with no index of the table: the one kept in the warehouse, if it describes
-        the current snapshot or one it follows to it by appends (made for ``codec``'s key
-        encoding and the key columns ``keys``; None: any); else None."""
-        place = self._place(target, table)
-        if place is None or now is None:
-            return None
-        assert self._store is not None
-        started = time.monotonic()
-        directory = self._directory(target)
-        try:
-            snapshot = self._store.fetch(
-                place, directory, None if codec is None else codec.name, keys, table_uuid(table),
-                lambda s: s == now or self._appends_since(table, s, now) is not None)
-        except Exception as exc:
-            log.warning("key index of %s: the copy in the warehouse could not be read (%s); "
-                        "made from the lake instead", target, exc)
-            return None
-        if snapshot is None:
-            return None
-        encoding = encoding_of(json.loads((directory / MANIFEST).read_text()))
-        found = KeyIndex(directory, encoding=encoding)
-        if codec is not None:
-            self._indexes[target] = found
-        self._kept[target] = snapshot
-        log.info("key index of %s fetched from the warehouse (snapshot %d, %d keys) in %.2f s",
-                 target, snapshot, found.size, time.monotonic() - started)
-        return found
-
-    def _fetch_ahead(self, target: str) -> None:
-        """The kept index of ``target``, fetched before its first batch needs it (``index``
-        waits for it, then checks its encoding and follows the table from its snapshot)."""
-        try:
-            table = find_java_table(self.lake.spark, target)
-            current = None if table is None else table.currentSnapshot()
-            if current is None:
-                return
-            self._fetched(target, table, None, None, int(current.snapshotId()))
-        except Exception as exc:
-            log.debug("fetching the kept key index of %s ahead failed: %s", target, exc)
-
-    def _wait_for_fetch(self, target: str) -> None:
-        """Before the table's index folder is used: the fetch begun ahead, if any, is over
-        (it says its own failures)."""
-        pending = self._fetching.pop(target, None)
-        if pending is not None:
-            pending.result()
-
-    def _keep(self, target: str, table: Any, index: KeyIndex) -> None:
-        """Have the index kept in the warehouse at its snapshot, unless it is already."""
-        if self._store is None or index.snapshot is None or \
-                self._kept.get(target) == index.snapshot:
-            return
-        place = self._place(target, table)
-        if place is None:
-            return
-        try:
-            self._store.keep(target, place, index.directory, self._scratch_root())
-        except OSError as exc:
-            log.warning("key index of %s: not kept in the warehouse (%s)", target, exc)
-            return
-        self._kept[target] = index.snapshot
-
-    def _know_files(self, target: str, table: Any, snapshot: Optional[int]) -> None:
-        """Of a partitioned or format-3 table, the partition and deletion vector of every live
-        data file at ``snapshot`` (the index's), read from the manifests unless known."""
-        if target not in self._live:
-            self._live[target] = LiveFiles.needed(self.lake.spark, table)
-        live = self._live[target]
-        if live is not None and (live.snapshot != snapshot or not live.files):
-            live.read(None if snapshot is None else
-                      scan_of(self.lake.spark, table, snapshot, self.lake.source), snapshot)
-
-    def _appends_since(self, table: Any, since: Optional[int], now: Optional[int]
-                       ) -> Optional[list[Any]]:
-        """The data files added by the appends and compactions that lead from snapshot
-        ``since`` to ``now``, oldest first; None if anything else happened in between, if they
-        hold more than FOLLOW_MAX_ROWS rows, or if the way back is lost."""
-        files: list[Any] = []
-        rows = 0
-        at = now
-        for _ in range(MAX_APPENDS):
-            if at == since:
-                return files
-            if at is None:
-                return None
-            snap = table.snapshot(at)
-            if snap is None:
-                return None
-            if self._by_another_source(snap):
-                # It changed that source's partition only: nothing of this source's moved.
-                parent = snap.parentId()
-                at = None if parent is None else int(parent)
-                continue
-            if str(snap.operation()) not in FOLLOWED:
-                return None
-            added = [f for f in snap.addedDataFiles(table.io()) if self._ours(table, f)]
-            rows += sum(int(f.recordCount()) for f in added)
-            if rows > FOLLOW_MAX_ROWS:
-                return None
-            files[:0] = added
-            parent = snap.parentId()
-            at = None if parent is None else int(parent)
-        return None
-
-    def _by_another_source(self, snap: Any) -> bool:
-        """Whether a snapshot of a fan-in table was committed by another source (its marks
-        are another's)."""
-        if self.lake.source is None:
-            return False
-        marks = [str(k) for k in snap.summary().keySet() if str(k).startswith(LSN_PROPERTY)]
-        return bool(marks) and self.lake.lsn_property not in marks
-
-    def _ours(self, table: Any, data_file: Any) -> bool:
-        """Whether a data file is in this source's partition (always, with one source)."""
-        if self.lake.source is None:
-            return True
-        spec = table.specs().get(data_file.specId())
-        at = _source_field(table, spec)
-        assert at is not None  # (_positional made sure of it)
-        jvm = self.lake.spark._jvm
-        return str(data_file.partition().get(at, jvm.java.lang.String._java_lang_class)) \
-            == self.lake.source
-
-    def _scratch(self) -> "_Scratch":
-        return _Scratch(self._scratch_root())
-
-    def _scratch_root(self) -> Path:
-        """The index root, made if need be; on first use, swept of the scratch folders and
-        links to keep that a killed run left (this process holds buffer.dir's lock)."""
-        assert self.root is not None
-        if not self.root.is_dir():
-            self.root.mkdir(parents=True, exist_ok=True)
-        elif not self._swept:
-            for left in [*self.root.glob("scratch-*"), *self.root.glob("keep-*")]:
-                shutil.rmtree(left, ignore_errors=True)
-        self._swept = True
-        return self.root
 
     # ---- a batch ----------------------------------------------------------------------------
 
@@ -443,7 +152,7 @@ class KeyedApply:
         when ``apply.position.datafiles`` allows, else by Spark from ``netted()`` (the batch's last
         change per key, as a DataFrame). The rows to delete are looked up in the index and
         written as a position-delete file in a thread meanwhile (numpy and Arrow leave the
-        GIL to the other)."""
+        GIL to the other; ``look_up``)."""
         columns = staged.columns
         found_key = self.key_of(target, columns)
         assert found_key is not None
@@ -452,62 +161,23 @@ class KeyedApply:
         clock = [time.monotonic()]
         spark = self.lake.spark
         table = java_table(spark, target)  # one load for the index, the new rows, the commit
-        index = self.index(target, columns, table)
-        live = self._live.get(target)
+        assert self.indexes is not None  # (as key_of found)
+        index = self.indexes.index(target, key_names, codec, table)
+        live = self.indexes.live(target)
         clock.append(time.monotonic())
-        with self._scratch() as scratch, \
+        with self.indexes.scratch() as scratch, \
                 ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
-
-            def look_up() -> tuple[Hits, list[Positions] | Optional[Vectors],
-                                   Optional[tuple[str, Any, Any]], float]:
-                started = time.monotonic()
-                changed, checks, span = _batch_keys(staged.files, positions, codec, max_seq,
-                                                    void)
-                hits = index.lookup(changed, checks)
-                deletes: list[Positions] | Optional[Vectors]
-                if live is not None and live.vectors:
-                    deletes = deletion_vectors(
-                        hits.files, hits.positions, scratch, live.of,
-                        lambda v: read_blob(spark, v, local_path(v.location)))
-                else:
-                    deletes = position_delete_files(
-                        hits.files, hits.positions, scratch,
-                        None if live is None else lambda p: live.of(p).group)
-                # The commit conflicts with another writer's changes to keys in this range
-                # (of the first key column).
-                keys = None if span is None else (key_names[0], *span)
-                return hits, deletes, keys, time.monotonic() - started
-
-            looked_up = pool.submit(look_up)
-            rows: Any = None
-            new_files: Optional[JavaFiles] = None
+            looked_up = pool.submit(look_up, spark, index, staged, positions, codec, key_names,
+                                    max_seq, void, live, scratch)
             # The new rows' keys as they are written on the driver, by data file and first
             # position: the index's entries for them, with nothing read back after the commit
             # (on object storage that was a Spark job over every new file, one per partition).
             as_written: list[tuple[str, int, pa.Table]] = []
             why = self._why_not_here(target, staged, table)
             started = time.monotonic()
-            if why is None:
-                schema = datafiles.arrow_schema(table, columns, self.lake, target)
-                partitioner = Partitioner.of(table, schema)
-                assert isinstance(partitioner, Partitioner)  # as ``why`` found
-                try:
-                    written = datafiles.write(
-                        spark, table, schema,
-                        _new_rows(staged.files, schema, max_seq, void, self.lake.source),
-                        scratch, "walberg-rows",
-                        None if table.spec().isUnpartitioned() else partitioner,
-                        on_rows=lambda location, first, part: as_written.append(
-                            (location, first, part.select(key_names))))
-                    new_files = datafiles.data_files(spark, table, written)
-                except NotHere as exc:
-                    as_written.clear()
-                    why = str(exc)
-                    log.info("%s by position: this batch's new rows written by Spark, because "
-                             "%s", target, why)
-            if why is not None:
-                rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns,
-                                       "_wb_lsn")
+            rows, new_files, why = self._write_new_rows(target, staged, netted, table, why,
+                                                        max_seq, void, scratch, key_names,
+                                                        as_written)
             written_in = time.monotonic() - started
             try:
                 hits, deletes, keys, lookup_s = looked_up.result()
@@ -525,22 +195,11 @@ class KeyedApply:
             crash_point("indexed", delay=0.5)
             if new_files is not None and \
                     set(result.added_files) == {location for location, _, _ in as_written}:
-                added = _entries_as_written(as_written, key_names, codec)
+                added = entries_as_written(as_written, key_names, codec)
             else:
-                added = _concat(list(written_entries(spark, result.added_files, key_names,
-                                                     codec, Path(scratch))))
-        if self._appends_since(table, index.snapshot, result.parent) == []:
-            # (on the index's snapshot, or on other sources' commits to a shared table after it)
-            index.commit(result.snapshot_id, hits.keys, added)
-            if live is not None:
-                live.committed(result.data_files, result.delete_files, result.snapshot_id)
-            self._keep(target, table, index)
-        else:
-            # Iceberg put the commit on top of another writer's that did not conflict with it
-            # (a compaction of other files, say): the index does not know what that one did,
-            # and is built again for the next batch.
-            log.info("%s by position: another writer committed between the key index's "
-                     "snapshot and this batch's commit; the index is read again", target)
+                added = concat_entries(list(written_entries(spark, result.added_files,
+                                                            key_names, codec, Path(scratch))))
+        if not self.indexes.after_commit(target, table, index, live, result, hits, added):
             self.forget(target)
         clock.append(time.monotonic())
         log.info("%s by position: %d deleted, %d added (%s); index %.2f s, row delta %.2f s "
@@ -550,6 +209,41 @@ class KeyedApply:
                  "written on the driver" if why is None else "written by Spark",
                  clock[1] - clock[0], clock[2] - clock[1], result.seconds[1] + written_in,
                  lookup_s, result.seconds[0], result.seconds[2], clock[3] - clock[2])
+
+    def _write_new_rows(self, target: str, staged: StagedTable, netted: Callable[[], Any],
+                        table: Any, why: Optional[str], max_seq: int,
+                        void: Sequence[tuple[int, int]], scratch: Path,
+                        key_names: Sequence[str], as_written: list[tuple[str, int, pa.Table]]
+                        ) -> tuple[Any, Optional[JavaFiles], Optional[str]]:
+        """The batch's new rows: as data files written on the driver unless ``why`` (or the
+        writing) says why not, their keys noted in ``as_written``; else as the DataFrame for
+        Spark to write, from ``netted()``. With the reason they are not written here (None:
+        they are)."""
+        spark = self.lake.spark
+        columns = staged.columns
+        rows: Any = None
+        new_files: Optional[JavaFiles] = None
+        if why is None:
+            schema = datafiles.arrow_schema(table, columns, self.lake, target)
+            partitioner = Partitioner.of(table, schema)
+            assert isinstance(partitioner, Partitioner)  # as ``why`` found
+            try:
+                written = datafiles.write(
+                    spark, table, schema,
+                    new_rows(staged.files, schema, max_seq, void, self.lake.source),
+                    scratch, "walberg-rows",
+                    None if table.spec().isUnpartitioned() else partitioner,
+                    on_rows=lambda location, first, part: as_written.append(
+                        (location, first, part.select(key_names))))
+                new_files = datafiles.data_files(spark, table, written)
+            except NotHere as exc:
+                as_written.clear()
+                why = str(exc)
+                log.info("%s by position: this batch's new rows written by Spark, because "
+                         "%s", target, why)
+        if why is not None:
+            rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns, "_wb_lsn")
+        return rows, new_files, why
 
     def _why_not_here(self, target: str, staged: StagedTable, table: Any) -> Optional[str]:
         """Why this batch's new rows are written by Spark (None: on the driver). Said in the
@@ -571,8 +265,9 @@ class KeyedApply:
         if found is None:
             return None
         positions, codec = found
+        assert self.indexes is not None  # (as key_of found)
         return KeysAsWritten([columns[i].name for i in positions], codec,
-                             Path(self._scratch().path))
+                             Path(self.indexes.scratch().path))
 
     def prepare(self, target: str, columns: Sequence[Column],
                 copied: Optional[CopyFiles] = None) -> None:
@@ -581,7 +276,9 @@ class KeyedApply:
         written when ``copied`` (committed) holds them, else from the lake."""
         keys = None if copied is None else copied.keys
         try:
-            self._wait_for_fetch(target)  # (its folder is about to be made anew)
+            if self.indexes is None:
+                return  # (never by position)
+            self.indexes.wait_for_fetch(target)  # (its folder is about to be made anew)
             self.forget(target)
             found = self.key_of(target, columns)
             if found is None:
@@ -589,33 +286,15 @@ class KeyedApply:
             try:
                 table = java_table(self.lake.spark, target)
                 if keys is not None and copied is not None and copied.snapshot is not None:
-                    self._index_from_copy(target, found[1], keys, copied.snapshot, table)
-                self.index(target, columns, table)
+                    if not self.indexes.from_copy(target, found[1], keys, copied.snapshot,
+                                                  table):
+                        self.forget(target)
+                self.indexes.index(target, [columns[i].name for i in found[0]], found[1], table)
             except ByMerge as exc:
                 self.clashed(target, exc)
         finally:
             if keys is not None:
                 keys.discard()
-
-    def _index_from_copy(self, target: str, codec: KeyCodec, keys: KeysAsWritten,
-                         snapshot: int, table: Any) -> None:
-        """The table's index (``table``: the Iceberg Java table) made from the keys its copy's
-        rows gave as they were written, as of the copy's commit ``snapshot``; on a failure
-        other than ``ByMerge``, left for ``index`` to make from the lake (with a warning)."""
-        started = time.monotonic()
-        index = self._indexes[target] = KeyIndex(self._directory(target), encoding=codec.name,
-                                                 keys=keys.names, table=table_uuid(table))
-        try:
-            keys.finish(index, snapshot)
-        except ByMerge:
-            raise
-        except Exception as exc:
-            self.forget(target)
-            log.warning("key index of %s: not made from the copy's rows (%s); made from the "
-                        "lake instead", target, exc)
-            return
-        log.info("key index of %s made from the copy's rows as they were written: %d keys, "
-                 "%.2f s after its commit", target, index.size, time.monotonic() - started)
 
 
 def _positional(table: Any, source: Optional[str]) -> bool:
@@ -626,103 +305,10 @@ def _positional(table: Any, source: Optional[str]) -> bool:
     (identity on the source column, as walberg makes them): the index holds one source's."""
     props = table.properties()
     modes = [props.get(f"write.{op}.mode") for op in ("update", "delete", "merge")]
-    if source is not None and any(_source_field(table, spec) is None
+    if source is not None and any(source_field(table, spec) is None
                                   for spec in table.specs().values()):
         return False
     return (int(table.operations().current().formatVersion()) in (2, 3)
             and "copy-on-write" not in modes)
 
 
-def _source_field(table: Any, spec: Any) -> Optional[int]:
-    """The position of the identity partition on the source column in ``spec``, if any."""
-    column = table.schema().findField(SOURCE_COLUMN)
-    if column is None:
-        return None
-    for i, field in enumerate(spec.fields()):
-        if int(field.sourceId()) == int(column.fieldId()) and \
-                str(field.transform()) == "identity":
-            return i
-    return None
-
-
-class _Scratch:
-    """A temporary folder under the index root, removed on exit."""
-
-    def __init__(self, root: Path) -> None:
-        self.path = tempfile.mkdtemp(prefix="scratch-", dir=root)
-
-    def __enter__(self) -> Path:
-        return Path(self.path)
-
-    def __exit__(self, *exc: Any) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _batch_keys(files: Sequence[Path], positions: Sequence[int], codec: KeyCodec, max_seq: int,
-                void: Sequence[tuple[int, int]]
-                ) -> tuple[np.ndarray, np.ndarray, Optional[tuple[Any, Any]]]:
-    """The distinct keys the batch changes (index keys and checks), read from its staged files
-    on the driver; with the lowest and highest value of the first key column among them (in
-    the form an Iceberg expression on that column takes; None if the batch changes none)."""
-    names = [value_column(i) for i in positions]
-    keys: list[np.ndarray] = []
-    checks: list[np.ndarray] = []
-    firsts: list[tuple[Any, Any]] = []
-    for path in files:
-        table = pq.read_table(path, columns=["_wb_seq", *names])
-        seq = table.column("_wb_seq").to_numpy(zero_copy_only=False).astype(np.int64)
-        applied = applied_rows(seq, max_seq, void)
-        if not applied.any():
-            continue
-        table = table.filter(pa.array(applied))
-        k, c = codec.encode([table.column(n) for n in names])
-        keys.append(k)
-        checks.append(c)
-        firsts.append(codec.span(table.column(names[0])))
-    if not keys:
-        return np.empty(0, np.int64), np.empty(0, np.int64), None
-    unique_keys, unique_checks = sorted_unique_pairs(np.concatenate(keys),
-                                                     np.concatenate(checks))
-    return unique_keys, unique_checks, (min(f[0] for f in firsts), max(f[1] for f in firsts))
-
-
-def _entries_as_written(parts: Sequence[tuple[str, int, pa.Table]], key_names: Sequence[str],
-                        codec: KeyCodec) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
-    """Index entries of rows written on the driver: each part's key columns, its data file's
-    location and its first row's position there (its rows follow in order)."""
-    entries = []
-    for location, first, part in parts:
-        keys, checks = codec.encode([part.column(n) for n in key_names])
-        entries.append((keys, checks, [location] * len(keys),
-                        np.arange(first, first + len(keys), dtype=np.int64)))
-    return _concat(entries)
-
-
-def _concat(entries: Sequence[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]
-            ) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:
-    if not entries:
-        return np.empty(0, np.int64), np.empty(0, np.int64), [], np.empty(0, np.int64)
-    return (np.concatenate([e[0] for e in entries]), np.concatenate([e[1] for e in entries]),
-            [p for e in entries for p in e[2]], np.concatenate([e[3] for e in entries]))
-
-
-def _new_rows(files: Sequence[Path], schema: pa.Schema, max_seq: int,
-              void: Sequence[tuple[int, int]], source: Optional[str]) -> Iterator[pa.Table]:
-    """The rows a netted batch adds (its applied inserts and updates), a row group at a time,
-    in the data files' schema: the staged values, each change's LSN as ``_walberg_lsn``, and
-    in a table several sources share, the source's name."""
-    values = len(schema) - (1 if source is None else 2)
-    for path in files:
-        parquet = pq.ParquetFile(path)
-        for group in range(parquet.num_row_groups):
-            part = parquet.read_row_group(group)
-            seq = part.column("_wb_seq").to_numpy(zero_copy_only=False).astype(np.int64)
-            keep = applied_rows(seq, max_seq, void) & np.asarray(
-                pc.not_equal(part.column("_wb_op"), "D").to_numpy(zero_copy_only=False),
-                dtype=np.bool_)
-            if not keep.any():
-                continue
-            part = part.filter(pa.array(keep))
-            named = [] if source is None else [pa.array([source] * part.num_rows, pa.string())]
-            yield pa.Table.from_arrays(
-                [*part.columns[:values], part.column("_wb_lsn"), *named], schema=schema)

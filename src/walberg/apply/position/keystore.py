@@ -1,6 +1,6 @@
 """A table's key index kept in the warehouse too, beside the table, versioned by the snapshot it
 describes: a driver that starts on a fresh machine (Kubernetes, EMR) fetches it instead of
-reading every key of the table back (see ``keyed.KeyedApply.index``).
+reading every key of the table back (see ``indexes.KeyIndexes.index``).
 
 Where: ``<table location>/_walberg_keys/<source>/`` (``_one`` with one source). Iceberg's orphan
 file removal (``walberg maintain``) leaves names that begin with ``_`` alone, and a table whose
@@ -46,9 +46,9 @@ import numpy as np
 import pyarrow as pa
 from pyarrow import fs as pafs
 
+from walberg.apply.position.entries import local_path
 from walberg.apply.position.keyindex import MANIFEST, made_for
 from walberg.apply.position.lakekeys import s3_path
-from walberg.apply.position.rowdelta import local_path
 from walberg.faults import crash_point
 
 log = logging.getLogger("walberg")

@@ -11,7 +11,7 @@ The files are read where they are: from this machine's disk, or from S3 through 
 client, set up from the session's own ``fs.s3a.*`` settings (endpoint, credentials, path
 style, region), reading only the key columns' byte ranges. Tables with equality deletes
 (written by other engines, never by walberg), and storage Arrow does not reach here, are read
-by Spark instead (``rowdelta.lake_entries``).
+by Spark instead (``entries.lake_entries``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 
 from walberg.apply.position.datafiles import FIELD_ID_KEY
 from walberg.apply.position.dv import decode
+from walberg.apply.position.entries import local_path, scan_of
 from walberg.apply.position.keycodec import KeyCodec
-from walberg.apply.position.rowdelta import local_path, scan_of
 from walberg.apply.session import java_items
 from walberg.errors import ApplyError
 

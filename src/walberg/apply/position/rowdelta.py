@@ -8,7 +8,8 @@ same result is one row delta:
 
 - the rows to delete are written as a position-delete file: Parquet with the columns
   ``file_path`` and ``pos`` under the field ids the Iceberg spec reserves for them, sorted by
-  both, written by Spark itself (so the work runs on the executors);
+  both, written by Spark itself (so the work runs on the executors), or as deletion vectors
+  (see ``deletefiles``);
 - the new rows come as data files written on the driver (``apply.position.datafiles``), or are
   written by Iceberg's own Spark writer into a *staged* snapshot (write-audit-publish:
   ``spark.wap.id``), which is never part of the table's history; its data files are taken
@@ -29,13 +30,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -44,22 +43,19 @@ import pyarrow.parquet as pq
 from walberg.apply.jvm.calls import java_causes, spark_call
 from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.jvm.helper import JavaFiles, batch_helper
-from walberg.apply.position import dv
 from walberg.apply.position.datafiles import (
-    data_folder,
     field_id_metadata,
-    local_folder,
 )
-from walberg.apply.position.keycodec import KeyCodec
-from walberg.apply.position.keyindex import Entry
+from walberg.apply.position.deletefiles import (
+    Positions,
+    Vectors,
+    position_delete_file,
+    upload_deletes,
+)
 from walberg.apply.position.livefiles import LiveFiles
 from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
 from walberg.errors import ApplyError
 from walberg.faults import failure_point
-
-# Field ids the Iceberg spec reserves for the columns of a position-delete file.
-FILE_PATH_ID = 2147483546
-POS_ID = 2147483545
 
 
 @dataclass(frozen=True)
@@ -79,113 +75,6 @@ class RowDeltaResult:
     def added_files(self) -> tuple[str, ...]:
         """The locations of the data files the commit wrote."""
         return tuple(self.data_files.locations)
-
-
-@dataclass(frozen=True)
-class Positions:
-    """Rows to delete, known on the driver, as a position-delete file written on this machine
-    (``position_delete_file``) for the commit to put in the table."""
-
-    local: Path
-    rows: int
-    data_files: list[str]  # the data files they point into, sorted
-    # In a partitioned table: one of those data files, whose spec and partition the delete
-    # file takes (see ``livefiles``). None: the table's spec, unpartitioned.
-    partition_of: Optional[str] = None
-
-
-# A data file's partition, for grouping: (spec id, partition values as text).
-PartitionOf = Callable[[str], Hashable]
-
-
-@dataclass(frozen=True)
-class Vectors:
-    """Rows to delete in a format-3 table, as deletion vectors written on this machine, a
-    Puffin file of one blob per data file (``deletion_vectors``). One blob a file: DuckDB
-    1.5.5 applies a Puffin file's first vector to every data file that points into it."""
-
-    puffins: list[tuple[Path, dv.Blob]]
-    replaced: list[str]  # the data files whose earlier deletion vectors these replace
-    rows: int  # positions newly deleted
-
-
-def deletion_vectors(files: Sequence[str], positions: np.ndarray, scratch: Path,
-                     live: Callable[[str], Any], earlier: Callable[[Any], bytes]) -> Optional[Vectors]:
-    """The rows at ``positions`` of data files ``files`` as deletion vectors, one per data file,
-    each merged with the file's earlier vector (``live(path)``: its ``livefiles.LiveFile``;
-    ``earlier(vector)``: the bytes of an earlier vector's blob)."""
-    if not len(files):
-        return None
-    distinct, ranks = _ranked(files)
-    order = np.argsort(ranks, kind="stable")
-    bounds = np.searchsorted(ranks[order], np.arange(len(distinct) + 1))
-    positions = np.asarray(positions, dtype=np.int64)[order]
-    puffins: list[tuple[Path, dv.Blob]] = []
-    replaced = []
-    for i, path in enumerate(distinct):
-        found = live(path)
-        bitmap = dv.bitmap_of(positions[bounds[i]:bounds[i + 1]])
-        if found.vector is not None:
-            bitmap |= dv.decode(earlier(found.vector))
-            replaced.append(path)
-        local = scratch / f"walberg-dv-{uuid.uuid4().hex}.puffin"
-        (blob,) = dv.write_puffin(local, [(path, dv.encode(bitmap), len(bitmap))], "walberg")
-        puffins.append((local, blob))
-    return Vectors(puffins, replaced, len(files))
-
-
-def _ranked(files: Sequence[str]) -> tuple[list[str], np.ndarray]:
-    """The distinct data files, sorted, and each row's file as its rank among them."""
-    distinct = sorted(set(files))
-    rank = {path: i for i, path in enumerate(distinct)}
-    return distinct, np.fromiter((rank[f] for f in files), dtype=np.int32, count=len(files))
-
-
-def position_delete_file(files: Sequence[str], positions: np.ndarray, scratch: Path
-                         ) -> Positions:
-    """The rows at ``positions`` of data files ``files`` as one position-delete Parquet file in
-    ``scratch``: sorted by file and position, the spec's field ids on its two columns."""
-    (found,) = position_delete_files(files, positions, scratch)
-    return found
-
-
-def position_delete_files(files: Sequence[str], positions: np.ndarray, scratch: Path,
-                          partition_of: Optional[PartitionOf] = None) -> list[Positions]:
-    """``position_delete_file``, one file per partition of the data files (a position-delete
-    file belongs to one partition of one spec, as Iceberg matches deletes to data files by
-    partition): ``partition_of`` tells each data file's (None: one file for all)."""
-    if not len(files):
-        return []
-    # Sorted by the rank of each row's path among the few distinct ones, not by the strings,
-    # and first by the partition's group: each file's rows are then one slice (a scan of all
-    # rows per partition cost 5 s for a batch over 8,760 partitions).
-    distinct, ranks = _ranked(files)
-    groups: dict[Hashable, int] = {}
-    group_of = np.array([groups.setdefault(None if partition_of is None else partition_of(path),
-                                           len(groups)) for path in distinct], np.int32)
-    row_groups = group_of[ranks]
-    order = np.lexsort((positions, ranks, row_groups))
-    ranks, positions = ranks[order], np.asarray(positions)[order]
-    bounds = np.searchsorted(row_groups[order], np.arange(len(groups) + 1))
-    members = np.argsort(group_of, kind="stable")  # each group's files, in order
-    member_bounds = np.searchsorted(group_of[members], np.arange(len(groups) + 1))
-    schema = pa.schema([
-        pa.field("file_path", pa.string(), nullable=False,
-                 metadata=field_id_metadata(FILE_PATH_ID)),
-        pa.field("pos", pa.int64(), nullable=False, metadata=field_id_metadata(POS_ID))])
-    paths = pa.array(distinct, pa.string())
-    out = []
-    for g in range(len(groups)):
-        start, end = int(bounds[g]), int(bounds[g + 1])
-        local = scratch / f"walberg-deletes-{uuid.uuid4().hex}.parquet"
-        with pa.OSFile(str(local), "wb") as sink:  # (no file system to resolve, per file)
-            pq.write_table(pa.table([paths.take(pa.array(ranks[start:end])),
-                                     pa.array(positions[start:end], pa.int64())],
-                                    schema=schema), sink, compression="snappy")
-        files_of = [distinct[i] for i in members[member_bounds[g]:member_bounds[g + 1]]]
-        out.append(Positions(local, end - start, files_of,
-                             None if partition_of is None else files_of[0]))
-    return out
 
 
 def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
@@ -214,32 +103,14 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     from."""
     if table is None:
         table = java_table(spark, target)
-    if isinstance(deletes, Positions):
-        deletes = [deletes]
     helper = batch_helper(spark)
-    deleted = 0
     new_files = data_files if data_files is not None else JavaFiles.empty(spark)
     written: list[str] = new_files.locations
     staged: Any = None
     clock = [time.monotonic()]
     committing = False
     try:
-        replaced = spark._jvm.java.util.ArrayList()
-        if isinstance(deletes, Vectors):
-            assert live is not None
-            files, deleted, referenced = _upload_vectors(spark, table, deletes, live)
-            replaced = helper.pick(live.java_vectors, json.dumps(deletes.replaced))
-        elif isinstance(deletes, list):
-            if len(deletes) == 1 and deletes[0].partition_of is None:
-                files, deleted, referenced = _upload_position_deletes(spark, table, deletes[0])
-            else:
-                assert live is not None or all(d.partition_of is None for d in deletes)
-                files, deleted, referenced = _upload_partition_deletes(spark, table, deletes,
-                                                                       live)
-        elif deletes is not None:
-            files, deleted, referenced = _write_position_deletes(spark, table, deletes)
-        else:
-            files, deleted, referenced = JavaFiles.empty(spark), 0, []
+        files, deleted, referenced, replaced = upload_deletes(spark, table, deletes, live)
         written += files.locations
         clock.append(time.monotonic())
         if rows is not None:
@@ -253,16 +124,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         if base_snapshot is not None:
             delta = delta.validateFromSnapshot(base_snapshot)
         delta = helper.fill(delta, new_files.java, files.java, replaced)
-        if referenced:
-            refs = spark._jvm.java.util.ArrayList()
-            for path in referenced:
-                refs.add(path)
-            delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
-        # What another writer did since the base snapshot: deletes or new rows for these keys.
-        delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles()
-        conflicts = _conflicts(spark, keys, source)
-        if conflicts is not None:
-            delta = delta.conflictDetectionFilter(conflicts)
+        delta = _validated(spark, delta, referenced, keys, source)
         added = new_files.records
         for key, value in properties.items():
             delta = delta.set(key, value)
@@ -298,6 +160,24 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                           new_files, files,
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]),
                           parent)
+
+
+def _validated(spark: Any, delta: Any, referenced: list[str],
+               keys: Optional[tuple[str, Any, Any]], source: Optional[str]) -> Any:
+    """The row delta, told what to validate against the commits since its base snapshot (see
+    ``commit_row_delta``): the data files its deletes point into (``referenced``) still there,
+    and no other writer's deletes or new rows for its keys."""
+    if referenced:
+        refs = spark._jvm.java.util.ArrayList()
+        for path in referenced:
+            refs.add(path)
+        delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
+    # What another writer did since the base snapshot: deletes or new rows for these keys.
+    delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles()
+    conflicts = _conflicts(spark, keys, source)
+    if conflicts is not None:
+        delta = delta.conflictDetectionFilter(conflicts)
+    return delta
 
 
 def _committed(table: Any, properties: Mapping[str, str]) -> Any:
@@ -339,291 +219,6 @@ def _key_range(spark: Any, key: str, lowest: Any, highest: Any) -> Any:
     expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
     return getattr(expressions, "and")(expressions.greaterThanOrEqual(key, lowest),
                                        expressions.lessThanOrEqual(key, highest))
-
-
-Entries = Iterator[Entry]
-
-
-def lake_entries(spark: Any, target: str, keys: Sequence[str], codec: KeyCodec, scratch: Path,
-                 files: list[str], source: Optional[str] = None) -> tuple[Optional[int], Entries]:
-    """What a key index of ``target`` holds: (key, check, data file number in ``files``,
-    position) of every row of the table's current snapshot, in batches; with that snapshot's
-    id. Spark reads the key columns (in their canonical form, see ``keycodec``) with each row's
-    file and position; for a key that sorts as its index entries do, Spark sorts too. The
-    driver reads the result back from ``scratch`` a row group at a time, encodes the keys and
-    numbers the files (appended to ``files`` as they come). ``source``: only that source's
-    rows of a table several sources fan in to."""
-    table = java_table(spark, target)
-    current = table.currentSnapshot()
-    snapshot = None if current is None else int(current.snapshotId())
-    if snapshot is None:
-        return None, iter(())
-    forms = codec.spark_columns([_quote(k) for k in keys])
-    frame = spark.read.option("snapshot-id", str(snapshot)).table(quote_target(target))
-    if source is not None:
-        frame = frame.where(frame[SOURCE_COLUMN] == source)
-    frame = frame.selectExpr(*(f"{f} AS k{i}" for i, f in enumerate(forms)),
-                             "_file AS file_path", "_pos AS pos")
-    if codec.sorted_like_the_table:
-        frame = frame.orderBy("k0")
-    return snapshot, _encoded(codec, _read_back(spark, frame, scratch), files)
-
-
-def _encoded(codec: KeyCodec, batches: Iterator[pa.RecordBatch], files: list[str]) -> Entries:
-    """Record batches of (key columns..., file_path, pos) as index entries, files numbered."""
-    numbers = {f: i for i, f in enumerate(files)}
-    for batch in batches:
-        n = batch.num_columns
-        keys, checks = codec.encode(batch.columns[:n - 2])
-        paths = batch.column(n - 2).dictionary_encode()
-        ids = np.empty(len(paths.dictionary), np.int32)
-        for i, path in enumerate(paths.dictionary.to_pylist()):
-            found = numbers.get(path)
-            if found is None:
-                found = numbers[path] = len(files)
-                files.append(path)
-            ids[i] = found
-        yield (keys, checks, ids[paths.indices.to_numpy(zero_copy_only=False)],
-               batch.column(n - 1).to_numpy(zero_copy_only=False).astype(np.int64))
-
-
-def scan_of(spark: Any, table: Any, snapshot: int, source: Optional[str]) -> Any:
-    """A scan of ``table`` at ``snapshot``; of one source's partition when ``source`` is given
-    (a fan-in table is partitioned by source first)."""
-    scan = table.newScan().useSnapshot(snapshot)
-    if source is not None:
-        expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
-        scan = scan.filter(expressions.equal(SOURCE_COLUMN, source))
-    return scan
-
-
-def written_entries(spark: Any, files: tuple[str, ...], keys: Sequence[str], codec: KeyCodec,
-                    scratch: Path) -> Iterator[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]:
-    """(keys, checks, data file, position) of every row in the data files a commit wrote: each
-    file's rows in their order (Parquet's row index is Iceberg's position)."""
-    if not files:
-        return iter(())
-    local = [local_path(f) for f in files]
-    if all(p is not None for p in local):
-        # A warehouse on this machine's disk: read the key columns on the driver, no Spark job.
-        return _local_entries(files, [p for p in local if p is not None], keys, codec)
-    from pyspark.sql import functions as F
-
-    forms = codec.spark_columns([_quote(k) for k in keys])
-    frames = [spark.read.parquet(path).selectExpr(
-        *(f"{f} AS k{i}" for i, f in enumerate(forms))).select(
-        "*", F.lit(path).alias("file_path"), F.col("_metadata.row_index").alias("pos"))
-        for path in files]
-    frame = frames[0]
-    for other in frames[1:]:
-        frame = frame.unionAll(other)
-    return _as_paths(codec, _read_back(spark, frame, scratch))
-
-
-def _as_paths(codec: KeyCodec, batches: Iterator[pa.RecordBatch]
-              ) -> Iterator[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]:
-    for batch in batches:
-        n = batch.num_columns
-        keys, checks = codec.encode(batch.columns[:n - 2])
-        yield (keys, checks, batch.column(n - 2).to_pylist(),
-               batch.column(n - 1).to_numpy(zero_copy_only=False).astype(np.int64))
-
-
-def local_path(location: str) -> Optional[Path]:
-    """The file on this machine's disk that ``location`` names, if it names one."""
-    if location.startswith("file:"):
-        from urllib.parse import unquote, urlparse
-
-        return Path(unquote(urlparse(location).path))
-    return Path(location) if location.startswith("/") else None
-
-
-def _local_entries(files: tuple[str, ...], paths: list[Path], keys: Sequence[str],
-                   codec: KeyCodec) -> Iterator[tuple[np.ndarray, np.ndarray, list[str], np.ndarray]]:
-    """(keys, checks, data file, position) of each row of local data files, read on the
-    driver: a row's position is its ordinal in its file."""
-    for name, path in zip(files, paths, strict=True):
-        offset = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1 << 20, columns=list(keys)):
-            encoded, checks = codec.encode(batch.columns)
-            yield (encoded, checks, [name] * len(encoded),
-                   np.arange(offset, offset + len(encoded), dtype=np.int64))
-            offset += len(encoded)
-
-
-def _read_back(spark: Any, frame: Any, scratch: Path) -> Iterator[pa.RecordBatch]:
-    """Write ``frame`` as Parquet under ``scratch`` and yield it back a row group at a time,
-    in the order of its part files (a sorted frame stays sorted). On a cluster whose executors
-    cannot write to the driver's disk, the rows come to the driver through Spark instead, a
-    partition at a time, in the same order."""
-    if not _driver_disk_shared(spark):
-        yield from _stream_back(frame)
-        return
-    folder = Path(tempfile.mkdtemp(prefix="walberg-index-", dir=scratch))
-    try:
-        spark_call("reading key positions", lambda: frame.write.mode("overwrite")
-                   .parquet(folder.as_uri() + "/rows"))
-        if not (folder / "rows" / "_SUCCESS").exists():
-            # Never an empty index for a table that has rows: that would skip deletes.
-            raise ApplyError(f"reading key positions: Spark's output is not in {folder}; the "
-                             "executors do not write to this machine's disk")
-        for part in sorted((folder / "rows").glob("part-*.parquet")):
-            yield from pq.ParquetFile(part).iter_batches(batch_size=1 << 20)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _driver_disk_shared(spark: Any) -> bool:
-    """Whether the executors write to the driver's disk (local mode)."""
-    return str(spark.sparkContext.master).startswith("local")
-
-
-def _stream_back(frame: Any, size: int = 1 << 20) -> Iterator[pa.RecordBatch]:
-    names = frame.columns
-    rows: list[Any] = []
-    for row in frame.toLocalIterator(prefetchPartitions=True):
-        rows.append(row)
-        if len(rows) >= size:
-            yield _batch(rows, names)
-            rows = []
-    if rows:
-        yield _batch(rows, names)
-
-
-def _batch(rows: list[Any], names: list[str]) -> pa.RecordBatch:
-    """Rows of canonical key columns (BIGINT or STRING), file_path, pos as a record batch."""
-    return pa.RecordBatch.from_arrays([pa.array([r[i] for r in rows])
-                                       for i in range(len(names))], names=names)
-
-
-def _quote(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
-def _write_position_deletes(spark: Any, table: Any, deletes: Any
-                            ) -> tuple[JavaFiles, int, list[str]]:
-    """Spark writes ``deletes`` as position-delete Parquet files in the table's data folder;
-    returns them as Iceberg delete files, the positions they hold and the data files they
-    point into."""
-    from pyspark.sql import functions as F
-
-    jvm = spark._jvm
-    if not table.spec().isUnpartitioned():
-        raise ApplyError("position deletes from a DataFrame need an unpartitioned table")
-    frame = deletes.select(
-        F.col("file_path").cast("string").alias("file_path",
-                                                metadata={"parquet.field.id": FILE_PATH_ID}),
-        F.col("pos").cast("long").alias("pos", metadata={"parquet.field.id": POS_ID}))
-    referenced = [r[0] for r in frame.select("file_path").distinct().collect()]
-    if not referenced:
-        return JavaFiles.empty(spark), 0, []
-    folder = f"{data_folder(table)}/walberg-deletes-{uuid.uuid4().hex}"
-    # One file per group of data files, each sorted by (file_path, pos) as the spec asks.
-    parts = max(1, min(len(referenced), int(spark.sparkContext.defaultParallelism)))
-    spark_call("writing position deletes", lambda: (
-        frame.repartition(parts, "file_path").sortWithinPartitions("file_path", "pos")
-        .write.option("compression", "snappy").parquet(folder)))
-    path = jvm.org.apache.hadoop.fs.Path(folder)
-    fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
-    metrics_config = jvm.org.apache.iceberg.MetricsConfig.forPositionDelete(table)
-    parquet = jvm.org.apache.iceberg.FileFormat.PARQUET
-    files, count = [], 0
-    for status in fs.listStatus(path):
-        name = status.getPath().toString()
-        if not name.endswith(".parquet"):
-            fs.delete(status.getPath(), False)  # Spark's _SUCCESS marker
-            continue
-        metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics(
-            table.io().newInputFile(name), metrics_config)
-        if int(metrics.recordCount()) == 0:
-            fs.delete(status.getPath(), False)
-            continue
-        count += int(metrics.recordCount())
-        files.append(jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec())
-                     .ofPositionDeletes().withPath(name).withFormat(parquet)
-                     .withFileSizeInBytes(status.getLen()).withMetrics(metrics).build())
-    return JavaFiles.of(spark, files), count, referenced
-
-
-def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
-                             ) -> tuple[JavaFiles, int, list[str]]:
-    """Put the position-delete file written on the driver for an unpartitioned table in its
-    data folder through Hadoop's file system, whatever the warehouse's storage, and describe
-    it with the metrics of its footer (the bounds of its ``file_path`` tell readers which data
-    files it applies to). No Spark job: the positions were on the driver already."""
-    if not deletes.rows:
-        return JavaFiles.empty(spark), 0, []
-    local = deletes.local
-    jvm = spark._jvm
-    name = f"{data_folder(table)}/{local.name}"
-    dest = jvm.org.apache.hadoop.fs.Path(name)
-    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
-    spark_call("uploading position deletes", lambda: fs.copyFromLocalFile(
-        True, True, jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri()), dest))
-    metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics(
-        table.io().newInputFile(name), jvm.org.apache.iceberg.MetricsConfig.forPositionDelete(table))
-    builder = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec()) \
-        .ofPositionDeletes()
-    delete = (builder.withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
-              .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
-    return JavaFiles.of(spark, [delete]), deletes.rows, deletes.data_files
-
-
-def _move_in(spark: Any, table: Any, locals_: Sequence[Path], what: str
-             ) -> tuple[str, list[int]]:
-    """Move files written on the driver into the table's data folder in one Hadoop call,
-    whatever the warehouse's storage; the folder and each file's size."""
-    jvm = spark._jvm
-    folder = data_folder(table)
-    sizes = [local.stat().st_size for local in locals_]
-    here = local_folder(spark, folder)
-    if here is not None:
-        # The warehouse is on this disk: a rename each (Hadoop's local copy would write each
-        # file again, with a checksum file beside it).
-        here.mkdir(parents=True, exist_ok=True)
-        for local in locals_:
-            shutil.move(str(local), str(here / local.name))
-        return folder, sizes
-    dest = jvm.org.apache.hadoop.fs.Path(folder)
-    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
-    sources = spark.sparkContext._gateway.new_array(jvm.org.apache.hadoop.fs.Path, len(locals_))
-    for i, local in enumerate(locals_):
-        sources[i] = jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri())
-    spark_call(f"uploading {what}", lambda: fs.copyFromLocalFile(True, True, sources, dest))
-    return folder, sizes
-
-
-def _upload_partition_deletes(spark: Any, table: Any, deletes: Sequence[Positions],
-                              live: Optional[LiveFiles]) -> tuple[JavaFiles, int, list[str]]:
-    """Position-delete files of several partitions, put in the table's data folder in one
-    Hadoop call and described without reading their footers back: a partition's delete file
-    is matched to its data files by partition, so column bounds would add little, and reading
-    hundreds of footers (a table partitioned by day) cost more than the rest of the commit.
-    Each takes the spec and partition of a data file it points into, as ``live`` knows it."""
-    deletes = [d for d in deletes if d.rows]
-    if not deletes:
-        return JavaFiles.empty(spark), 0, []
-    folder, sizes = _move_in(spark, table, [d.local for d in deletes], "position deletes")
-    described = [[f"{folder}/{d.local.name}", size, d.rows, d.partition_of]
-                 for d, size in zip(deletes, sizes, strict=True)]
-    java_live = spark._jvm.java.util.HashMap() if live is None else live.java_files
-    files = JavaFiles.of(spark, batch_helper(spark).positionDeletes(
-        table, java_live, json.dumps(described)))
-    return files, sum(d.rows for d in deletes), [p for d in deletes for p in d.data_files]
-
-
-def _upload_vectors(spark: Any, table: Any, vectors: Vectors, live: LiveFiles
-                    ) -> tuple[JavaFiles, int, list[str]]:
-    """Put the Puffin files of deletion vectors in the table's data folder and describe each
-    blob as a delete file of its data file's spec and partition (as ``live`` knows them)."""
-    folder, sizes = _move_in(spark, table, [local for local, _ in vectors.puffins],
-                             "deletion vectors")
-    described = [[f"{folder}/{local.name}", size, blob.cardinality, blob.data_file,
-                  blob.offset, blob.length]
-                 for (local, blob), size in zip(vectors.puffins, sizes, strict=True)]
-    files = JavaFiles.of(spark, batch_helper(spark).vectors(table, live.java_files,
-                                                            json.dumps(described)))
-    return files, vectors.rows, [b.data_file for _, b in vectors.puffins]
 
 
 def _may_expire(table: Any) -> bool:
