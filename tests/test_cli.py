@@ -179,7 +179,7 @@ def test_database_commands_on_a_kafka_pipeline_say_so_in_one_line(
 
 def test_the_command_line_and_the_demo_do_not_import_each_other() -> None:
     done = subprocess.run([sys.executable, "-c", "import sys, walberg.cli.demo; "
-                           "print('walberg.cli' in sys.modules)"],
+                           "print('walberg.cli.main' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

@@ -2,6 +2,6 @@
 
 import sys
 
-from walberg.cli import main
+from walberg.cli.main import main
 
 sys.exit(main())
