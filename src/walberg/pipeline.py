@@ -336,9 +336,15 @@ class Pipelines:
         else:
             first.on_open = self._namespaces
 
+        parked: dict[str, str] = {}
+
         def run_one(name: str, pipeline: Pipeline) -> None:
             try:
                 reports[name] = pipeline.run(once=once)
+            except TablesParked as exc:  # (its other tables were applied: the others go on)
+                parked.update({f"{name}:{t}": why for t, why in exc.parked.items()})
+                if isinstance(exc.report, RunReport):
+                    reports[name] = exc.report
             except BaseException as exc:
                 failures.append(exc)
                 self.stop()
@@ -351,6 +357,8 @@ class Pipelines:
             t.join()
         if failures:
             raise failures[0]
+        if parked:
+            raise TablesParked(parked, reports)
         return reports
 
     def _namespaces(self, sink: IcebergSink) -> None:
