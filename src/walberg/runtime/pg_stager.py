@@ -351,8 +351,7 @@ class PgStager:
                 source = next((s for s, t in self.tables.targets.items() if t == exc.table), None)
                 if self._park is None or early or source is None:
                     raise
-                self._park(source, f"{source} has a new column: {exc} Then run walberg again: "
-                                   "the table is tried again.")
+                self._park(source, _unmapped(source, exc, run.txn_lsn))
             except BaseException:
                 builder.discard()
                 raise
@@ -381,8 +380,7 @@ class PgStager:
             self.tables.follow(table, staged.columns, batch.lsn, staged.described,
                                staged.renumbered_after)
         except UnsupportedType as exc:  # (a column added with such a type: this table stops)
-            raise SchemaStop(f"{table} has a new column before LSN {batch.lsn}: {exc} Then "
-                             "run walberg again: the table is tried again.") from None
+            raise SchemaStop(_unmapped(table, exc, batch.lsn)) from None
 
     def dead_letters(self, table: str, staged: StagedTable, batch: Batch) -> None:
         assert staged.dead_letters is not None
@@ -420,6 +418,13 @@ class PgStager:
             return []  # the next batch reads them again, from after this one's end
         last = self.state.segment(batch.segments[-1].seq)
         return batch.segments if last is not None and last.clean_end else batch.segments[:-1]
+
+
+def _unmapped(table: str, exc: UnsupportedType, lsn: int) -> str:
+    """Why ``table`` stops: a column added with a type walberg has no mapping for (whether
+    staging or the commit met it first)."""
+    return (f"{table} has a new column before LSN {Lsn(lsn)}: {exc} Then run walberg again: "
+            "the table is tried again.")
 
 
 class _Staging:
