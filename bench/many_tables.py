@@ -52,6 +52,7 @@ from sustained import (  # noqa: E402
     _up,
     free_port,
     lsn_int,
+    paced,
     percentiles,
     scrape,
     visible_after,
@@ -143,15 +144,7 @@ class Writer:
         self.changes += size
 
     def steady(self, rate: int, seconds: float, size: int = 10) -> None:
-        tick = size / rate
-        start = time.monotonic()
-        n = 0
-        while time.monotonic() - start < seconds:
-            self.transaction(size)
-            n += 1
-            delay = start + n * tick - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+        paced(lambda: self.transaction(size), size / rate, seconds)
 
 
 def committed(port: int) -> dict[str, int]:

@@ -197,15 +197,20 @@ class Writer:
             self.transaction(TXN)
 
     def steady(self, rate: int, seconds: float) -> None:
-        size, tick = max(rate // 10, 10), 0.1
-        start = time.monotonic()
-        n = 0
-        while time.monotonic() - start < seconds:
-            self.transaction(size)
-            n += 1
-            delay = start + n * tick - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+        size = max(rate // 10, 10)
+        paced(lambda: self.transaction(size), 0.1, seconds)
+
+
+def paced(step: Callable[[], None], tick: float, seconds: float) -> None:
+    """``step`` once every ``tick`` seconds for ``seconds`` (at once again when one ran late)."""
+    start = time.monotonic()
+    n = 0
+    while time.monotonic() - start < seconds:
+        step()
+        n += 1
+        delay = start + n * tick - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
 
 
 def visible_after(commits: list[tuple[int, float]], warehouse: Path,
