@@ -1,14 +1,16 @@
-"""kill -9 at 21 moments at 11 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
+"""kill -9 at 23 moments at 12 precise points (WALBERG_CRASH_AT, see walberg.faults) while a
 writer keeps changing rows: inside the initial copy (its data files written on the driver, not
 yet committed), during a restart's check of the lake while the stream already writes segments,
 once the first batch has been staged during that check, while writing a segment, between seal
 and apply, while decoding, inside the Spark commit, after the commit before the slot hears of
-it, and inside the apply by position (before its row delta, while its key index catches up with
-it), and while the key index is being kept in the warehouse (its files sent, the manifest that
-names them not yet); each followed by a restart. Beside a table with one integer key, the apply by position
-runs on a uuid-keyed table partitioned by day, a composite-keyed format-3 table (deletion
-vectors) and a text-keyed one, so the crashes inside it land in each. The last run ends with
-the lake equal to Postgres: no row lost, none duplicated."""
+it, inside the apply by position (before its row delta, while its key index catches up with
+it), when one table of a batch has committed while the batch's other tables commit beside it
+(some committed, some under way, some not begun), and while the key index is being kept in the
+warehouse (its files sent, the manifest that names them not yet); each followed by a restart.
+Beside a table with one integer key, the apply by position runs on a uuid-keyed table
+partitioned by day, a composite-keyed format-3 table (deletion vectors) and a text-keyed one,
+so the crashes inside it land in each. The last run ends with the lake equal to Postgres: no
+row lost, none duplicated."""
 
 from __future__ import annotations
 
@@ -31,9 +33,11 @@ HITS = (1, 3)  # the n-th pass of each point: the first, and one with a history 
 POINTS = {"copy-files": (1,), "lake-check": (1,), "early-staged": (1,),
           "segment-write": HITS, "seal": HITS,
           "decode": HITS, "commit": HITS, "committed": HITS,
+          # A table's commit landed while the batch's other tables commit side by side.
+          "table-committed": HITS,
           # Inside the apply by position (apply.position.keyed): before its row delta commits, and
-          # while the key index is brought up to that commit; a batch applies the tables one
-          # after the other, so later passes land in the other shapes' paths.
+          # while the key index is brought up to that commit; a batch applies its tables side by
+          # side, so later passes land in the other shapes' paths, with other tables in flight.
           "row-delta": (1, 2, 3, 4), "indexed": (1, 2, 3),
           # Keeping an index in the warehouse (apply.position.keystore), in its own thread.
           "key-store": (1,)}
@@ -44,7 +48,7 @@ SHAPES = {"uuid_days": ("id uuid PRIMARY KEY, at timestamptz, v int",
           "text": ("id text PRIMARY KEY, v int", {})}
 
 
-def test_kill_9_at_21_moments_loses_and_duplicates_nothing(
+def test_kill_9_at_23_moments_loses_and_duplicates_nothing(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
         unique: str) -> None:
     table = f"public.{unique}"

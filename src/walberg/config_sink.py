@@ -165,6 +165,12 @@ class Sink(_Model):
                           "not) as one row delta found through a key index in buffer.dir "
                           "(cost follows the changes); false: always MERGE (cost follows the "
                           "table)")
+    commit_parallelism: int = Field(
+        4, ge=1, le=64,
+        description="how many tables of a batch are committed side by side (each its own "
+                    "Iceberg commit carrying its own position); 1: one after another. Many "
+                    "small tables are fresh sooner with more, up to what the catalog and the "
+                    "machine take")
     key_index_in_warehouse: bool = Field(
         True, description="keep each table's key index (see apply_by_position) in the "
                           "warehouse too, under <table>/_walberg_keys, versioned by the "

@@ -137,9 +137,12 @@ class Snapshots:
     def last_commit(self, target: str) -> dict[str, int]:
         """What the table's current snapshot added: bytes, data files and delete files (from
         its summary; Iceberg metadata only)."""
+        from walberg.apply.jvm.helper import batch_helper
+
         def read() -> dict[str, int]:
-            snapshot = self.iceberg_table(target).currentSnapshot()
-            summary = dict(snapshot.summary()) if snapshot is not None else {}
+            # (one round trip: py4j iterates a Java map in three an entry)
+            summary = json.loads(batch_helper(self.lake.spark).summary(
+                self.iceberg_table(target)))
             return {"bytes": int(summary.get("added-files-size", 0)),
                     "data_files": int(summary.get("added-data-files", 0)),
                     "delete_files": int(summary.get("added-delete-files", 0))

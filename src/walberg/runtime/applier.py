@@ -181,6 +181,8 @@ class Applier:
         self.changes = 0
         # Tables whose changelog's last append failed: what it holds is read before the next.
         self._unsure: set[str] = set()
+        self._parking = threading.Lock()
+        self._serial = threading.Lock()  # (see _commit_table)
 
     @property
     def sink(self) -> IcebergSink:
@@ -248,9 +250,8 @@ class Applier:
             self.stager.before_commit(batch)
             if self.parking is not None:
                 self.parking.record()  # (tables parked while the batch was staged)
-            for table in batch.tables:
-                if not self.state.is_halted(table):
-                    self._commit_counted(table, batch)
+            self._commit_tables([t for t in batch.tables if not self.state.is_halted(t)],
+                                batch)
         finally:
             batch.builder.discard()
             self.sink.release_staged(batch.builder.directory)
@@ -268,6 +269,34 @@ class Applier:
                  "%.2f s", len(batch.segments), batch.changes,
                  self.stager.marks.upto("", batch), batch.staged_s, time.monotonic() - started)
 
+    def _commit_tables(self, tables: list[str], batch: Batch) -> None:
+        """Each table's commit, side by side (``sink.commit_parallelism`` at once): tables are
+        independent Iceberg commits, each carrying what it covers, so their order does not
+        matter to exactly once. After a failure no further table starts; those under way
+        finish, and the first failure (in the batch's table order) is raised."""
+        width = min(self.config.sink.commit_parallelism, len(tables))
+        if width <= 1:
+            for table in tables:
+                self._commit_counted(table, batch)
+            return
+        failed = threading.Event()
+
+        def one(table: str) -> None:
+            if failed.is_set():
+                return
+            try:
+                self._commit_counted(table, batch)
+            except BaseException:
+                failed.set()
+                raise
+            # (a kill here: some tables of the batch committed, others under way or not begun)
+            crash_point("table-committed")
+
+        with ThreadPoolExecutor(width, thread_name_prefix="walberg-commit") as pool:
+            done = [pool.submit(one, table) for table in tables]
+        for future in done:
+            future.result()
+
     def _commit_counted(self, table: str, batch: Batch) -> None:
         """One table's commit, tried again on storage failures, with its metrics; a schema
         change it cannot follow stops this table only."""
@@ -282,8 +311,9 @@ class Applier:
                 metrics.TABLE_STOPPED.labels(table).set(1)
                 log.error("%s; the other tables go on", exc)
             else:
-                self.parking.park(table, str(exc))
-                self.parking.record()
+                with self._parking:  # (tables of a batch commit side by side)
+                    self.parking.park(table, str(exc))
+                    self.parking.record()
             return
         except BaseException:
             metrics.COMMITS.labels(table, "failure").inc()
@@ -308,10 +338,13 @@ class Applier:
         changelog's first when the table has both)."""
         st, target = batch.staged[table], self.tables.targets[table]
         changelog = self.tables.changelogs.get(table)
-        self.stager.follow(table, st, batch)
-        if st.dead_letters is not None:
-            # Before the table's own commit: a replay skips what the DLQ holds.
-            self.stager.dead_letters(table, st, batch)
+        with self._serial:
+            # One table at a time (they share the source's catalog connection and the dead
+            # letter table); the table's own commits below go side by side with the others'.
+            self.stager.follow(table, st, batch)
+            if st.dead_letters is not None:
+                # Before the table's own commit: a replay skips what the DLQ holds.
+                self.stager.dead_letters(table, st, batch)
         marks = self.stager.marks.marks(table, batch)
         if changelog is not None:
             if table in self._unsure and changelog != target:

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from walberg.apply.session import jvm_map
 from walberg.buffer.store import SegmentStore
 from walberg.config import Config
 from walberg.errors import SourceError, Terminal, Transient
@@ -136,11 +137,16 @@ class PgReader:
                 self.streamer.start_early(stream, target)
                 crash_point("lake-check", delay=1.0)  # while Spark starts and the stream runs
             sink = self.tables.sink
-            for t, info in infos.items():
-                self.tables.ensure(t, info)
+
+            def ensure(t: str) -> None:
+                self.tables.ensure(t, infos[t])
                 lsn = sink.committed_lsn(self.tables.targets[t])
                 if lsn is not None:
                     self.state.set_committed(t, lsn)
+
+            # Side by side: each table is a few JVM round trips and catalog reads of its own,
+            # which overlap (hundreds of tables start in a fraction of the time).
+            jvm_map(ensure, list(infos))
             if slot is not None:
                 self.server.same_server_as_lake(server, slot_exists=True)
             if self.parking is not None:

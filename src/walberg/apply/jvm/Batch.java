@@ -40,6 +40,7 @@ import org.apache.iceberg.StructLike;
 import org.apache.iceberg.Table;
 import org.apache.iceberg.TableScan;
 import org.apache.iceberg.io.CloseableIterable;
+import org.apache.iceberg.types.Types;
 import org.apache.iceberg.parquet.ParquetUtil;
 import org.apache.iceberg.shaded.org.apache.parquet.ParquetReadOptions;
 import org.apache.iceberg.shaded.org.apache.parquet.hadoop.ParquetFileReader;
@@ -210,6 +211,22 @@ public class Batch {
             snapshot = parent == null ? null : table.snapshot(parent.longValue());
         }
         return json.writeValueAsString(summaries);
+    }
+
+    /** The summary of the table's current snapshot, as a JSON object ({} without one). */
+    public String summary(Table table) throws Exception {
+        Snapshot snapshot = table.currentSnapshot();
+        return json.writeValueAsString(snapshot == null ? new HashMap() : snapshot.summary());
+    }
+
+    /** The names of the table's columns, in order, as a JSON list. */
+    public String columnNames(Table table) throws Exception {
+        List names = new ArrayList();
+        List columns = table.schema().columns();
+        for (int i = 0; i < columns.size(); i++) {
+            names.add(((Types.NestedField) columns.get(i)).name());
+        }
+        return json.writeValueAsString(names);
     }
 
     /** The values of {@code map} at {@code keys} (a JSON list of strings), in order. */
