@@ -188,8 +188,12 @@ def test_a_table_rewritten_while_an_earlier_one_is_copied_is_copied_in_a_snapsho
         for name in (first, second):
             cur.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v int)")
             cur.execute(f"INSERT INTO {name} SELECT g, g * 10 FROM generate_series(1, 50) g")
-    config = parse_config(as_file(make_config(postgres, warehouse, tmp_path / "segments",
-                                              unique, [first, second])), tmp_path)
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique,
+                              [first, second]))
+    # One table after the other, as a copy of more tables than sink.commit_parallelism copies
+    # its later ones: the second is locked only once the first is copied.
+    raw["sink"]["commit_parallelism"] = 1
+    config = parse_config(raw, tmp_path)
     original = initial_copy.InitialCopy._copy_whole_in
 
     def rewrite_the_second_first(self: Any, info: Any, created: Any, folder: Path) -> int:

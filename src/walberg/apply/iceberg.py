@@ -110,8 +110,9 @@ class IcebergSink:
     # Tables: DDL and evolution (apply.tables).
 
     def ensure_table(self, target: str, columns: Sequence[Column],
-                     layout: Optional[Layout] = None) -> bool:
-        return self.tables.ensure_table(target, columns, layout)
+                     layout: Optional[Layout] = None,
+                     properties: Optional[dict[str, str]] = None) -> bool:
+        return self.tables.ensure_table(target, columns, layout, properties)
 
     def ensure_changelog(self, target: str, columns: Sequence[Column],
                          layout: Optional[Layout] = None) -> bool:

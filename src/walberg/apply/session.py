@@ -10,6 +10,7 @@ commit as the data. What a table holds is therefore always known from the table 
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
@@ -79,6 +80,33 @@ def jvm_map(call: Callable[[T], R], items: Sequence[T], threads: int = 4) -> lis
         return [call(item) for item in items]
     with ThreadPoolExecutor(threads, thread_name_prefix="walberg-jvm") as pool:
         return list(pool.map(call, items))
+
+
+def side_by_side(call: Callable[..., None], items: Sequence[tuple[Any, ...]],
+                 width: int) -> None:
+    """``call(*item)`` for each of ``items``, ``width`` at a time in Python threads of their own
+    (each with a JVM thread of its own): for work on independent tables, mostly round trips
+    and commits. After a failure no further item starts; those under way finish, and the
+    first failure in the items' order is raised."""
+    if width <= 1 or len(items) <= 1:
+        for item in items:
+            call(*item)
+        return
+    failed = threading.Event()
+
+    def one(item: tuple[Any, ...]) -> None:
+        if failed.is_set():
+            return
+        try:
+            call(*item)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(min(width, len(items)), thread_name_prefix="walberg-tables") as pool:
+        done = [pool.submit(one, item) for item in items]
+    for future in done:
+        future.result()
 
 
 def find_java_table(spark: Any, target: str) -> Optional[Any]:

@@ -175,8 +175,10 @@ class Tables:
         return self.describe(target) is not None
 
     def ensure_table(self, target: str, columns: Sequence[Column],
-                     layout: Optional[Layout] = None) -> bool:
-        """Create the Iceberg table for these source columns if it does not exist; True if made."""
+                     layout: Optional[Layout] = None,
+                     properties: Optional[dict[str, str]] = None) -> bool:
+        """Create the Iceberg table for these source columns if it does not exist; True if made.
+        ``properties``: more table properties to make it with (not set on a table that is)."""
         self._codec_caveat(target, layout)
         self.forget(target)  # read afresh: someone else may have changed it since
         if self.exists(target):
@@ -184,12 +186,14 @@ class Tables:
         cols = ", ".join(f"{quote(c.name)} {self.lake.types.spark_type(c, target).sql}"
                          for c in columns)
         if self.lake.source is None:
-            self.create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT", layout)
+            self.create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT", layout,
+                        properties=properties)
             return True
         # Shared by several sources: each one's rows in a partition of their own, so a copy or
         # a TRUNCATE replaces one source's rows without touching the others'.
         self.create(target, f"{cols}, {quote(LSN_COLUMN)} BIGINT, "
-                            f"{quote(SOURCE_COLUMN)} STRING", self.shared(layout))
+                            f"{quote(SOURCE_COLUMN)} STRING", self.shared(layout),
+                    properties=properties)
         return True
 
     def replace(self, target: str, columns: Sequence[Column],
@@ -216,13 +220,14 @@ class Tables:
                       layout.mode)
 
     def create(self, target: str, columns: str, layout: Optional[Layout] = None,
-               replace: bool = False) -> None:
+               replace: bool = False, properties: Optional[dict[str, str]] = None) -> None:
         """``CREATE TABLE IF NOT EXISTS`` (and its namespace) with walberg's properties;
         ``columns``: the column list as Spark SQL. ``replace``: ``CREATE OR REPLACE TABLE``."""
         self.forget(target)
         catalog, namespace, _ = target.split(".")
         self.ensure_namespace(catalog, namespace)
-        props = ", ".join(f"'{k}'={sql_string(v)}" for k, v in table_properties(layout).items())
+        props = ", ".join(f"'{k}'={sql_string(v)}"
+                          for k, v in {**table_properties(layout), **(properties or {})}.items())
         parts = ""
         if layout is not None and layout.partition_by:
             parts = f" PARTITIONED BY ({', '.join(spark_transform(t) for t in layout.partition_by)})"

@@ -24,6 +24,7 @@ from walberg import metrics
 from walberg.apply.batch import BatchBuilder, StagedTable
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.jvm.commits import with_commit_properties
+from walberg.apply.session import side_by_side
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point, failure_point
@@ -274,28 +275,12 @@ class Applier:
         independent Iceberg commits, each carrying what it covers, so their order does not
         matter to exactly once. After a failure no further table starts; those under way
         finish, and the first failure (in the batch's table order) is raised."""
-        width = min(self.config.sink.commit_parallelism, len(tables))
-        if width <= 1:
-            for table in tables:
-                self._commit_counted(table, batch)
-            return
-        failed = threading.Event()
-
         def one(table: str) -> None:
-            if failed.is_set():
-                return
-            try:
-                self._commit_counted(table, batch)
-            except BaseException:
-                failed.set()
-                raise
+            self._commit_counted(table, batch)
             # (a kill here: some tables of the batch committed, others under way or not begun)
             crash_point("table-committed")
 
-        with ThreadPoolExecutor(width, thread_name_prefix="walberg-commit") as pool:
-            done = [pool.submit(one, table) for table in tables]
-        for future in done:
-            future.result()
+        side_by_side(one, [(t,) for t in tables], self.config.sink.commit_parallelism)
 
     def _commit_counted(self, table: str, batch: Batch) -> None:
         """One table's commit, tried again on storage failures, with its metrics; a schema

@@ -20,6 +20,7 @@ from walberg import metrics
 from walberg.apply.batch import DeadLetters, csv_tables, csv_to_parquet
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
 from walberg.apply.initial import jdbc
+from walberg.apply.session import side_by_side
 from walberg.apply.types import TextPrep
 from walberg.config import Config
 from walberg.faults import crash_point
@@ -71,7 +72,7 @@ class InitialCopy:
         workdir = Path(tempfile.mkdtemp(prefix="walberg-copy-", dir=self.config.segment_dir))
         rewritten: list[pg.TableInfo] = []
         try:
-            for n, info in enumerate(infos):
+            def one(n: int, info: pg.TableInfo) -> None:
                 started = time.monotonic()
                 source = info.qualified_name
                 # Locked until its copy is committed: no rewrite while it is read.
@@ -83,7 +84,7 @@ class InitialCopy:
                                     "reads it as empty: it is copied in a snapshot of its own",
                                     source, ", ".join(moved))
                         rewritten.append(info)
-                        continue
+                        return
                     # A table copied again may have other columns by now (a resync after a
                     # stop).
                     reshaped = self.tables.reshape(source, info)
@@ -104,6 +105,12 @@ class InitialCopy:
                 metrics.COMMITTED_LSN.labels(source).set(int(point))
                 log.info("initial copy of %s -> %s: %d rows in %.1f s (at LSN %s)", source,
                          self.tables.targets[source], rows, time.monotonic() - started, point)
+            # Whole tables side by side (sink.commit_parallelism at once: a small table's copy is
+            # mostly round trips and a commit of its own); a JDBC copy in chunks is parallel
+            # within the table, one table at a time.
+            width = 1 if self.pg.initial_copy.method == "jdbc" else \
+                self.config.sink.commit_parallelism
+            side_by_side(one, list(enumerate(infos)), width)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             self.sink.release_staged(workdir)

@@ -110,9 +110,14 @@ class PgTables(Tables):
         their layout."""
         layout = self.config.layout_for(source)
         made: list[tuple[str, bool]] = []
+        numbers = json.dumps(info.attnums, sort_keys=True) if info.attnums else None
         if layout.mode != "append":
-            made.append((self.targets[source],
-                         self.sink.ensure_table(self.targets[source], info.columns, layout)))
+            # (a table made now is made with its column numbers: no second commit for them)
+            made.append((self.targets[source], self.sink.ensure_table(
+                self.targets[source], info.columns, layout,
+                {self._attnum_key(): numbers} if numbers else None)))
+            if made[0][1] and numbers:
+                self._attnums[source] = dict(info.attnums)
         changelog = self.changelogs.get(source)
         if changelog is not None:
             made.append((changelog, self.sink.ensure_changelog(changelog, info.columns, layout)))
