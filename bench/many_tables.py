@@ -1,7 +1,7 @@
 """A database of many small tables under an application-like writer, as a user meets it.
 
     python bench/many_tables.py [--tables 200] [--rows 5000] [--rate 2000] [--seconds 60]
-                                [--settle-seconds 30]
+                                [--settle-seconds 30] [--commit-parallelism N]
 
 In one run, on one embedded PostgreSQL:
 
@@ -82,12 +82,14 @@ def make_tables(cur: Any, count: int, rows: int) -> None:
     cur.execute("CHECKPOINT")
 
 
-def write_config(dsn: str, work: Path, count: int, port: int) -> Path:
+def write_config(dsn: str, work: Path, count: int, port: int,
+                 parallelism: Optional[int] = None) -> Path:
     raw = {
         "source": {"postgres": {"dsn": dsn, "slot": "slot_many", "publication": "pub_many",
                                 "tables": [f"public.{table_name(i)}" for i in range(count)]}},
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
-                             "warehouse": str(work / "warehouse")}, "namespace": "bench"},
+                             "warehouse": str(work / "warehouse")}, "namespace": "bench",
+                 **({"commit_parallelism": parallelism} if parallelism else {})},
         "buffer": {"dir": str(work / "segments"), "max_interval_seconds": 1},
         "spark": {"master": "local[2]"},
         "metrics": {"port": port},
@@ -187,6 +189,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60, help="the writer's phase")
     ap.add_argument("--settle-seconds", type=float, default=30,
                     help="after the writer: how long a change may still become visible")
+    ap.add_argument("--commit-parallelism", type=int, default=None,
+                    help="sink.commit_parallelism (default: walberg's)")
     ap.add_argument("--out", default=None, help="default: bench/results/many-tables-N.json")
     args = ap.parse_args()
     out_path = args.out or str(ROOT / "bench" / "results" / f"many-tables-{args.tables}.json")
@@ -195,13 +199,14 @@ def main() -> int:
     server = EmbeddedPostgres().start()
     port = free_port()
     results: dict[str, Any] = {"tables": args.tables, "rows": args.rows, "rate": args.rate,
-                               "cores": os.cpu_count()}
+                               "cores": os.cpu_count(),
+                               "commit_parallelism": args.commit_parallelism}
     proc: Optional[subprocess.Popen[str]] = None
     try:
         conn = psycopg2.connect(server.dsn)
         conn.autocommit = True
         make_tables(conn.cursor(), args.tables, args.rows)
-        config = write_config(server.dsn, work, args.tables, port)
+        config = write_config(server.dsn, work, args.tables, port, args.commit_parallelism)
         copy_s = walberg_once(config, "copy")
         noop_s = walberg_once(config, "noop")
         results.update(copy_s=copy_s, copy_per_table_s=copy_s / args.tables, noop_once_s=noop_s)
