@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from walberg.apply.session import jvm_map
 from walberg.config import PostgresSource
 from walberg.errors import Terminal, WalbergError
 from walberg.model import Lsn
@@ -50,11 +51,12 @@ class ServerCheck:
         failover while walberg was down is caught as one while it runs."""
         system, timeline = server
         sink = self.tables.sink
-        for t in self.tables.tables:
-            if t in self.recopy:
-                continue  # copied again (walberg resync): what it held does not matter
+        # (tables copied again by walberg resync: what they held does not matter)
+        tables = [t for t in self.tables.tables if t not in self.recopy]
+        # Each is a read of the table's history: side by side for hundreds of tables.
+        servers = jvm_map(lambda t: sink.committed_server(self.tables.targets[t]), tables)
+        for t, recorded in zip(tables, servers, strict=True):
             target = self.tables.targets[t]
-            recorded = sink.committed_server(target)
             if recorded is None:
                 continue
             known_system, _, known_timeline = recorded.partition("/")
