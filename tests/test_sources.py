@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from conftest import insert_lsn, running, walberg_cli, write_pipeline
 from lake import duckdb_rows, hadoop_table
 from walberg.config import parse_config
+from walberg.errors import TablesParked
 from walberg.lake.services import Lake
 from walberg.ops.resync import resync
 from walberg.ops.verify import verify
@@ -486,5 +487,41 @@ def test_fan_in_chunked_copies_cut_short_together_resume_each_from_its_own_marks
             cur.execute(f"INSERT INTO {unique} VALUES (6060, '{name} later')")
     _run(config, spark)
     assert _lake_rows(warehouse, target) == _source_rows(conns, unique)
+    for conn in conns.values():
+        conn.close()
+
+
+def test_a_parked_table_of_one_source_stops_neither_its_other_tables_nor_the_other_source(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """A source whose run ends with a table parked (see runtime.parking) has applied its other
+    tables; the other sources are not stopped for it, and the run ends parked, the table named
+    with its source."""
+    keyless = f"{unique}_k"
+    tables = {"east": [unique, keyless], "west": [unique]}
+    dsns, conns = _databases(pg_conn, postgres, unique, ("east", "west"), tables)
+    config = parse_config(_raw(dsns, tables, unique, warehouse, tmp_path), tmp_path)
+    _run(config, spark)
+    with conns["east"].cursor() as cur:
+        cur.execute(f"ALTER TABLE {keyless} REPLICA IDENTITY NOTHING")
+        cur.execute(f"INSERT INTO {keyless} VALUES (100, 'held')")
+        cur.execute(f"UPDATE {unique} SET v = 'east changed' WHERE id <= 3")
+    with conns["west"].cursor() as cur:
+        cur.execute(f"INSERT INTO {unique} VALUES (100, 'only west')")
+        cur.execute(f"DELETE FROM {unique} WHERE id > 15")
+
+    several = Pipelines(config, session=spark)
+    try:
+        several.run(once=True)
+        raise AssertionError("the run did not say a table is parked")
+    except TablesParked as exc:
+        assert set(exc.parked) == {f"east:public.{keyless}"}, exc.parked
+        assert "REPLICA IDENTITY NOTHING" in exc.parked[f"east:public.{keyless}"]
+    finally:
+        several.close()
+    target = config.for_source("east").target_for(f"public.{unique}")
+    got = sorted((r["_walberg_source"], r["id"], r["v"])
+                 for r in hadoop_table(warehouse, target).scan().to_arrow().to_pylist())
+    assert got == _source_rows(conns, unique)  # both sources' changes, east's among them
     for conn in conns.values():
         conn.close()
