@@ -150,7 +150,12 @@ class KafkaStager:
                     more, waited_now = self._grow(read, committed)
                     segments += more
                     waited += waited_now
-            staged = builder.finish()
+            # Netted per key here (each key's last change), as a Postgres batch is, for the
+            # tables without a changelog: their new rows are then written on the driver, not
+            # by a Spark job per table.
+            staged = builder.finish((into.seq, []), frozenset(
+                self.names[t] for t in self.topics
+                if self.config.layout_for(self.names[t]).mode == "upsert"))
             into.dead += refused(staged, into.by_seq)
             # (not the records themselves: the batch lives on through its commit, beside the
             # next one's staging)
