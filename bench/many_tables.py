@@ -55,11 +55,13 @@ from sustained import (  # noqa: E402
     paced,
     percentiles,
     scrape,
+    stop_process,
     visible_after,
     wait_until,
 )
 
 from walberg.apply.catalog.metadata import read_hadoop_history  # noqa: E402
+from walberg.apply.iceberg import LSN_PROPERTY  # noqa: E402
 from walberg.source.embedded_pg import EmbeddedPostgres  # noqa: E402
 
 KEYS = ("bigint", "uuid", "composite")
@@ -82,17 +84,25 @@ def make_tables(cur: Any, count: int, rows: int) -> None:
     cur.execute("CHECKPOINT")
 
 
-def write_config(dsn: str, work: Path, count: int, port: int,
-                 parallelism: Optional[int] = None) -> Path:
-    raw = {
-        "source": {"postgres": {"dsn": dsn, "slot": "slot_many", "publication": "pub_many",
-                                "tables": [f"public.{table_name(i)}" for i in range(count)]}},
+def lake_sections(work: Path, port: int, parallelism: Optional[int] = None) -> dict[str, Any]:
+    """The pipeline file's sections but the source: a hadoop warehouse in ``work``, 1 s
+    batches, metrics on ``port``."""
+    return {
         "sink": {"catalog": {"name": "lake", "type": "hadoop",
                              "warehouse": str(work / "warehouse")}, "namespace": "bench",
                  **({"commit_parallelism": parallelism} if parallelism else {})},
         "buffer": {"dir": str(work / "segments"), "max_interval_seconds": 1},
         "spark": {"master": "local[2]"},
         "metrics": {"port": port},
+    }
+
+
+def write_config(dsn: str, work: Path, count: int, port: int,
+                 parallelism: Optional[int] = None) -> Path:
+    raw = {
+        "source": {"postgres": {"dsn": dsn, "slot": "slot_many", "publication": "pub_many",
+                                "tables": [f"public.{table_name(i)}" for i in range(count)]}},
+        **lake_sections(work, port, parallelism),
     }
     path = work / "many.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -170,10 +180,12 @@ def freshness(writer: Writer, warehouse: Path) -> tuple[list[float], int]:
     return seen, pairs - len(seen)
 
 
-def commits_since(warehouse: Path, count: int, since: float) -> int:
+def commits_since(warehouse: Path, tables: list[tuple[str, str]], since: float) -> int:
+    """walberg's commits made current since ``since`` in ``tables`` (name, the property
+    of walberg's mark in it)."""
     made = 0
-    for i in range(count):
-        for row in read_hadoop_history(warehouse, "bench", table_name(i)) or []:
+    for name, mark in tables:
+        for row in read_hadoop_history(warehouse, "bench", name, mark) or []:
             at = row["made_current_at"].replace(tzinfo=timezone.utc).timestamp()
             if at >= since and row["lsn"]:
                 made += 1
@@ -246,17 +258,14 @@ def main() -> int:
         figures = percentiles(seen)
         results["steady"] = {
             "rate_made": made, "transactions": len(writer.commits), "pairs_not_visible": missing,
-            "iceberg_commits": commits_since(work / "warehouse", args.tables, started),
+            "iceberg_commits": commits_since(
+                work / "warehouse", [(table_name(i), LSN_PROPERTY) for i in range(args.tables)],
+                started),
             **figures,
         }
         results["peak_rss_mb"] = {"python": sampler.python_mb, "jvm": sampler.jvm_mb}
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
         server.stop()
     out = save_results(results, out_path)
     s = results["steady"]

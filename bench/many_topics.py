@@ -47,11 +47,21 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from backlog import bytecode, walberg_once  # noqa: E402
 from backlog_kafka import COLUMNS, _event, _row, broker, produce  # noqa: E402
+from many_tables import commits_since, lake_sections  # noqa: E402
 from run import save_results  # noqa: E402
-from sustained import Sampler, _up, free_port, paced, percentiles, wait_until  # noqa: E402
+from sustained import (  # noqa: E402
+    Sampler,
+    _up,
+    free_port,
+    paced,
+    percentiles,
+    stop_process,
+    wait_until,
+)
 
 from kafka_broker import create_topic  # noqa: E402
 from walberg.apply.catalog.metadata import read_hadoop_history  # noqa: E402
+from walberg.apply.iceberg import OFFSET_PROPERTY  # noqa: E402
 
 
 def topic_name(i: int) -> str:
@@ -70,12 +80,7 @@ def write_config(servers: str, work: Path, count: int, port: int,
             "topics": [topic_name(i) for i in range(count)],
             "tables": {topic_name(i): {"table": f"bench.{table_name(i)}", "key": ["id"],
                                        "columns": COLUMNS} for i in range(count)}}},
-        "sink": {"catalog": {"name": "lake", "type": "hadoop",
-                             "warehouse": str(work / "warehouse")}, "namespace": "bench",
-                 **({"commit_parallelism": parallelism} if parallelism else {})},
-        "buffer": {"dir": str(work / "segments"), "max_interval_seconds": 1},
-        "spark": {"master": "local[2]"},
-        "metrics": {"port": port},
+        **lake_sections(work, port, parallelism),
     }
     path = work / "many_topics.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -130,12 +135,16 @@ class Writer:
         paced(lambda: self.transaction(size), size / rate, seconds)
 
 
+def mark(i: int) -> str:
+    """The property of walberg's mark in the topic's table: the next offset it holds."""
+    return f"{OFFSET_PROPERTY}.{topic_name(i)}.0"
+
+
 def marks(warehouse: Path, i: int) -> tuple[list[float], list[int]]:
     """When each snapshot of the topic's table was made current, and the next offset of the
     topic it holds by then (its highest mark so far)."""
-    prop = f"walberg.offset.{topic_name(i)}.0"
     times, held, highest = [], [], -1
-    for row in read_hadoop_history(warehouse, "bench", table_name(i), prop) or []:
+    for row in read_hadoop_history(warehouse, "bench", table_name(i), mark(i)) or []:
         if row["lsn"]:
             highest = max(highest, int(row["lsn"]))
             times.append(row["made_current_at"].replace(tzinfo=timezone.utc).timestamp())
@@ -164,17 +173,6 @@ def caught_up(writer: Writer, warehouse: Path) -> bool:
     for i, offset, _ in writer.sent:
         wanted[i] = max(wanted.get(i, -1), offset)
     return all((marks(warehouse, i)[1] or [-1])[-1] > offset for i, offset in wanted.items())
-
-
-def commits_since(warehouse: Path, count: int, since: float) -> int:
-    made = 0
-    for i in range(count):
-        prop = f"walberg.offset.{topic_name(i)}.0"
-        for row in read_hadoop_history(warehouse, "bench", table_name(i), prop) or []:
-            at = row["made_current_at"].replace(tzinfo=timezone.utc).timestamp()
-            if at >= since and row["lsn"]:
-                made += 1
-    return made
 
 
 def main() -> None:
@@ -238,17 +236,13 @@ def main() -> None:
         results["steady"] = {
             "rate_made": made, "transactions_pairs": len(writer.sent),
             "pairs_not_visible": missing,
-            "iceberg_commits": commits_since(warehouse, args.topics, started),
+            "iceberg_commits": commits_since(
+                warehouse, [(table_name(i), mark(i)) for i in range(args.topics)], started),
             **percentiles(seen),
         }
         results["peak_rss_mb"] = {"python": sampler.python_mb, "jvm": sampler.jvm_mb}
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
         tansu.kill()
     out = save_results(results, out_path)
     s = results["steady"]

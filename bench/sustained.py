@@ -394,12 +394,7 @@ def main() -> int:
                                   "python_anon": sampler.python_anon_mb,
                                   "python_file": sampler.python_file_mb}
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(proc)
         server.stop()
     out = save_results(results, args.out)
     f, s = results["flat_out"], results["steady"]
@@ -427,6 +422,17 @@ def main() -> int:
           f"own peak), its JVM {rss['jvm']:.0f} MB")
     print(f"  results in {out}")
     return 0
+
+
+def stop_process(proc: "Optional[subprocess.Popen[str]]") -> None:
+    """End a `walberg run` the benchmark started (SIGTERM, then SIGKILL after a minute)."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _up(port: int) -> bool:
