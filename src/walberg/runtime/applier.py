@@ -182,8 +182,9 @@ class Applier:
         self.changes = 0
         # Tables whose changelog's last append failed: what it holds is read before the next.
         self._unsure: set[str] = set()
-        self._parking = threading.Lock()
-        self._serial = threading.Lock()  # (see _commit_table)
+        # What a batch's tables share while they commit side by side (the source's catalog
+        # connection, the dead-letter table, the parks): one table at a time.
+        self._serial = threading.Lock()
 
     @property
     def sink(self) -> IcebergSink:
@@ -296,7 +297,7 @@ class Applier:
                 metrics.TABLE_STOPPED.labels(table).set(1)
                 log.error("%s; the other tables go on", exc)
             else:
-                with self._parking:  # (tables of a batch commit side by side)
+                with self._serial:
                     self.parking.park(table, str(exc))
                     self.parking.record()
             return
@@ -323,9 +324,7 @@ class Applier:
         changelog's first when the table has both)."""
         st, target = batch.staged[table], self.tables.targets[table]
         changelog = self.tables.changelogs.get(table)
-        with self._serial:
-            # One table at a time (they share the source's catalog connection and the dead
-            # letter table); the table's own commits below go side by side with the others'.
+        with self._serial:  # (the table's own commits below go side by side with the others')
             self.stager.follow(table, st, batch)
             if st.dead_letters is not None:
                 # Before the table's own commit: a replay skips what the DLQ holds.

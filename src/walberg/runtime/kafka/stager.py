@@ -62,6 +62,10 @@ class KafkaStager:
         self.report = report
         self.marks = OffsetMarks(state, {n: t for t, n in self.names.items()})
         self.tables = TopicTables(config, types, self.names, targets, sink)
+        # The tables a batch is netted for: not those with a changelog (every mode but
+        # upsert), which records every change.
+        self._nettable = frozenset(n for n in self.names.values()
+                                   if config.layout_for(n).mode == "upsert")
         self.dead = DeadLetters(config, state, self.names, targets, sink, self.marks)
 
     def prepare_next(self, after: Optional[Batch]) -> Optional[Batch]:
@@ -150,12 +154,9 @@ class KafkaStager:
                     more, waited_now = self._grow(read, committed)
                     segments += more
                     waited += waited_now
-            # Netted per key here (each key's last change), as a Postgres batch is, for the
-            # tables without a changelog: their new rows are then written on the driver, not
-            # by a Spark job per table.
-            staged = builder.finish((into.seq, []), frozenset(
-                self.names[t] for t in self.topics
-                if self.config.layout_for(self.names[t]).mode == "upsert"))
+            # Netted per key here (each key's last change), as a Postgres batch is: their new
+            # rows are then written on the driver, not by a Spark job per table.
+            staged = builder.finish((into.seq, []), self._nettable)
             into.dead += refused(staged, into.by_seq)
             # (not the records themselves: the batch lives on through its commit, beside the
             # next one's staging)
