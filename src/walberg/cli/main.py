@@ -6,6 +6,7 @@ through walberg.cli.output, and turn errors into one readable paragraph and an e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import logging
@@ -14,7 +15,7 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from walberg.errors import WalbergError
 
@@ -256,24 +257,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from walberg.pipeline import Pipelines
 
         several = Pipelines(config)
-        previous = _on_signals(lambda: several.stop())
-        try:
-            reports = several.run(once=args.once)
-        finally:
-            several.close(exiting=True)
-            _restore_signals(previous)
+        with _stopped_by_signals(several.stop):
+            try:
+                reports = several.run(once=args.once)
+            finally:
+                several.close(exiting=True)
         for name, report in reports.items():
             logging.getLogger("walberg").info(
                 "source %s stopped: %d batch(es), %d change(s) applied, lake complete up to "
                 "LSN %s", name, report.batches, report.changes, report.applied_lsn)
         return 0
     pipeline = Pipeline(config)
-    previous = _on_signals(lambda: pipeline.stop())
-    try:
-        report = pipeline.run(once=args.once)
-    finally:
-        pipeline.close(exiting=True)
-        _restore_signals(previous)
+    with _stopped_by_signals(pipeline.stop):
+        try:
+            report = pipeline.run(once=args.once)
+        finally:
+            pipeline.close(exiting=True)
     logging.getLogger("walberg").info(
         "stopped: %d batch(es), %d change(s) applied, lake complete up to LSN %s",
         report.batches, report.changes, report.applied_lsn)
@@ -284,12 +283,11 @@ def _run_kafka(config: "Config", once: bool) -> int:
     from walberg.kafka_pipeline import KafkaPipeline
 
     pipeline = KafkaPipeline(config)
-    previous = _on_signals(lambda: pipeline.stop())
-    try:
-        report = pipeline.run(once=once)
-    finally:
-        pipeline.close()
-        _restore_signals(previous)
+    with _stopped_by_signals(pipeline.stop):
+        try:
+            report = pipeline.run(once=once)
+        finally:
+            pipeline.close()
     logging.getLogger("walberg").info(
         "stopped: %d batch(es), %d change(s) applied, %d dead letter(s); offsets %s",
         report.batches, report.records, report.dead_letters,
@@ -486,7 +484,10 @@ def _cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _on_signals(handler: Callable[[], None]) -> dict[int, Any]:
+@contextlib.contextmanager
+def _stopped_by_signals(handler: Callable[[], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call ``handler`` (a pipeline's stop) inside the block; their handlers
+    before it are back after."""
     previous: dict[int, Any] = {}
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -495,12 +496,11 @@ def _on_signals(handler: Callable[[], None]) -> dict[int, Any]:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, on_signal)
-    return previous
-
-
-def _restore_signals(previous: dict[int, Any]) -> None:
-    for sig, h in previous.items():
-        signal.signal(sig, h)
+    try:
+        yield
+    finally:
+        for number, was in previous.items():
+            signal.signal(number, was)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
