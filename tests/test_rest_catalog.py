@@ -1,0 +1,321 @@
+"""walberg against an Iceberg REST catalog (tests/rest_catalog: the REST spec over a JDBC
+catalog, OAuth2 client credentials, multi-table commits all or nothing): every command, the
+errors a REST user meets, and source transactions that span tables made visible at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import psycopg2
+import pytest
+
+from conftest import as_file, make_config, walberg_cli, walberg_ok, write_pipeline
+from rest_catalog import RestServer, rest_server
+
+LINES = 3  # each order has this many lines, in every source transaction
+
+
+@pytest.fixture(scope="module")
+def rest(postgres: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestServer]:
+    folder = tmp_path_factory.mktemp("rest")
+    with rest_server(postgres, folder / "warehouse", folder / "server.log") as server:
+        yield server
+
+
+def _shop(pg_conn: Any, unique: str) -> tuple[str, str]:
+    orders, lines = f"public.o_{unique}", f"public.l_{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {orders} (id bigint PRIMARY KEY, customer text, "
+                    "total numeric(12,2) NOT NULL)")
+        cur.execute(f"CREATE TABLE {lines} (order_id bigint, n int, qty int NOT NULL, "
+                    "PRIMARY KEY (order_id, n))")
+        cur.execute(f"INSERT INTO {orders} SELECT g, 'c' || g, {LINES} * g FROM "
+                    "generate_series(1, 200) g")
+        cur.execute(f"INSERT INTO {lines} SELECT g, k, g FROM generate_series(1, 200) g, "
+                    f"generate_series(1, {LINES}) k")
+    return orders, lines
+
+
+def _pipeline(postgres: Any, tmp_path: Path, unique: str, tables: list[str],
+              catalog: dict[str, Any], **sink: Any) -> Path:
+    raw = as_file(make_config(postgres, tmp_path / "wh-unused", tmp_path / "segments", unique,
+                              tables))
+    raw["sink"]["catalog"] = catalog
+    raw["sink"].update(sink)
+    return write_pipeline(raw, tmp_path / "pipeline.yaml")
+
+
+def test_every_command_against_a_rest_catalog(rest: RestServer, postgres: Any, pg_conn: Any,
+                                              tmp_path: Path, unique: str) -> None:
+    orders, lines = _shop(pg_conn, unique)
+    path = _pipeline(postgres, tmp_path, unique, [orders, lines], rest.catalog())
+
+    def walberg(*args: str) -> str:
+        return walberg_ok("-q", *args, "-c", str(path))
+
+    checked = walberg("check")
+    assert f"rest catalog lake at {rest.uri}: authenticated" in checked
+    assert "commits several tables at once (POST /v1/{prefix}/transactions/commit)" in checked
+    walberg("run", "--once")
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {orders} SET total = 0 WHERE id <= 10")
+        cur.execute(f"DELETE FROM {lines} WHERE order_id > 190")
+        cur.execute(f"INSERT INTO {orders} VALUES (201, 'new', 1)")
+    walberg("run", "--once")
+    verified = walberg("verify")
+    assert verified.count("[ok  ]") == 2, verified
+
+    namespace = f"ns_{unique}"
+    catalog = rest.pyiceberg()  # an independent reader, through the same server
+    lake_orders = catalog.load_table(f"{namespace}.o_{unique}").scan().to_arrow()
+    assert lake_orders.num_rows == 201
+    assert sorted(lake_orders.column("id").to_pylist())[-1] == 201
+    status = json.loads(walberg_ok("status", "--json", "-c", str(path)))
+    mine = status["tables"][orders]
+    assert mine["rows"] == 201 and mine["last_lsn"] is not None
+    assert status["catalog"]["atomic_commits"] is True
+    history = walberg("history", orders)
+    assert "overwrite" in history or "append" in history
+    counted = walberg("query", f"SELECT count(*) AS n FROM lake.{namespace}.l_{unique}")
+    assert f"{190 * LINES}" in counted
+    walberg("maintain")
+    walberg("verify")
+
+
+def test_rest_authentication_errors_say_what_was_refused(
+        rest: RestServer, postgres: Any, pg_conn: Any, tmp_path: Path, unique: str) -> None:
+    """A wrong secret, an unknown or expired token, a namespace the principal may not use: one
+    paragraph naming the catalog, what it refused and what to check; no Java stack trace."""
+    orders, _ = _shop(pg_conn, unique)
+    cases = {
+        "wrong secret": (rest.catalog(credential="walberg:wrong"), "401"),
+        "unknown token": ({**rest.catalog(), "credential": None, "token": "not-a-token"}, "401"),
+    }
+    for what, (catalog, code) in cases.items():
+        folder = tmp_path / what.replace(" ", "-")
+        folder.mkdir()
+        path = _pipeline(postgres, folder, unique, [orders],
+                         {k: v for k, v in catalog.items() if v is not None})
+        for command in (["check"], ["run", "--once"]):
+            done = walberg_cli(*command, "-c", str(path), timeout=240)
+            out = done.stdout + done.stderr
+            assert done.returncode != 0, (what, command, out)
+            assert rest.uri in out and code in out, (what, command, out)
+            assert "credential" in out or "token" in out, (what, command, out)
+            assert "Traceback" not in out and "\tat org.apache" not in out, (what, command, out)
+            assert "REQUIRES_SINGLE_PART_NAMESPACE" not in out, (what, command, out)
+
+
+def test_an_expired_token_and_a_forbidden_namespace(postgres: Any, pg_conn: Any, tmp_path: Path,
+                                                    unique: str) -> None:
+    orders, _ = _shop(pg_conn, unique)
+    with rest_server(postgres, tmp_path / "warehouse", tmp_path / "server.log",
+                     token_seconds="1", forbid=f"ns_{unique}") as server:
+        token = server.token()
+        time.sleep(1.5)
+        expired = _pipeline(postgres, tmp_path, unique, [orders],
+                            {**{k: v for k, v in server.catalog().items()
+                                if k != "credential"}, "token": token})
+        done = walberg_cli("check", "-c", str(expired), timeout=120)
+        out = done.stdout + done.stderr
+        assert done.returncode != 0 and "expired" in out and server.uri in out, out
+        forbidden = tmp_path / "forbidden"
+        forbidden.mkdir()
+        path = _pipeline(postgres, forbidden, unique, [orders], server.catalog())
+        done = walberg_cli("run", "--once", "-c", str(path), timeout=240)
+        out = done.stdout + done.stderr
+        assert done.returncode != 0 and "403" in out and f"ns_{unique}" in out, out
+        assert "\tat org.apache" not in out, out
+
+
+def _consistent_cut(catalog: Any, orders: str, lines: str) -> tuple[Any, Any]:
+    """Both tables as of one moment of the catalog: orders loaded before and after lines, the
+    same snapshot both times (a commit moving both pointers lands between two loads or not at
+    all, so lines were read at a moment orders held that snapshot)."""
+    while True:
+        first = catalog.load_table(orders)
+        second = catalog.load_table(lines)
+        again = catalog.load_table(orders)
+        if first.metadata.current_snapshot_id == again.metadata.current_snapshot_id:
+            return first, second
+
+
+def _writer(dsn: str, orders: str, lines: str, stop: threading.Event,
+            counts: dict[str, int]) -> None:
+    """Source transactions that each keep every order equal to its lines: a new order with its
+    lines, an order and its lines changed together, an order and its lines deleted."""
+    conn = psycopg2.connect(dsn)
+    rng = random.Random(7)
+    next_id = 1000
+    live = list(range(1, 201))
+    try:
+        while not stop.is_set():
+            with conn, conn.cursor() as cur:
+                kind = rng.random()
+                if kind < 0.5 or len(live) < 50:
+                    next_id += 1
+                    qty = rng.randint(1, 9)
+                    cur.execute(f"INSERT INTO {orders} VALUES (%s, 'w', %s)",
+                                (next_id, qty * LINES))
+                    cur.execute(f"INSERT INTO {lines} SELECT %s, k, %s FROM "
+                                f"generate_series(1, {LINES}) k", (next_id, qty))
+                    live.append(next_id)
+                elif kind < 0.85:
+                    order = rng.choice(live)
+                    qty = rng.randint(1, 9)
+                    cur.execute(f"UPDATE {lines} SET qty = %s WHERE order_id = %s",
+                                (qty, order))
+                    cur.execute(f"UPDATE {orders} SET total = %s WHERE id = %s",
+                                (qty * LINES, order))
+                else:
+                    order = live.pop(rng.randrange(len(live)))
+                    cur.execute(f"DELETE FROM {lines} WHERE order_id = %s", (order,))
+                    cur.execute(f"DELETE FROM {orders} WHERE id = %s", (order,))
+            counts["transactions"] += 1
+            time.sleep(0.005)
+    finally:
+        conn.close()
+
+
+def _half_transactions(orders: Any, lines: Any) -> list[str]:
+    """What a consistent cut must never show: an order without its lines (or with lines whose
+    quantities do not add up to its total), lines without their order."""
+    totals = dict(zip(orders.column("id").to_pylist(),
+                      (float(t) for t in orders.column("total").to_pylist()), strict=True))
+    sums: dict[int, list[int]] = {}
+    for order, qty in zip(lines.column("order_id").to_pylist(), lines.column("qty").to_pylist(),
+                          strict=True):
+        sums.setdefault(order, []).append(qty)
+    problems = [f"order {o} without its lines" for o in totals if o not in sums]
+    problems += [f"lines of order {o} without it" for o in sums if o not in totals]
+    problems += [f"order {o}: total {totals[o]} but lines {q}" for o, q in sums.items()
+                 if o in totals and (len(q) != LINES or sum(q) != totals[o])]
+    return problems
+
+
+def test_a_reader_never_sees_half_a_source_transaction(postgres: Any, pg_conn: Any,
+                                                       tmp_path: Path, unique: str) -> None:
+    """Orders and their lines written in the same source transactions while walberg streams
+    them into a REST catalog: every consistent cut a reader takes meanwhile holds whole
+    transactions only (each table's share of a batch lands in one catalog transaction). The
+    server refuses the first two multi-table commits with 409, as when another writer's commit
+    lands first: nothing of them is visible, and the batch is applied again."""
+    orders, lines = _shop(pg_conn, unique)
+    with rest_server(postgres, tmp_path / "warehouse", tmp_path / "server.log",
+                     conflicts="2") as rest:
+        _stream_and_read(rest, postgres, tmp_path, unique, orders, lines)
+
+
+def _stream_and_read(rest: RestServer, postgres: Any, tmp_path: Path, unique: str,
+                     orders: str, lines: str) -> None:
+    path = _pipeline(postgres, tmp_path, unique, [orders, lines], rest.catalog(),
+                     commit_parallelism=2)
+    walberg_ok("-q", "run", "--once", "-c", str(path))
+    namespace = f"ns_{unique}"
+    names = f"{namespace}.o_{unique}", f"{namespace}.l_{unique}"
+    catalog = rest.pyiceberg()
+
+    stop = threading.Event()
+    counts = {"transactions": 0}
+    writer = threading.Thread(target=_writer, args=(postgres.dsn, orders, lines, stop, counts))
+    log = open(tmp_path / "run.log", "w")
+    run = subprocess.Popen([sys.executable, "-m", "walberg.cli", "run", "-c", str(path)],
+                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    cuts, snapshots = 0, set()
+    try:
+        writer.start()
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            first, second = _consistent_cut(catalog, *names)
+            problems = _half_transactions(first.scan().to_arrow(), second.scan().to_arrow())
+            assert not problems, (cuts, problems[:5])
+            cuts += 1
+            snapshots.add(first.metadata.current_snapshot_id)
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+        log.close()
+    output = (tmp_path / "run.log").read_text()
+    assert run.returncode == 0, output[-3000:]
+    # The reader saw the lake move many times, and the commits were made together.
+    assert counts["transactions"] > 200 and cuts > 20 and len(snapshots) > 10, \
+        (counts, cuts, len(snapshots))
+    assert "committed together in one catalog transaction" in output, output[-3000:]
+    assert output.count("failed (") >= 2 and "CommitFailedException" in output, output[-3000:]
+    walberg_ok("-q", "run", "--once", "-c", str(path))
+    verified = walberg_ok("-q", "verify", "-c", str(path))
+    assert verified.count("[ok  ]") == 2, verified
+
+
+def _lsns(catalog: Any, names: tuple[str, str]) -> list[Optional[str]]:
+    """The position each table's current snapshot holds (walberg.lsn)."""
+    out = []
+    for name in names:
+        snapshot = catalog.load_table(name).current_snapshot()
+        out.append(None if snapshot is None
+                   else snapshot.summary.additional_properties.get("walberg.lsn"))
+    return out
+
+
+def test_kill_9_around_a_multi_table_commit_loses_duplicates_and_splits_nothing(
+        postgres: Any, pg_conn: Any, tmp_path: Path, unique: str) -> None:
+    """kill -9 while a batch's tables wait for each other, while the catalog commits them (the
+    server pauses inside the commit, which completes without the client) and once it has,
+    then a restart; and a commit whose outcome walberg does not learn. After each, both tables
+    hold the same position (every source transaction touches both), and at the end the lake
+    equals Postgres, whole transactions only."""
+    orders, lines = _shop(pg_conn, unique)
+    with rest_server(postgres, tmp_path / "warehouse", tmp_path / "server.log",
+                     commit_delay_ms="1500") as server:
+        path = _pipeline(postgres, tmp_path, unique, [orders, lines], server.catalog())
+        walberg_ok("-q", "run", "--once", "-c", str(path))
+        namespace = f"ns_{unique}"
+        names = f"{namespace}.o_{unique}", f"{namespace}.l_{unique}"
+        catalog = server.pyiceberg()
+        stop = threading.Event()
+        counts = {"transactions": 0}
+        writer = threading.Thread(target=_writer,
+                                  args=(postgres.dsn, orders, lines, stop, counts))
+        writer.start()
+        killed = []
+        try:
+            for point in ("group-joined:1", "group-commit:1", "group-committed:1",
+                          "group-commit:3", "group-committed:3"):
+                env = dict(os.environ, WALBERG_CRASH_AT=point)
+                done = subprocess.run([sys.executable, "-m", "walberg.cli", "-q", "run", "-c",
+                                       str(path)], env=env, capture_output=True, text=True,
+                                      timeout=240)
+                assert done.returncode == -9, (point, done.returncode, done.stderr[-2000:])
+                killed.append(point)
+                held = _lsns(catalog, names)
+                assert held[0] == held[1], (point, held)
+            env = dict(os.environ, WALBERG_FAIL_AT="group-committed:1")
+            done = subprocess.run([sys.executable, "-m", "walberg.cli", "run", "--once", "-c",
+                                   str(path)], env=env, capture_output=True, text=True,
+                                  timeout=240)
+            out = done.stdout + done.stderr
+            assert done.returncode == 0, out[-3000:]
+            # Both tables were told the catalog transaction failed; each found it had landed.
+            assert out.count("had landed after all") == 2, out[-3000:]
+        finally:
+            stop.set()
+            writer.join(timeout=30)
+        walberg_ok("-q", "run", "--once", "-c", str(path))
+        held = _lsns(catalog, names)
+        assert held[0] == held[1] and held[0] is not None, held
+        first, second = _consistent_cut(catalog, *names)
+        assert not _half_transactions(first.scan().to_arrow(), second.scan().to_arrow())
+        verified = walberg_ok("-q", "verify", "-c", str(path))
+        assert verified.count("[ok  ]") == 2, verified
+        assert counts["transactions"] > 100, counts
