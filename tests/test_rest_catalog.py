@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,13 +14,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import psycopg2
 import pytest
 
 from conftest import as_file, make_config, walberg_cli, walberg_ok, write_pipeline
 from rest_catalog import RestServer, rest_server
-
-LINES = 3  # each order has this many lines, in every source transaction
+from shop import LINES, consistent_cut, half_transactions, make_shop, write_shop
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +26,6 @@ def rest(postgres: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Re
     folder = tmp_path_factory.mktemp("rest")
     with rest_server(postgres, folder / "warehouse", folder / "server.log") as server:
         yield server
-
-
-def _shop(pg_conn: Any, unique: str) -> tuple[str, str]:
-    orders, lines = f"public.o_{unique}", f"public.l_{unique}"
-    with pg_conn.cursor() as cur:
-        cur.execute(f"CREATE TABLE {orders} (id bigint PRIMARY KEY, customer text, "
-                    "total numeric(12,2) NOT NULL)")
-        cur.execute(f"CREATE TABLE {lines} (order_id bigint, n int, qty int NOT NULL, "
-                    "PRIMARY KEY (order_id, n))")
-        cur.execute(f"INSERT INTO {orders} SELECT g, 'c' || g, {LINES} * g FROM "
-                    "generate_series(1, 200) g")
-        cur.execute(f"INSERT INTO {lines} SELECT g, k, g FROM generate_series(1, 200) g, "
-                    f"generate_series(1, {LINES}) k")
-    return orders, lines
 
 
 def _pipeline(postgres: Any, tmp_path: Path, unique: str, tables: list[str],
@@ -56,7 +39,7 @@ def _pipeline(postgres: Any, tmp_path: Path, unique: str, tables: list[str],
 
 def test_every_command_against_a_rest_catalog(rest: RestServer, postgres: Any, pg_conn: Any,
                                               tmp_path: Path, unique: str) -> None:
-    orders, lines = _shop(pg_conn, unique)
+    orders, lines = make_shop(pg_conn, unique)
     path = _pipeline(postgres, tmp_path, unique, [orders, lines], rest.catalog())
 
     def walberg(*args: str) -> str:
@@ -95,7 +78,7 @@ def test_rest_authentication_errors_say_what_was_refused(
         rest: RestServer, postgres: Any, pg_conn: Any, tmp_path: Path, unique: str) -> None:
     """A wrong secret, an unknown or expired token, a namespace the principal may not use: one
     paragraph naming the catalog, what it refused and what to check; no Java stack trace."""
-    orders, _ = _shop(pg_conn, unique)
+    orders, _ = make_shop(pg_conn, unique)
     cases = {
         "wrong secret": (rest.catalog(credential="walberg:wrong"), "401"),
         "unknown token": ({**rest.catalog(), "credential": None, "token": "not-a-token"}, "401"),
@@ -117,7 +100,7 @@ def test_rest_authentication_errors_say_what_was_refused(
 
 def test_an_expired_token_and_a_forbidden_namespace(postgres: Any, pg_conn: Any, tmp_path: Path,
                                                     unique: str) -> None:
-    orders, _ = _shop(pg_conn, unique)
+    orders, _ = make_shop(pg_conn, unique)
     with rest_server(postgres, tmp_path / "warehouse", tmp_path / "server.log",
                      token_seconds="1", forbid=f"ns_{unique}") as server:
         token = server.token()
@@ -137,71 +120,6 @@ def test_an_expired_token_and_a_forbidden_namespace(postgres: Any, pg_conn: Any,
         assert "\tat org.apache" not in out, out
 
 
-def _consistent_cut(catalog: Any, orders: str, lines: str) -> tuple[Any, Any]:
-    """Both tables as of one moment of the catalog: orders loaded before and after lines, the
-    same snapshot both times (a commit moving both pointers lands between two loads or not at
-    all, so lines were read at a moment orders held that snapshot)."""
-    while True:
-        first = catalog.load_table(orders)
-        second = catalog.load_table(lines)
-        again = catalog.load_table(orders)
-        if first.metadata.current_snapshot_id == again.metadata.current_snapshot_id:
-            return first, second
-
-
-def _writer(dsn: str, orders: str, lines: str, stop: threading.Event,
-            counts: dict[str, int]) -> None:
-    """Source transactions that each keep every order equal to its lines: a new order with its
-    lines, an order and its lines changed together, an order and its lines deleted."""
-    conn = psycopg2.connect(dsn)
-    rng = random.Random(7)
-    next_id = 1000
-    live = list(range(1, 201))
-    try:
-        while not stop.is_set():
-            with conn, conn.cursor() as cur:
-                kind = rng.random()
-                if kind < 0.5 or len(live) < 50:
-                    next_id += 1
-                    qty = rng.randint(1, 9)
-                    cur.execute(f"INSERT INTO {orders} VALUES (%s, 'w', %s)",
-                                (next_id, qty * LINES))
-                    cur.execute(f"INSERT INTO {lines} SELECT %s, k, %s FROM "
-                                f"generate_series(1, {LINES}) k", (next_id, qty))
-                    live.append(next_id)
-                elif kind < 0.85:
-                    order = rng.choice(live)
-                    qty = rng.randint(1, 9)
-                    cur.execute(f"UPDATE {lines} SET qty = %s WHERE order_id = %s",
-                                (qty, order))
-                    cur.execute(f"UPDATE {orders} SET total = %s WHERE id = %s",
-                                (qty * LINES, order))
-                else:
-                    order = live.pop(rng.randrange(len(live)))
-                    cur.execute(f"DELETE FROM {lines} WHERE order_id = %s", (order,))
-                    cur.execute(f"DELETE FROM {orders} WHERE id = %s", (order,))
-            counts["transactions"] += 1
-            time.sleep(0.005)
-    finally:
-        conn.close()
-
-
-def _half_transactions(orders: Any, lines: Any) -> list[str]:
-    """What a consistent cut must never show: an order without its lines (or with lines whose
-    quantities do not add up to its total), lines without their order."""
-    totals = dict(zip(orders.column("id").to_pylist(),
-                      (float(t) for t in orders.column("total").to_pylist()), strict=True))
-    sums: dict[int, list[int]] = {}
-    for order, qty in zip(lines.column("order_id").to_pylist(), lines.column("qty").to_pylist(),
-                          strict=True):
-        sums.setdefault(order, []).append(qty)
-    problems = [f"order {o} without its lines" for o in totals if o not in sums]
-    problems += [f"lines of order {o} without it" for o in sums if o not in totals]
-    problems += [f"order {o}: total {totals[o]} but lines {q}" for o, q in sums.items()
-                 if o in totals and (len(q) != LINES or sum(q) != totals[o])]
-    return problems
-
-
 def test_a_reader_never_sees_half_a_source_transaction(postgres: Any, pg_conn: Any,
                                                        tmp_path: Path, unique: str) -> None:
     """Orders and their lines written in the same source transactions while walberg streams
@@ -209,7 +127,7 @@ def test_a_reader_never_sees_half_a_source_transaction(postgres: Any, pg_conn: A
     transactions only (each table's share of a batch lands in one catalog transaction). The
     server refuses the first two multi-table commits with 409, as when another writer's commit
     lands first: nothing of them is visible, and the batch is applied again."""
-    orders, lines = _shop(pg_conn, unique)
+    orders, lines = make_shop(pg_conn, unique)
     with rest_server(postgres, tmp_path / "warehouse", tmp_path / "server.log",
                      conflicts="2") as rest:
         _stream_and_read(rest, postgres, tmp_path, unique, orders, lines)
@@ -226,7 +144,7 @@ def _stream_and_read(rest: RestServer, postgres: Any, tmp_path: Path, unique: st
 
     stop = threading.Event()
     counts = {"transactions": 0}
-    writer = threading.Thread(target=_writer, args=(postgres.dsn, orders, lines, stop, counts))
+    writer = threading.Thread(target=write_shop, args=(postgres.dsn, orders, lines, stop, counts))
     log = open(tmp_path / "run.log", "w")
     run = subprocess.Popen([sys.executable, "-m", "walberg.cli", "run", "-c", str(path)],
                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -235,8 +153,8 @@ def _stream_and_read(rest: RestServer, postgres: Any, tmp_path: Path, unique: st
         writer.start()
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline:
-            first, second = _consistent_cut(catalog, *names)
-            problems = _half_transactions(first.scan().to_arrow(), second.scan().to_arrow())
+            first, second = consistent_cut(catalog, *names)
+            problems = half_transactions(first.scan().to_arrow(), second.scan().to_arrow())
             assert not problems, (cuts, problems[:5])
             cuts += 1
             snapshots.add(first.metadata.current_snapshot_id)
@@ -275,7 +193,7 @@ def test_kill_9_around_a_multi_table_commit_loses_duplicates_and_splits_nothing(
     then a restart; and a commit whose outcome walberg does not learn. After each, both tables
     hold the same position (every source transaction touches both), and at the end the lake
     equals Postgres, whole transactions only."""
-    orders, lines = _shop(pg_conn, unique)
+    orders, lines = make_shop(pg_conn, unique)
     with rest_server(postgres, tmp_path / "warehouse", tmp_path / "server.log",
                      commit_delay_ms="1500") as server:
         path = _pipeline(postgres, tmp_path, unique, [orders, lines], server.catalog())
@@ -285,7 +203,7 @@ def test_kill_9_around_a_multi_table_commit_loses_duplicates_and_splits_nothing(
         catalog = server.pyiceberg()
         stop = threading.Event()
         counts = {"transactions": 0}
-        writer = threading.Thread(target=_writer,
+        writer = threading.Thread(target=write_shop,
                                   args=(postgres.dsn, orders, lines, stop, counts))
         writer.start()
         killed = []
@@ -314,8 +232,8 @@ def test_kill_9_around_a_multi_table_commit_loses_duplicates_and_splits_nothing(
         walberg_ok("-q", "run", "--once", "-c", str(path))
         held = _lsns(catalog, names)
         assert held[0] == held[1] and held[0] is not None, held
-        first, second = _consistent_cut(catalog, *names)
-        assert not _half_transactions(first.scan().to_arrow(), second.scan().to_arrow())
+        first, second = consistent_cut(catalog, *names)
+        assert not half_transactions(first.scan().to_arrow(), second.scan().to_arrow())
         verified = walberg_ok("-q", "verify", "-c", str(path))
         assert verified.count("[ok  ]") == 2, verified
         assert counts["transactions"] > 100, counts

@@ -171,6 +171,12 @@ class Sink(_Model):
                     "Iceberg commit carrying its own position); 1: one after another. Many "
                     "small tables are fresh sooner with more, up to what the catalog and the "
                     "machine take")
+    atomic_commits: bool = Field(
+        True, description="where the catalog commits several tables at once (a REST catalog "
+                          "offering POST /v1/{prefix}/transactions/commit), the tables of a "
+                          "batch become visible together, in one catalog transaction: a reader "
+                          "never sees one table of a source transaction without the others; "
+                          "false: each table commits on its own")
     key_index_in_warehouse: bool = Field(
         True, description="keep each table's key index (see apply_by_position) in the "
                           "warehouse too, under <table>/_walberg_keys, versioned by the "

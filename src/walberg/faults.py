@@ -15,7 +15,10 @@ committed to Iceberg, its segments not yet removed and the slot not yet told), `
 ``copy-files``, ``row-delta`` and ``indexed`` (see apply.initial.files and apply.position.keyed),
 ``key-store`` (a key index's files sent to the warehouse, its manifest not yet; see
 apply.position.keystore), ``chunk`` (a chunk of a jdbc initial copy committed) and ``copied`` (a
-table's initial copy committed, the stream not yet started).
+table's initial copy committed, the stream not yet started); with a REST catalog's multi-table
+commits (apply.together): ``group-joined`` (a table of a batch waits for the others to join
+its catalog transaction), ``group-commit`` (half a second into that transaction's commit, on a
+timer) and ``group-committed`` (every table of it committed, none told yet).
 
 ``WALBERG_CRASH_AT=name:n@a+b`` counts the passes of each of the sources ``a`` and ``b`` (several
 fanned in to one pipeline) apart: a source that has passed n times waits there, and the process
@@ -27,7 +30,8 @@ CommitStateUnknownException through the sink): a retryable ``ApplyError``, the w
 done. Points: ``changelog`` (a mode-both changelog's append landed, its table's commit not yet
 made), ``dead-letters`` (a batch's dead letters written, no table's commit made yet; a Postgres
 batch's: its table's),
-``row-delta`` (a batch's row delta landed in the table).
+``row-delta`` (a batch's row delta landed in the table), ``group-committed`` (a catalog
+transaction of several tables landed).
 """
 
 from __future__ import annotations

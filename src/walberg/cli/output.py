@@ -112,6 +112,10 @@ def _one_status(status: "Status") -> str:
                      f"{kind})")
         if slot.warning:
             lines.append(f"WARNING: {slot.warning}")
+    if status.catalog is not None:
+        cat = status.catalog
+        lines.append(f"catalog {cat.name} ({cat.type}): "
+                     + (cat.error if cat.error else cat.commits))
     if status.broker_error:
         lines.append(f"broker: {status.broker_error}")
     if status.partitions is not None:

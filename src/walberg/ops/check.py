@@ -13,9 +13,11 @@ from typing import Any, Callable, Optional
 
 from walberg.apply import staging
 from walberg.apply.catalog import catalogs, storage
+from walberg.apply.catalog.catalog_reads import describe_rest
 from walberg.apply.jvm.java import JAR_PACKAGE, check_java, find_java, iceberg_jar
 from walberg.errors import Terminal, WalbergError
 from walberg.lake.services import Lake, LakeSource
+from walberg.runtime.lakeside import check_catalog
 from walberg.runtime.parking import parked_why
 from walberg.source import kafka, slots
 from walberg.source import postgres as pg
@@ -267,7 +269,7 @@ def catalog_and_warehouse(p: Probe) -> str:
     cat = config.sink.catalog
     _, jars = catalogs.spark_properties(cat.type, wh, cat.uri, cat.options(), cat.properties,
                                         config.spark.conf.get("spark.jars", ""))
-    reached = _catalog_database(p)
+    reached = _catalog_database(p) + _rest_catalog(p)
     if not wh or ("://" in wh and not wh.startswith("file:")):
         s3 = config.storage.s3
         store = storage.probe_for(None if s3 is None else s3.model_dump(), wh or "")
@@ -312,6 +314,18 @@ def executor_staging(p: Probe) -> str:
         "through. Set buffer.stage_uri to a location every executor reads (s3a://bucket/"
         "walberg-staging, gs://..., abfs://..., hdfs://...), or to local if buffer.dir is "
         "such a shared mount.")
+
+
+def _rest_catalog(p: Probe) -> str:
+    """A REST catalog: it takes walberg's credential (and namespace), and whether it commits
+    several tables at once."""
+    config = p.source.config
+    cat = config.sink.catalog
+    if cat.type != "rest" or not cat.uri:
+        return ""
+    endpoints = check_catalog(config)
+    return (f"; rest catalog {cat.name} at {cat.uri}: authenticated, "
+            f"{describe_rest(endpoints, config.sink.atomic_commits)}")
 
 
 def _catalog_database(p: Probe) -> str:

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from walberg.apply.catalog.catalog_reads import TRANSACTIONS_ENDPOINT, describe_rest
 from walberg.apply.catalog.metadata import TableSummary
 from walberg.buffer.files import Mapped, inspect_directory, read_freshness
 from walberg.buffer.recovery import NAME
@@ -19,6 +20,7 @@ from walberg.buffer.segment import Scanner, check_magic
 from walberg.errors import Transient, WalbergError
 from walberg.lake.services import Lake, LakeSource
 from walberg.model import Lsn, pg_epoch
+from walberg.runtime.lakeside import check_catalog
 from walberg.runtime.parking import parked_why
 from walberg.source import kafka, slots
 from walberg.source import postgres as pg
@@ -92,6 +94,17 @@ class PartitionStatus:
 
 
 @dataclass(frozen=True)
+class CatalogStatus:
+    """The catalog, and whether the tables of a batch become visible together."""
+
+    type: str
+    name: str
+    atomic_commits: bool  # one catalog transaction for all tables of a batch
+    commits: str  # how the catalog commits, said for people
+    error: Optional[str] = None  # a REST catalog refused or did not answer
+
+
+@dataclass(frozen=True)
 class Status:
     source: Optional[str]  # its name among several sources
     pipeline: BufferStatus
@@ -99,6 +112,7 @@ class Status:
     slot: Optional[SlotStatus] = None  # Postgres
     partitions: Optional[list[PartitionStatus]] = None  # Kafka
     broker_error: Optional[str] = None  # Kafka: the broker could not be read
+    catalog: Optional[CatalogStatus] = None
 
 
 def status(lake: Lake) -> list[Status]:
@@ -106,7 +120,28 @@ def status(lake: Lake) -> list[Status]:
     return [_status(source) for source in lake.sources]
 
 
+def _catalog(source: LakeSource) -> CatalogStatus:
+    config = source.config
+    cat = config.sink.catalog
+    if cat.type != "rest":
+        return CatalogStatus(cat.type, cat.name, False,
+                             f"commits one table at a time (a {cat.type} catalog cannot commit "
+                             "several tables at once)")
+    try:
+        endpoints = check_catalog(config)
+    except WalbergError as exc:
+        return CatalogStatus(cat.type, cat.name, False, "unknown", error=str(exc))
+    return CatalogStatus(cat.type, cat.name,
+                         config.sink.atomic_commits and TRANSACTIONS_ENDPOINT in endpoints,
+                         describe_rest(endpoints, config.sink.atomic_commits))
+
+
 def _status(source: LakeSource) -> Status:
+    catalog = _catalog(source)
+    return replace(_source_status(source), catalog=catalog)
+
+
+def _source_status(source: LakeSource) -> Status:
     summaries = {t: _summary(source, target) for t, target in source.targets.items()}
     tables = {t: replace(_table(source.targets[t], s, source.tag), shared=source.tag is not None)
               for t, s in summaries.items()}

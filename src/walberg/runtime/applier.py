@@ -25,6 +25,7 @@ from walberg.apply.batch import BatchBuilder, StagedTable
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.jvm.commits import with_commit_properties
 from walberg.apply.session import side_by_side
+from walberg.apply.together import CatalogTransactions, CommitGroup, member_of
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point, failure_point
@@ -185,6 +186,8 @@ class Applier:
         # What a batch's tables share while they commit side by side (the source's catalog
         # connection, the dead-letter table, the parks): one table at a time.
         self._serial = threading.Lock()
+        # The catalog's multi-table commits (sink.atomic_commits), once first needed.
+        self._transactions: Optional[CatalogTransactions] = None
 
     @property
     def sink(self) -> IcebergSink:
@@ -276,12 +279,37 @@ class Applier:
         independent Iceberg commits, each carrying what it covers, so their order does not
         matter to exactly once. After a failure no further table starts; those under way
         finish, and the first failure (in the batch's table order) is raised."""
+        group = self._group(tables)
+
         def one(table: str) -> None:
-            self._commit_counted(table, batch)
+            with member_of(group, table):
+                self._commit_counted(table, batch)
             # (a kill here: some tables of the batch committed, others under way or not begun)
             crash_point("table-committed")
 
-        side_by_side(one, [(t,) for t in tables], self.config.sink.commit_parallelism)
+        # In a group every table has a thread (each waits for the others at its commit); the
+        # group's semaphore keeps the work itself to sink.commit_parallelism at once.
+        side_by_side(one, [(t,) for t in tables],
+                     len(tables) if group is not None else self.config.sink.commit_parallelism)
+        if group is not None and group.rounds:
+            log.info("%d table(s) of the batch committed together in one catalog transaction",
+                     group.committed)
+
+    def _group(self, tables: list[str]) -> Optional[CommitGroup]:
+        """The batch's tables committed in one catalog transaction, where the catalog can
+        (sink.atomic_commits; a REST catalog with the endpoint); None: each on its own."""
+        sink = self.config.sink
+        if not sink.atomic_commits or sink.catalog.type != "rest" or len(tables) < 2:
+            return None
+        if self._transactions is None:
+            from walberg.apply.jvm.sparkargs import session_args
+
+            self._transactions = CatalogTransactions(
+                self.sink.spark, sink.catalog.name, session_args(self.config).catalog_properties)
+        if not self._transactions.supported:
+            return None
+        return CommitGroup(self._transactions, tables,
+                           threading.Semaphore(sink.commit_parallelism))
 
     def _commit_counted(self, table: str, batch: Batch) -> None:
         """One table's commit, tried again on storage failures, with its metrics; a schema

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from walberg import metrics
 from walberg.apply import staging
 from walberg.apply.catalog import storage
+from walberg.apply.catalog.catalog_reads import probe_rest
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.jvm.calls import storage_watch, watch_storage
 from walberg.apply.jvm.spark import build_session, stop_session
@@ -26,6 +27,7 @@ log = logging.getLogger("walberg")
 
 def open_session(config: Config) -> Any:
     """A SparkSession with the pipeline's catalog, storage and Spark settings."""
+    check_catalog(config)
     args = session_args(config)
     session = build_session(*args[:5], jars=args.jars, short_lived=not _patient)
     probe = _probe(config)
@@ -35,6 +37,16 @@ def open_session(config: Config) -> Any:
         watch.patient = _patient
     watch_storage(watch)
     return session
+
+
+def check_catalog(config: Config) -> frozenset[str]:
+    """A REST catalog takes walberg's credential and lets it use sink.namespace, else an
+    error that says what was refused (Spark would only say the catalog is not there); the
+    endpoints it offers (empty for other catalog types)."""
+    cat = config.sink.catalog
+    if cat.type != "rest" or not cat.uri:
+        return frozenset()
+    return probe_rest(cat.name, cat.uri, cat.options(), config.warehouse, config.sink.namespace)
 
 
 def _probe(config: Config) -> Optional[storage.S3Probe]:

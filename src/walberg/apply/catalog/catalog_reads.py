@@ -110,3 +110,78 @@ def _hadoop_metadata(warehouse: str, io: dict[str, str], namespace: str,
     with fileio.new_input(f"{folder}/v{version}.metadata.json").open() as f:
         meta: dict[str, Any] = json.loads(f.read())
     return meta
+
+
+# The REST endpoint that commits several tables all or nothing (see apply.together).
+TRANSACTIONS_ENDPOINT = "POST /v1/{prefix}/transactions/commit"
+
+
+def probe_rest(name: str, uri: str, options: dict[str, Optional[str]],
+               warehouse: Optional[str], namespace: Optional[str] = None) -> frozenset[str]:
+    """Ask a REST catalog who walberg is and what it offers (its token endpoint and
+    ``GET /v1/config``; with ``namespace``, whether walberg may use that namespace): the
+    endpoints it offers. A refusal or no answer is an EnvironmentProblem that says what was
+    refused and what to check, before Spark meets it as an unreadable error."""
+    try:
+        from pyiceberg.exceptions import (
+            ForbiddenError,
+            NoSuchNamespaceError,
+            OAuthError,
+            UnauthorizedError,
+        )
+    except ImportError:
+        raise EnvironmentProblem("reading a REST catalog needs PyIceberg: "
+                                 "`pip install 'pyiceberg[sql-postgres]==0.12.0'`") from None
+    import requests
+
+    how = ("sink.catalog.credential (client id:secret)" if options.get("credential")
+           else "sink.catalog.token" if options.get("token")
+           else "no sink.catalog.credential or token (anonymous)")
+    where = f"the REST catalog {name} at {uri}"
+    try:
+        catalog = _catalog("rest", name, warehouse, uri, options, {})
+        if namespace is not None:
+            try:
+                catalog.load_namespace_properties(namespace)
+            except NoSuchNamespaceError:
+                pass  # walberg creates it
+    except OAuthError as exc:
+        token_uri = options.get("oauth2_server_uri") or f"{uri.rstrip('/')}/v1/oauth/tokens"
+        raise EnvironmentProblem(
+            f"{where} refused walberg's credential (401 from its token endpoint {token_uri}: "
+            f"{exc}). Check {how}: the client id and secret as the catalog's administrator "
+            "issued them, and sink.catalog.oauth2_server_uri if the catalog takes tokens "
+            "elsewhere (and sink.catalog.scope if it needs one).") from None
+    except UnauthorizedError as exc:
+        expired = "expired" in str(exc).lower()
+        raise EnvironmentProblem(
+            f"{where} refused walberg's request (401 Unauthorized: {exc}). walberg "
+            f"authenticates with {how}"
+            + ("; the token has expired: a fixed sink.catalog.token is never renewed, so "
+               "prefer sink.catalog.credential (OAuth2 client credentials), whose tokens "
+               "walberg renews." if expired else
+               ": check that it is current and meant for this catalog.")) from None
+    except ForbiddenError as exc:
+        raise EnvironmentProblem(
+            f"{where} forbids walberg's principal the namespace {namespace} (403 Forbidden: "
+            f"{exc}). walberg needs to create and read that namespace and create, load and "
+            f"commit to tables in it: grant the principal of {how} those privileges, or set "
+            "sink.namespace to one it may use.") from None
+    except requests.exceptions.RequestException as exc:
+        raise EnvironmentProblem(
+            f"{where} does not answer ({type(exc).__name__}: {str(exc)[:200]}). Check "
+            "sink.catalog.uri and that the catalog server is up and reachable from here."
+        ) from None
+    return frozenset(str(e) for e in getattr(catalog, "_supported_endpoints", ()))
+
+
+def describe_rest(endpoints: frozenset[str], atomic_commits: bool) -> str:
+    """What ``walberg check`` and ``status`` say of a REST catalog's multi-table commits."""
+    if TRANSACTIONS_ENDPOINT not in endpoints:
+        return (f"commits one table at a time (it does not offer {TRANSACTIONS_ENDPOINT}): a "
+                "reader between two tables' commits may see part of a source transaction")
+    if not atomic_commits:
+        return (f"could commit several tables at once ({TRANSACTIONS_ENDPOINT}), but "
+                "sink.atomic_commits is false: each table commits on its own")
+    return (f"commits several tables at once ({TRANSACTIONS_ENDPOINT}): the tables of a "
+            "batch become visible together")

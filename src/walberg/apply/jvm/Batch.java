@@ -22,6 +22,8 @@ import com.fasterxml.jackson.databind.ObjectMapper;
 import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.fs.FileSystem;
 import org.apache.hadoop.fs.Path;
+import org.apache.iceberg.BaseTransaction;
+import org.apache.iceberg.CatalogUtil;
 import org.apache.iceberg.ContentFile;
 import org.apache.iceberg.DataFile;
 import org.apache.iceberg.DataFiles;
@@ -39,6 +41,9 @@ import org.apache.iceberg.Snapshot;
 import org.apache.iceberg.StructLike;
 import org.apache.iceberg.Table;
 import org.apache.iceberg.TableScan;
+import org.apache.iceberg.catalog.TableCommit;
+import org.apache.iceberg.catalog.TableIdentifier;
+import org.apache.iceberg.rest.RESTCatalog;
 import org.apache.iceberg.io.CloseableIterable;
 import org.apache.iceberg.types.Types;
 import org.apache.iceberg.parquet.ParquetUtil;
@@ -191,6 +196,30 @@ public class Batch {
                                             + "live files as walberg read them");
         }
         return found;
+    }
+
+    /** A REST catalog client of its own (the Spark catalog's settings in {@code props}), for
+     * commits of several tables at once. */
+    public Object restCatalog(String name, Map props, Configuration conf) {
+        return CatalogUtil.buildIcebergCatalog(name, props, conf);
+    }
+
+    /** Each of {@code transactions} (Iceberg transactions of the tables {@code names},
+     * "namespace.table"), committed in one catalog transaction: all or nothing. Answers
+     * "unsupported" (committing nothing) when the catalog does not offer the endpoint. */
+    public String commitTogether(Object catalog, List names, List transactions) {
+        List commits = new ArrayList();
+        for (int i = 0; i < names.size(); i++) {
+            BaseTransaction txn = (BaseTransaction) transactions.get(i);
+            commits.add(TableCommit.create(TableIdentifier.parse((String) names.get(i)),
+                txn.startMetadata(), txn.currentMetadata()));
+        }
+        try {
+            ((RESTCatalog) catalog).commitTransaction(commits);
+        } catch (UnsupportedOperationException e) {
+            return "unsupported";
+        }
+        return "committed";
     }
 
     /** The table's properties, as a JSON object (py4j would iterate the map in three round

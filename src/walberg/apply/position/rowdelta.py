@@ -54,6 +54,7 @@ from walberg.apply.position.deletefiles import (
 )
 from walberg.apply.position.livefiles import LiveFiles
 from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
+from walberg.apply.together import joined_group
 from walberg.errors import ApplyError
 from walberg.faults import failure_point
 
@@ -130,18 +131,25 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             delta = delta.set(key, value)
         expire = staged is not None and _may_expire(table)
 
+        group = joined_group()
+
         def commit() -> None:
             delta.commit()  # into the transaction: its validation runs here
             if expire:
                 # expireOlderThan(0): nothing but the staged snapshot expires.
                 txn.expireSnapshots().expireSnapshotId(staged.snapshotId()) \
                     .expireOlderThan(0).cleanExpiredFiles(False).commit()
-            txn.commitTransaction()
+            if group is None:
+                txn.commitTransaction()
+            else:  # with the batch's other tables, in one catalog transaction
+                group[0].commit(group[1], target, txn)
             failure_point("row-delta")
 
         committing = True
+        # (a group's commit is not held behind this process's other commits to the table: two
+        # sources' groups could wait on each other)
         spark_call(f"committing a row delta to {target}",
-                   lambda: one_commit_at_a_time(target, commit))
+                   commit if group is not None else lambda: one_commit_at_a_time(target, commit))
         clock.append(time.monotonic())
     except BaseException as exc:
         # Not after a commit that may have landed (its outcome unknown: a timeout after the
