@@ -248,10 +248,9 @@ public class RestCatalogServer {
           }
           return null;
         case "POST":
-          UpdateTableRequest request = read(exchange, UpdateTableRequest.class);
-          synchronized (transactionLock) {
-            return CatalogHandlers.updateTable(catalog, ident, request);
-          }
+          // (no lock: the JDBC catalog moves the pointer only from the metadata the update was
+          // applied to, as a multi-table commit does)
+          return CatalogHandlers.updateTable(catalog, ident, read(exchange, UpdateTableRequest.class));
         default: break;
       }
     }

@@ -240,6 +240,9 @@ class IcebergSink:
     def history(self, target: str) -> list[dict[str, Any]]:
         return self.snapshots.history(target)
 
+    def lineage(self, target: str) -> list[tuple[int, Optional[str]]]:
+        return self.snapshots.lineage(target)
+
     def files(self, target: str) -> dict[str, int]:
         return self.snapshots.files(target)
 

@@ -74,6 +74,20 @@ class Snapshots:
         return [{str(k): str(v) for k, v in summary.items()}
                 for summary in json.loads(batch_helper(self.lake.spark).ancestry(table))]
 
+    def lineage(self, target: str) -> list[tuple[int, Optional[str]]]:
+        """The table's current snapshot and its ancestors still held, oldest first: (snapshot
+        id, this source's LSN mark or None), read afresh from the table's metadata in one
+        call."""
+        from walberg.apply.jvm.helper import batch_helper
+
+        def read() -> list[tuple[int, Optional[str]]]:
+            table = self.iceberg_table(target)
+            found = json.loads(batch_helper(self.lake.spark).lineage(table,
+                                                                      self.lake.lsn_property))
+            return [(int(i), None if v is None else str(v)) for i, v in found]
+
+        return spark_call(f"reading the snapshot history of {target}", read)
+
     def lsn_marks(self, target: str) -> dict[str, str]:
         """Every source's LSN and Kafka offset in the table's current history (the highest of
         each) and the source server its LSN belongs to (the newest), so a maintenance commit

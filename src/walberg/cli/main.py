@@ -79,6 +79,12 @@ def _reading_options(p: argparse.ArgumentParser) -> None:
                                                    "snapshot id as of it")
     when.add_argument("--lsn", help="read the pipeline's tables as they held the source at "
                                     "this Postgres LSN (e.g. 0/1A2B3C4)")
+    when.add_argument("--consistent", action="store_true",
+                      help="read every table of the pipeline at the newest source position "
+                           "all of them hold whole: never part of a source transaction, on "
+                           "any catalog (the position and snapshots go to standard error)")
+    p.add_argument("--source", help="with several sources: read this one's tables "
+                                    "(--consistent needs one)")
     p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
                    help="table prints; csv and json (lines) go to --output or standard "
                         "output; parquet needs --output")
@@ -321,6 +327,7 @@ def _on_lake(command: Callable[[argparse.Namespace, "Lake"], int]
 
 @_on_lake
 def _cmd_query(args: argparse.Namespace, lake: "Lake") -> int:
+    from walberg.apply.iceberg import pin_tables
     from walberg.lake.query import pinned
     from walberg.model import Lsn
 
@@ -328,7 +335,19 @@ def _cmd_query(args: argparse.Namespace, lake: "Lake") -> int:
         lsn = Lsn.parse(args.lsn) if args.lsn else None
     except ValueError as exc:
         return _fail(f"--lsn: {exc}", 2)
-    return _show(args, lake, lambda: pinned(lake, args.sql, args.as_of, args.snapshot, lsn))
+    def statement() -> str:
+        if args.consistent:
+            from walberg.lake.query import consistent_cut
+
+            cut = consistent_cut(lake)
+            print(f"consistent cut at LSN {cut.lsn}: " + ", ".join(
+                f"{t} at snapshot {s}" for t, s in sorted(cut.snapshots.items())),
+                file=sys.stderr)
+            return pin_tables(args.sql, {t: f"VERSION AS OF {s}"
+                                         for t, s in cut.snapshots.items()})
+        return pinned(lake, args.sql, args.as_of, args.snapshot, lsn)
+
+    return _show(args, lake, statement)
 
 
 @_on_lake

@@ -4,6 +4,7 @@ WAL position the lake held then)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,13 +31,18 @@ def export(lake: Lake, statement: str, fmt: str, output: Path, limit: Optional[i
 
 
 def pinned(lake: Lake, statement: str, as_of: Optional[str] = None,
-           snapshot: Optional[int] = None, lsn: Optional[Lsn] = None) -> str:
-    """``statement`` with the pipeline's tables read at a point in their history."""
-    if sum(x is not None for x in (as_of, snapshot, lsn)) > 1:
-        raise ConfigError("give one of --as-of, --snapshot and --lsn, not several")
+           snapshot: Optional[int] = None, lsn: Optional[Lsn] = None,
+           consistent: bool = False) -> str:
+    """``statement`` with the pipeline's tables read at a point in their history
+    (``consistent``: at the newest position every table holds whole; see ``consistent_cut``)."""
+    if sum(x is not None for x in (as_of, snapshot, lsn)) + consistent > 1:
+        raise ConfigError("give one of --as-of, --snapshot, --lsn and --consistent, not several")
     sink = lake.sink()
     pins: dict[str, str] = {}
-    if as_of is not None:
+    if consistent:
+        cut = consistent_cut(lake)
+        pins = {target: f"VERSION AS OF {snap}" for target, snap in cut.snapshots.items()}
+    elif as_of is not None:
         stamp = as_of.replace("'", "")
         pins = {target: f"TIMESTAMP AS OF '{stamp}'" for target in lake.targets
                 if sink.table_exists(target)}
@@ -54,6 +60,84 @@ def pinned(lake: Lake, statement: str, as_of: Optional[str] = None,
                 if target not in pins and lake.sink(source).table_exists(target):
                     pins[target] = f"VERSION AS OF {snapshot_at(lake, source, table, lsn)}"
     return pin_tables(statement, pins)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A position of the source that every table of the pipeline holds whole, and the
+    snapshot of each table that holds exactly what the source held there."""
+
+    lsn: Lsn
+    snapshots: dict[str, int]  # by Iceberg table
+
+
+def consistent_cut(lake: Lake) -> Cut:
+    """The newest position P of the (one, Postgres) source at which every table of the
+    pipeline can be read as the source was: a reader of these snapshots never sees part of a
+    source transaction, whatever the catalog.
+
+    Each commit walberg makes covers a batch up to its LSN, the same LSN in every table the
+    batch changed. A table holds what the source held at P if its newest snapshot is at or
+    before P and it has nothing after P waiting (everything up to the slot's confirmed
+    position is in every table: the slot moves only past what the lake holds), or if it has
+    a snapshot at P exactly. P starts at the least of what each table holds whole and comes
+    down to a position every table with later commits has a snapshot at."""
+    if len(lake.sources) != 1 or lake.sources[0].kind != "postgres":
+        raise Terminal("--consistent reads the tables of one PostgreSQL source: with several "
+                       "sources give --source NAME (their positions are not comparable), and a "
+                       "Kafka source has no position common to its topics")
+    source = lake.sources[0]
+    sink = lake.sink(source)
+    # The slot first, the tables' histories after: each history then holds every commit up to
+    # the slot's confirmed position.
+    confirmed = _confirmed(source)
+    lines: dict[str, list[tuple[Lsn, int]]] = {}
+    for target in source.targets.values():
+        if not sink.table_exists(target):
+            continue
+        covered = Lsn(0)
+        line: list[tuple[Lsn, int]] = []
+        for snapshot, mark in sink.lineage(target):
+            if mark is not None:
+                covered = max(covered, Lsn.parse(mark))
+            if covered:
+                line.append((covered, snapshot))
+        if line:
+            lines[target] = line
+    if not lines:
+        raise Terminal("no table of this pipeline holds anything yet: nothing to read")
+    cut = min(max(line[-1][0], confirmed) for line in lines.values())
+    while True:
+        lower = cut
+        for line in lines.values():
+            if line[-1][0] > cut and all(at != cut for at, _ in line):
+                before = [at for at, _ in line if at <= cut]
+                if not before:
+                    raise Terminal(f"no position is held whole by every table: one holds "
+                                   f"nothing at or before LSN {cut} (its first commit covers "
+                                   f"{line[0][0]}); run again once walberg has caught up")
+                lower = min(lower, max(before))
+        if lower == cut:
+            break
+        cut = lower
+    return Cut(cut, {target: [snap for at, snap in line if at <= cut][-1]
+                     for target, line in lines.items()})
+
+
+def _confirmed(source: LakeSource) -> Lsn:
+    """How far the source's replication slot is confirmed (0 if it cannot be read)."""
+    from walberg.source import postgres as pg
+    from walberg.source import slots
+
+    try:
+        conn = pg.connect(source.postgres.dsn)
+    except Exception:  # noqa: BLE001  (without it the cut is only more cautious)
+        return Lsn(0)
+    try:
+        state = slots.slot_state(conn, source.postgres.slot)
+    finally:
+        conn.close()
+    return Lsn(0) if state is None else Lsn(int(state.confirmed_flush))
 
 
 def snapshot_at(lake: Lake, source: LakeSource, table: str, lsn: Lsn) -> int:

@@ -242,6 +242,22 @@ public class Batch {
         return json.writeValueAsString(summaries);
     }
 
+    /** The table's current snapshot and each ancestor it still holds, oldest first, as a JSON
+     * list of [snapshot id, the summary's value at {@code key} (null if none)]. */
+    public String lineage(Table table, String key) throws Exception {
+        List out = new ArrayList();
+        Snapshot snapshot = table.currentSnapshot();
+        while (snapshot != null) {
+            List pair = new ArrayList();
+            pair.add(Long.valueOf(snapshot.snapshotId()));
+            pair.add(snapshot.summary().get(key));
+            out.add(0, pair);
+            Long parent = snapshot.parentId();
+            snapshot = parent == null ? null : table.snapshot(parent.longValue());
+        }
+        return json.writeValueAsString(out);
+    }
+
     /** The summary of the table's current snapshot, as a JSON object ({} without one). */
     public String summary(Table table) throws Exception {
         Snapshot snapshot = table.currentSnapshot();
