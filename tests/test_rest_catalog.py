@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,3 +238,74 @@ def test_kill_9_around_a_multi_table_commit_loses_duplicates_and_splits_nothing(
         verified = walberg_ok("-q", "verify", "-c", str(path))
         assert verified.count("[ok  ]") == 2, verified
         assert counts["transactions"] > 100, counts
+
+
+def _reachable(table: Any) -> set[str]:
+    """Every file the table's metadata names (PyIceberg): metadata files, manifest lists,
+    manifests, data and delete files, statistics files."""
+    meta = table.metadata
+    names = {table.metadata_location, *(e.metadata_file for e in meta.metadata_log)}
+    names |= {s.statistics_path for s in meta.statistics}
+    for snapshot in meta.snapshots:
+        names.add(snapshot.manifest_list)
+        for manifest in snapshot.manifests(table.io):
+            names.add(manifest.manifest_path)
+            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
+                names.add(entry.data_file.file_path)
+    return {n.removeprefix("file:").removeprefix("//") for n in names}
+
+
+def test_the_key_index_is_a_statistics_file_that_orphan_removal_keeps(
+        rest: RestServer, postgres: Any, pg_conn: Any, spark: Any, tmp_path: Path,
+        unique: str) -> None:
+    """On a REST catalog the key index kept in the warehouse is a Puffin file registered as
+    the statistics file of the snapshot it describes: nothing under the table's location is
+    unnamed by its metadata, Iceberg's orphan-file removal (older than now) keeps it, and a
+    driver with no index of its own fetches it."""
+    orders, lines = make_shop(pg_conn, unique)
+    path = _pipeline(postgres, tmp_path, unique, [orders, lines], rest.catalog())
+    walberg_ok("-q", "run", "--once", "-c", str(path))
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {orders} SET total = total + 0 WHERE id <= 20")
+        cur.execute(f"DELETE FROM {lines} WHERE order_id = 7")
+    walberg_ok("-q", "run", "--once", "-c", str(path))
+    namespace = f"ns_{unique}"
+    catalog = rest.pyiceberg()
+    for name in (f"o_{unique}", f"l_{unique}"):
+        table = catalog.load_table(f"{namespace}.{name}")
+        current = table.metadata.current_snapshot_id
+        mine = [s for s in table.metadata.statistics if "walberg-keys" in s.statistics_path]
+        assert [s.snapshot_id for s in mine] == [current], (name, table.metadata.statistics)
+        location = Path(table.metadata.location.removeprefix("file:").removeprefix("//"))
+        # (Hadoop's local file system writes a checksum beside each file: ".<name>.crc")
+        on_disk = {str(p) for p in location.rglob("*") if p.is_file()
+                   and not (p.name.startswith(".") and p.name.endswith(".crc"))}
+        assert not (location / "_walberg_keys").exists()
+        assert on_disk <= _reachable(table), sorted(on_disk - _reachable(table))[:5]
+
+    # Iceberg's orphan-file removal, as a catalog's server-side maintenance runs it, for every
+    # file older than now (its Spark procedure refuses less than a day: the action does not).
+    jvm = spark._jvm
+    props = jvm.java.util.HashMap()
+    for key, value in {"type": "rest", "uri": rest.uri, "warehouse": str(rest.warehouse),
+                       "credential": rest.catalog()["credential"]}.items():
+        props.put(key, value)
+    java_catalog = jvm.org.apache.iceberg.CatalogUtil.buildIcebergCatalog(
+        "orphans", props, spark._jsc.hadoopConfiguration())
+    time.sleep(1)
+    for name in (f"o_{unique}", f"l_{unique}"):
+        table = java_catalog.loadTable(
+            jvm.org.apache.iceberg.catalog.TableIdentifier.parse(f"{namespace}.{name}"))
+        jvm.org.apache.iceberg.spark.actions.SparkActions.get(spark._jsparkSession) \
+            .deleteOrphanFiles(table).olderThan(int(time.time() * 1000)).execute()
+    # A driver on a fresh machine: no index of its own.
+    shutil.rmtree(tmp_path / "segments" / "keyindex")
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {lines} SET qty = qty + 1 WHERE order_id = 9")
+        cur.execute(f"UPDATE {orders} SET total = total + {LINES} WHERE id = 9")
+    done = walberg_cli("run", "--once", "-c", str(path))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert out.count("fetched from the warehouse") == 2, out[-3000:]
+    verified = walberg_ok("-q", "verify", "-c", str(path))
+    assert verified.count("[ok  ]") == 2, verified

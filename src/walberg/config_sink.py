@@ -179,9 +179,11 @@ class Sink(_Model):
                           "false: each table commits on its own")
     key_index_in_warehouse: bool = Field(
         True, description="keep each table's key index (see apply_by_position) in the "
-                          "warehouse too, under <table>/_walberg_keys, versioned by the "
-                          "snapshot it describes: a driver on another machine fetches it "
-                          "instead of reading every key of the table back")
+                          "warehouse too, versioned by the snapshot it describes: a driver on "
+                          "another machine fetches it instead of reading every key of the "
+                          "table back. Under <table>/_walberg_keys; on a rest catalog, one "
+                          "Puffin file in the table's metadata folder registered as the "
+                          "statistics file of its snapshot (kept by orphan-file removal)")
     properties: dict[str, str] = Field(
         default_factory=dict, description="Iceberg table properties for every table")
     tables: dict[str, TableLayout] = Field(
@@ -198,6 +200,13 @@ class Sink(_Model):
     @classmethod
     def _qualify_tables(cls, value: dict[str, TableLayout]) -> dict[str, TableLayout]:
         return {(k if "." in k else f"public.{k}"): v for k, v in value.items()}
+
+    @property
+    def index_in_metadata(self) -> bool:
+        """Whether a key index kept in the warehouse is a file the table's metadata names (a
+        REST catalog may own the storage and remove whatever no metadata names) rather than
+        a folder beside the table."""
+        return self.catalog.type == "rest"
 
     @property
     def numeric_default(self) -> tuple[int, int]:

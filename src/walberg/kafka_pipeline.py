@@ -72,7 +72,8 @@ class KafkaPipeline:
             self._sink = IcebergSink(self._session, self.types, None,
                                      stage_root(self.config, self._session),
                                      self.config.index_dir,
-                                     self.config.sink.key_index_in_warehouse)
+                                     self.config.sink.key_index_in_warehouse,
+                                     self.config.sink.index_in_metadata)
         return self._sink
 
     def stop(self) -> None:

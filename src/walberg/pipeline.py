@@ -86,7 +86,8 @@ class Pipeline:
         self._tag = config.source_name if config.sink.fan_in else None
         self._sink: Optional[IcebergSink] = (
             IcebergSink(session, self.types, self._tag, stage_root(config, session),
-                        config.index_dir, config.sink.key_index_in_warehouse)
+                        config.index_dir, config.sink.key_index_in_warehouse,
+                        config.sink.index_in_metadata)
             if session is not None else None)
         self._store: Optional[SegmentStore] = None
         self._state = RunState()
@@ -160,7 +161,8 @@ class Pipeline:
     def _open_sink(self) -> None:
         self._sink = IcebergSink(self._session, self.types, self._tag,
                                  stage_root(self.config, self._session), self.config.index_dir,
-                                 self.config.sink.key_index_in_warehouse)
+                                 self.config.sink.key_index_in_warehouse,
+                                 self.config.sink.index_in_metadata)
         if self._state.staging_early.is_set():
             # A batch is coming: its commit's code loads meanwhile, and a driver that moved
             # fetches the tables' key indexes.

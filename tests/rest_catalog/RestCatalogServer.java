@@ -259,77 +259,92 @@ public class RestCatalogServer {
 
   /**
    * Every table change of the request, or none: validated against each table's current
-   * metadata, new metadata files written, then all pointers moved in one SQL transaction.
+   * metadata, new metadata files written, then all pointers moved in one SQL transaction. A
+   * pointer moved meanwhile by another writer's commit (one that leaves the requirements true,
+   * such as statistics registered) and the whole is validated again on the new metadata, as
+   * Iceberg's handlers do for one table; a requirement that fails is a 409.
    */
   private void commitTransaction(CommitTransactionRequest request) throws Exception {
-    Map<TableIdentifier, TableMetadata[]> changes = new LinkedHashMap<>();
-    Map<TableIdentifier, TableOperations> ops = new HashMap<>();
     synchronized (transactionLock) {
       if (conflicts.getAndDecrement() > 0) {
         // As when another writer's commit landed first: a requirement fails, nothing changes.
         throw new CommitFailedException(
             "Requirement failed: branch main has changed (refused as a conflict by request)");
       }
-      for (UpdateTableRequest change : request.tableChanges()) {
-        TableIdentifier ident = change.identifier();
-        guard(ident.namespace());
-        TableMetadata[] pair = changes.get(ident);
-        if (pair == null) {
-          TableOperations tableOps = ((HasTableOperations) catalog.loadTable(ident)).operations();
-          ops.put(ident, tableOps);
-          TableMetadata base = tableOps.refresh();
-          pair = new TableMetadata[] {base, base};
-          changes.put(ident, pair);
-        }
-        TableMetadata current = pair[1];
-        for (UpdateRequirement requirement : change.requirements()) {
-          requirement.validate(current);
-        }
-        TableMetadata.Builder builder = TableMetadata.buildFrom(current);
-        for (MetadataUpdate update : change.updates()) {
-          update.applyTo(builder);
-        }
-        pair[1] = builder.build();
-      }
-      Map<TableIdentifier, String> written = new LinkedHashMap<>();
-      for (Map.Entry<TableIdentifier, TableMetadata[]> e : changes.entrySet()) {
-        TableMetadata base = e.getValue()[0];
-        TableMetadata updated = e.getValue()[1];
-        String location = nextMetadataLocation(base);
-        TableMetadataParser.write(updated, ops.get(e.getKey()).io().newOutputFile(location));
-        written.put(e.getKey(), location);
-      }
-      if (commitDelayMillis > 0) {
-        // (a test's client may die here: the commit still completes, its outcome unknown to it)
-        Thread.sleep(commitDelayMillis);
-      }
-      try (Connection conn = DriverManager.getConnection(jdbcUrl, jdbcUser, "")) {
-        conn.setAutoCommit(false);
-        try (PreparedStatement update = conn.prepareStatement(
-            "UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ? "
-                + "WHERE catalog_name = ? AND table_namespace = ? AND table_name = ? "
-                + "AND metadata_location = ?")) {
-          for (Map.Entry<TableIdentifier, String> e : written.entrySet()) {
-            String previous = changes.get(e.getKey())[0].metadataFileLocation();
-            update.setString(1, e.getValue());
-            update.setString(2, previous);
-            update.setString(3, CATALOG);
-            update.setString(4, String.join(".", e.getKey().namespace().levels()));
-            update.setString(5, e.getKey().name());
-            update.setString(6, previous);
-            if (update.executeUpdate() != 1) {
-              conn.rollback();
-              for (Map.Entry<TableIdentifier, String> w : written.entrySet()) {
-                ops.get(w.getKey()).io().deleteFile(w.getValue());
-              }
-              throw new CommitFailedException(
-                  "table %s was changed by another commit during this transaction", e.getKey());
-            }
+      for (int attempt = 1; ; attempt++) {
+        if (tryCommit(request) || attempt == 10) {
+          if (attempt == 10) {
+            throw new CommitFailedException("tables kept changing under this transaction");
           }
+          return;
         }
-        conn.commit();
       }
     }
+  }
+
+  /** One attempt: true if it committed, false if a pointer moved since it was read. */
+  private boolean tryCommit(CommitTransactionRequest request) throws Exception {
+    Map<TableIdentifier, TableMetadata[]> changes = new LinkedHashMap<>();
+    Map<TableIdentifier, TableOperations> ops = new HashMap<>();
+    for (UpdateTableRequest change : request.tableChanges()) {
+      TableIdentifier ident = change.identifier();
+      guard(ident.namespace());
+      TableMetadata[] pair = changes.get(ident);
+      if (pair == null) {
+        TableOperations tableOps = ((HasTableOperations) catalog.loadTable(ident)).operations();
+        ops.put(ident, tableOps);
+        TableMetadata base = tableOps.refresh();
+        pair = new TableMetadata[] {base, base};
+        changes.put(ident, pair);
+      }
+      TableMetadata current = pair[1];
+      for (UpdateRequirement requirement : change.requirements()) {
+        requirement.validate(current);
+      }
+      TableMetadata.Builder builder = TableMetadata.buildFrom(current);
+      for (MetadataUpdate update : change.updates()) {
+        update.applyTo(builder);
+      }
+      pair[1] = builder.build();
+    }
+    Map<TableIdentifier, String> written = new LinkedHashMap<>();
+    for (Map.Entry<TableIdentifier, TableMetadata[]> e : changes.entrySet()) {
+      TableMetadata base = e.getValue()[0];
+      TableMetadata updated = e.getValue()[1];
+      String location = nextMetadataLocation(base);
+      TableMetadataParser.write(updated, ops.get(e.getKey()).io().newOutputFile(location));
+      written.put(e.getKey(), location);
+    }
+    if (commitDelayMillis > 0) {
+      // (a test's client may die here: the commit still completes, its outcome unknown to it)
+      Thread.sleep(commitDelayMillis);
+    }
+    try (Connection conn = DriverManager.getConnection(jdbcUrl, jdbcUser, "")) {
+      conn.setAutoCommit(false);
+      try (PreparedStatement update = conn.prepareStatement(
+          "UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ? "
+              + "WHERE catalog_name = ? AND table_namespace = ? AND table_name = ? "
+              + "AND metadata_location = ?")) {
+        for (Map.Entry<TableIdentifier, String> e : written.entrySet()) {
+          String previous = changes.get(e.getKey())[0].metadataFileLocation();
+          update.setString(1, e.getValue());
+          update.setString(2, previous);
+          update.setString(3, CATALOG);
+          update.setString(4, String.join(".", e.getKey().namespace().levels()));
+          update.setString(5, e.getKey().name());
+          update.setString(6, previous);
+          if (update.executeUpdate() != 1) {
+            conn.rollback();
+            for (Map.Entry<TableIdentifier, String> w : written.entrySet()) {
+              ops.get(w.getKey()).io().deleteFile(w.getValue());
+            }
+            return false;
+          }
+        }
+      }
+      conn.commit();
+    }
+    return true;
   }
 
   private static String nextMetadataLocation(TableMetadata base) {

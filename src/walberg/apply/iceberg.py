@@ -46,19 +46,23 @@ __all__ = ["COPY_PREFIX", "LSN_PROPERTY", "OFFSET_PROPERTY", "IcebergSink", "nor
 class IcebergSink:
     def __init__(self, session: Any, types: Optional[TypeMap] = None,
                  source: Optional[str] = None, stage_root: Optional[str] = None,
-                 index_dir: Optional[Path] = None, keep_index: bool = True) -> None:
+                 index_dir: Optional[Path] = None, keep_index: bool = True,
+                 register_index: bool = False) -> None:
         """``source``: this sink writes one of several sources that fan in to shared tables:
         its rows carry ``_walberg_source``, and its commits record their LSN as
         ``walberg.lsn.<source>``. ``stage_root``: where staged files go for the executors
         (None: read from the driver's disk; see ``apply.staging``). ``index_dir``: where key
         indexes live, for applying batches by position (see apply.position.keyed; None: always by
         MERGE). ``keep_index``: keep each key index in the warehouse too, beside its table, for
-        a driver on another machine (apply.position.keystore)."""
+        a driver on another machine (apply.position.keystore); ``register_index``: as a file
+        the table's metadata names (apply.position.keypuffin), for catalogs that remove what no
+        metadata names."""
         self.lake = LakeSession(session, types, source, stage_root)
         self.tables = Tables(self.lake)
         self.snapshots = Snapshots(self.lake)
         self.writes = Writes(self.lake, self.tables, self.snapshots,
-                             KeyedApply(self.lake, self.tables, index_dir, keep_index))
+                             KeyedApply(self.lake, self.tables, index_dir, keep_index,
+                                        register_index))
         self.maintenance = Maintenance(self.lake, self.snapshots)
         self.queries = Queries(self.lake)
 

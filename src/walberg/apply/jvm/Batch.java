@@ -23,6 +23,7 @@ import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.fs.FileSystem;
 import org.apache.hadoop.fs.Path;
 import org.apache.iceberg.BaseTransaction;
+import org.apache.iceberg.BlobMetadata;
 import org.apache.iceberg.CatalogUtil;
 import org.apache.iceberg.ContentFile;
 import org.apache.iceberg.DataFile;
@@ -32,15 +33,19 @@ import org.apache.iceberg.FileContent;
 import org.apache.iceberg.FileFormat;
 import org.apache.iceberg.FileMetadata;
 import org.apache.iceberg.FileScanTask;
+import org.apache.iceberg.GenericBlobMetadata;
+import org.apache.iceberg.GenericStatisticsFile;
 import org.apache.iceberg.Metrics;
 import org.apache.iceberg.MetricsConfig;
 import org.apache.iceberg.OverwriteFiles;
 import org.apache.iceberg.PartitionSpec;
 import org.apache.iceberg.RowDelta;
 import org.apache.iceberg.Snapshot;
+import org.apache.iceberg.StatisticsFile;
 import org.apache.iceberg.StructLike;
 import org.apache.iceberg.Table;
 import org.apache.iceberg.TableScan;
+import org.apache.iceberg.UpdateStatistics;
 import org.apache.iceberg.catalog.TableCommit;
 import org.apache.iceberg.catalog.TableIdentifier;
 import org.apache.iceberg.rest.RESTCatalog;
@@ -256,6 +261,55 @@ public class Batch {
             snapshot = parent == null ? null : table.snapshot(parent.longValue());
         }
         return json.writeValueAsString(out);
+    }
+
+    /** The table's statistics files, as a JSON list of [snapshot id, path, [[blob type, its
+     * properties], ...]]. */
+    public String statistics(Table table) throws Exception {
+        List out = new ArrayList();
+        List files = table.statisticsFiles();
+        for (int i = 0; i < files.size(); i++) {
+            StatisticsFile file = (StatisticsFile) files.get(i);
+            List blobs = new ArrayList();
+            List metas = file.blobMetadata();
+            for (int j = 0; j < metas.size(); j++) {
+                BlobMetadata meta = (BlobMetadata) metas.get(j);
+                List blob = new ArrayList();
+                blob.add(meta.type());
+                blob.add(meta.properties());
+                blobs.add(blob);
+            }
+            List entry = new ArrayList();
+            entry.add(Long.valueOf(file.snapshotId()));
+            entry.add(file.path());
+            entry.add(blobs);
+            out.add(entry);
+        }
+        return json.writeValueAsString(out);
+    }
+
+    /** Register the Puffin file at {@code path} as the statistics file of {@code snapshot}, and
+     * drop the registrations of the snapshots in {@code replaced} (a JSON list), in one metadata
+     * commit. {@code blobs}: a JSON list of [type, sequence number, {properties}]. */
+    public void setStatistics(Table table, long snapshot, String path, long size, long footer,
+                              String blobs, String replaced) throws Exception {
+        List metas = new ArrayList();
+        List items = parse(blobs);
+        for (int i = 0; i < items.size(); i++) {
+            List item = (List) items.get(i);
+            metas.add(new GenericBlobMetadata((String) item.get(0), snapshot,
+                asLong(item.get(1)), new ArrayList(), (Map) item.get(2)));
+        }
+        UpdateStatistics update = table.updateStatistics();
+        List old = parse(replaced);
+        for (int i = 0; i < old.size(); i++) {
+            long id = asLong(old.get(i));
+            if (id != snapshot) {
+                update = update.removeStatistics(id);
+            }
+        }
+        update.setStatistics(new GenericStatisticsFile(snapshot, path, size, footer, metas))
+            .commit();
     }
 
     /** The summary of the table's current snapshot, as a JSON object ({} without one). */

@@ -28,12 +28,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from walberg.apply.jvm.helper import JavaFiles
+from walberg.apply.position import keypuffin
 from walberg.apply.position.batchkeys import concat_entries
 from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.entries import lake_entries, scan_of, written_entries
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import MANIFEST, Hits, KeyIndex, encoding_of
-from walberg.apply.position.keystore import KeyStore, Place, place_of
+from walberg.apply.position.keystore import KeyStore, Place, Registry, place_of
 from walberg.apply.position.lakekeys import Files, live_scan, table_uuid
 from walberg.apply.position.livefiles import LiveFiles
 from walberg.apply.position.rowdelta import RowDeltaResult
@@ -59,12 +60,15 @@ class KeyIndexes:
     """The key indexes of the tables applied by position, under ``root``, each brought to its
     table's current snapshot when asked for (see the module docstring)."""
 
-    def __init__(self, lake: LakeSession, root: Path, keep: bool = True) -> None:
+    def __init__(self, lake: LakeSession, root: Path, keep: bool = True,
+                 registered: bool = False) -> None:
         """``keep``: keep each index in the warehouse too, for a driver on another machine
-        (``keystore``)."""
+        (``keystore``); ``registered``: as a Puffin file the table's metadata names (a catalog
+        that removes files no metadata names; ``keypuffin``), not in a folder beside it."""
         self.lake = lake
         self.root = root
-        self._store = KeyStore() if keep else None
+        self._registered = registered
+        self._store = KeyStore(self._registry()) if keep else None
         self._places: dict[str, Optional[Place]] = {}
         self._kept: dict[str, int] = {}  # the snapshot each index was last kept at
         self._files: Optional[Files] = None
@@ -215,13 +219,42 @@ class KeyIndexes:
 
     # ---- the index in the warehouse (keystore) -----------------------------------------------
 
+    def _registry(self) -> Registry:
+        """The table metadata's side of registered indexes (``keystore.Registry``)."""
+        from walberg.apply.jvm.calls import spark_call
+        from walberg.apply.jvm.commits import one_commit_at_a_time
+        from walberg.apply.jvm.helper import batch_helper
+
+        spark = self.lake.spark
+
+        def listed(target: str, source: Optional[str]) -> list[tuple[int, str]]:
+            table = java_table(spark, target)
+            return keypuffin.ours(json.loads(batch_helper(spark).statistics(table)), source)
+
+        def register(target: str, snapshot: int, path: str, size: int, footer: int,
+                     blobs: list[list[Any]], replaced: list[int]) -> None:
+            def commit() -> None:
+                batch_helper(spark).setStatistics(java_table(spark, target), snapshot, path,
+                                                  size, footer, json.dumps(blobs),
+                                                  json.dumps(replaced))
+
+            spark_call(f"registering the key index of {target} in its metadata",
+                       lambda: one_commit_at_a_time(target, commit))
+
+        def sequence(target: str, snapshot: int) -> int:
+            found = java_table(spark, target).snapshot(snapshot)
+            return 0 if found is None else int(found.sequenceNumber())
+
+        return Registry(listed, register, sequence)
+
     def _place(self, target: str, table: Any) -> Optional[Place]:
         """Where the table's index is kept in the warehouse (None: nowhere the driver writes;
         said once)."""
         if target not in self._places:
             location = str(table.location())
             place = self._places[target] = place_of(location, self.lake.source,
-                                                    lambda: self._lake_files().s3_fs())
+                                                    lambda: self._lake_files().s3_fs(),
+                                                    self._registered)
             if place is None:
                 log.info("key index of %s: not kept in the warehouse (%s is neither on this "
                          "machine nor on S3); a driver on another machine reads its keys",
@@ -247,7 +280,7 @@ class KeyIndexes:
         try:
             snapshot = self._store.fetch(
                 place, directory, None if codec is None else codec.name, keys, table_uuid(table),
-                lambda s: s == now or self._appends_since(table, s, now) is not None)
+                lambda s: s == now or self._appends_since(table, s, now) is not None, target)
         except Exception as exc:
             log.warning("key index of %s: the copy in the warehouse could not be read (%s); "
                         "made from the lake instead", target, exc)

@@ -61,13 +61,14 @@ class KeyedApply:
     """Applies batches by position to the tables that allow it (see the module docstring)."""
 
     def __init__(self, lake: LakeSession, tables: Tables, root: Optional[Path],
-                 keep: bool = True) -> None:
+                 keep: bool = True, registered: bool = False) -> None:
         """``root``: where the key indexes live (None: never by position). ``keep``: keep each
-        index in the warehouse too, for a driver on another machine (``keystore``)."""
+        index in the warehouse too, for a driver on another machine (``keystore``; as a file
+        the table's metadata names if ``registered``, see ``keypuffin``)."""
         self.lake = lake
         self.tables = tables
         self.root = root
-        self.indexes = None if root is None else KeyIndexes(lake, root, keep)
+        self.indexes = None if root is None else KeyIndexes(lake, root, keep, registered)
         self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
         self._positional: dict[str, bool] = {}
         self._clashed: set[str] = set()  # tables whose keys share index entries: MERGE

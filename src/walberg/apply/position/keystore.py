@@ -46,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 from pyarrow import fs as pafs
 
+from walberg.apply.position import keypuffin
 from walberg.apply.position.entries import local_path
 from walberg.apply.position.keyindex import MANIFEST, made_for
 from walberg.apply.position.lakekeys import s3_path
@@ -63,11 +64,16 @@ _COLUMNS: dict[str, np.dtype] = {"keys": np.dtype(np.int64), "checks": np.dtype(
 
 @dataclass(frozen=True)
 class Place:
-    """Where one table's index is kept: a folder on an Arrow file system."""
+    """Where one table's index is kept: a folder on an Arrow file system; or, ``registered``,
+    one Puffin file in the table's metadata folder named by the table's metadata (see
+    ``keypuffin``)."""
 
     fs: Any
     folder: str
     local: bool  # this machine's disk: the files are hard links, not packed
+    registered: bool = False
+    source: Optional[str] = None  # the fan-in source whose index it is
+    scheme: str = "file:"  # how the table's metadata names a path of this place
 
     def path(self, name: str) -> str:
         return f"{self.folder}/{name}"
@@ -79,15 +85,31 @@ class Place:
         return self.fs.open_output_stream(self.path(name))
 
 
-def place_of(location: str, source: Optional[str], s3: Callable[[], Any]) -> Optional[Place]:
+def place_of(location: str, source: Optional[str], s3: Callable[[], Any],
+             registered: bool = False) -> Optional[Place]:
     """The place for the index of the table at ``location`` (``source``: the fan-in source
-    whose index it is), or None where the driver cannot write (neither this disk nor S3)."""
-    where = f"{FOLDER}/{source or '_one'}"
+    whose index it is; ``registered``: a Puffin file the table's metadata names), or None where
+    the driver cannot write (neither this disk nor S3)."""
+    where = "metadata" if registered else f"{FOLDER}/{source or '_one'}"
     local = local_path(location)
     if local is not None:
-        return Place(pafs.LocalFileSystem(), str(local / where), True)
+        return Place(pafs.LocalFileSystem(), str(local / where), True, registered, source)
     path = s3_path(location)
-    return None if path is None else Place(s3(), f"{path.rstrip('/')}/{where}", False)
+    return None if path is None else Place(s3(), f"{path.rstrip('/')}/{where}", False,
+                                           registered, source,
+                                           location.partition("://")[0] + "://")
+
+
+@dataclass(frozen=True)
+class Registry:
+    """A registered place's side in the table's metadata: ``listed(target)``, walberg's
+    registered indexes of the place's source, (snapshot, path), oldest first;
+    ``register(target, snapshot, path, size, footer size, blobs, replaced snapshots)``; and
+    ``sequence(target, snapshot)``, the snapshot's sequence number."""
+
+    listed: Callable[[str, Optional[str]], list[tuple[int, str]]]
+    register: Callable[..., None]
+    sequence: Callable[[str, int], int]
 
 
 def _names(manifest: dict[str, Any], directory: Path) -> list[str]:
@@ -113,7 +135,9 @@ class _Keep:
 class KeyStore:
     """Keeps indexes in the warehouse (one thread, newest state first) and fetches them."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry: Optional[Registry] = None) -> None:
+        """``registry``: for places that are registered in the table's metadata."""
+        self._registry = registry
         self._lock = threading.Lock()
         self._wanted: dict[str, _Keep] = {}  # by place folder: the newest state to keep
         self._worker: Optional[threading.Thread] = None
@@ -174,6 +198,8 @@ class KeyStore:
         """Send the files the folder lacks, then the manifest, then remove what it no longer
         needs; (files sent, bytes sent), or None if it was all there."""
         place, manifest = job.place, job.manifest
+        if place.registered:
+            return self._register(job)
         there = _listing(place)
         packed = not place.local
         wanted = {name: _objects(name, size, packed) for name, size in manifest["kept"].items()}
@@ -214,6 +240,40 @@ class KeyStore:
                 place.fs.delete_file(place.path(old))
         return sent[0], sent[1]
 
+    def _register(self, job: _Keep) -> Optional[tuple[int, int]]:
+        """Write the index as one Puffin file in the table's metadata folder and register it
+        as the statistics file of its snapshot, dropping the registration (and the file) of
+        the state it replaces; (1, bytes) or None if that snapshot is registered already."""
+        assert self._registry is not None
+        place, manifest = job.place, job.manifest
+        snapshot = int(manifest["snapshot"])
+        before = self._registry.listed(job.target, place.source)
+        if any(s == snapshot for s, _ in before):
+            return None
+        sizes: dict[str, int] = {name: int(size) for name, size in manifest["kept"].items()}
+        path = place.path(keypuffin.name_for(snapshot, place.source))
+        body = {k: v for k, v in manifest.items() if k != "kept"}
+        with place.output(path.rpartition("/")[2]) as out:
+            size, footer, blobs = keypuffin.write(
+                out, job.held, body, sizes, snapshot,
+                self._registry.sequence(job.target, snapshot), place.source)
+        crash_point("key-store")  # the file there, the metadata naming it not yet
+        try:
+            # (the registration names no blobs: see keypuffin)
+            del blobs
+            self._registry.register(job.target, snapshot, _uri(place, path), size, footer,
+                                    [], [s for s, _ in before])
+        except BaseException:
+            place.fs.delete_file(path)
+            raise
+        for _, old in before:
+            try:
+                place.fs.delete_file(_fs_path(place, old))
+            except OSError:
+                pass  # (gone already: an expiry of its snapshot took it)
+        _drop_folder(place)
+        return 1, size
+
     def close(self, timeout: float = 300.0) -> None:
         """Wait for the states asked to be kept (at most ``timeout`` seconds)."""
         if not self._idle.wait(timeout):
@@ -222,13 +282,40 @@ class KeyStore:
 
     # ---- fetching ---------------------------------------------------------------------------
 
+    def _fetch_registered(self, place: Place, directory: Path, encoding: Optional[str],
+                          keys: Optional[Sequence[str]], table: Optional[str],
+                          usable: Callable[[int], bool], target: str) -> Optional[int]:
+        assert self._registry is not None
+        for snapshot, path in reversed(self._registry.listed(target, place.source)):
+            if not usable(snapshot):
+                continue
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            try:
+                with place.fs.open_input_file(_fs_path(place, path)) as source:
+                    manifest = keypuffin.read(source, directory, FETCHES)
+                if not made_for(manifest, encoding, keys, table):
+                    shutil.rmtree(directory, ignore_errors=True)
+                    return None
+                partial = directory / f"{MANIFEST}.partial"
+                partial.write_text(json.dumps(manifest))
+                os.replace(partial, directory / MANIFEST)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            return snapshot
+        return None
+
     def fetch(self, place: Place, directory: Path, encoding: Optional[str],
               keys: Optional[Sequence[str]], table: Optional[str],
-              usable: Callable[[int], bool]) -> Optional[int]:
+              usable: Callable[[int], bool], target: str = "") -> Optional[int]:
         """Bring into ``directory`` (holding no index) the newest kept index whose snapshot is
         ``usable`` and made with ``encoding`` for the key columns ``keys`` (None: any) of the
         table whose table-uuid is ``table`` (None: any); its snapshot, or None (nothing to
         fetch)."""
+        if place.registered:
+            return self._fetch_registered(place, directory, encoding, keys, table, usable,
+                                          target)
         infos = place.fs.get_file_info(pafs.FileSelector(place.folder, allow_not_found=True))
         found = sorted((int(m.group(1)) for m in (_SNAPSHOT.fullmatch(i.base_name)
                                                   for i in infos) if m), reverse=True)
@@ -262,6 +349,31 @@ class KeyStore:
                 raise
             return snapshot
         return None
+
+
+def _uri(place: Place, path: str) -> str:
+    """The location the table's metadata names for ``path`` on the place's file system."""
+    return f"{place.scheme}{path}"
+
+
+def _fs_path(place: Place, location: str) -> str:
+    """A location the table's metadata names, as a path on the place's file system."""
+    if place.local:
+        return str(local_path(location))
+    found = s3_path(location)
+    return found if found is not None else location
+
+
+def _drop_folder(place: Place) -> None:
+    """The folder an older walberg kept the index in beside the table (no metadata names it),
+    removed once the index is registered."""
+    table = place.folder.rpartition("/")[0]
+    old = f"{table}/{FOLDER}/{place.source or '_one'}"
+    try:
+        if place.fs.get_file_info(old).type == pafs.FileType.Directory:
+            place.fs.delete_dir(old)
+    except OSError:
+        pass
 
 
 def _listing(place: Place) -> set[str]:
