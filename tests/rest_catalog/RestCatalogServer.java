@@ -271,14 +271,12 @@ public class RestCatalogServer {
         throw new CommitFailedException(
             "Requirement failed: branch main has changed (refused as a conflict by request)");
       }
-      for (int attempt = 1; ; attempt++) {
-        if (tryCommit(request) || attempt == 10) {
-          if (attempt == 10) {
-            throw new CommitFailedException("tables kept changing under this transaction");
-          }
+      for (int attempt = 1; attempt <= 20; attempt++) {
+        if (tryCommit(request)) {
           return;
         }
       }
+      throw new CommitFailedException("tables kept changing under this transaction");
     }
   }
 

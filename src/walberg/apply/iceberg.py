@@ -55,7 +55,7 @@ class IcebergSink:
         indexes live, for applying batches by position (see apply.position.keyed; None: always by
         MERGE). ``keep_index``: keep each key index in the warehouse too, beside its table, for
         a driver on another machine (apply.position.keystore); ``register_index``: as a file
-        the table's metadata names (apply.position.keypuffin), for catalogs that remove what no
+        the table's metadata names (apply.position.keystore), for catalogs that remove what no
         metadata names."""
         self.lake = LakeSession(session, types, source, stage_root)
         self.tables = Tables(self.lake)

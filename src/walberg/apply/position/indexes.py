@@ -28,13 +28,18 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from walberg.apply.jvm.helper import JavaFiles
-from walberg.apply.position import keypuffin
 from walberg.apply.position.batchkeys import concat_entries
 from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.entries import lake_entries, scan_of, written_entries
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import MANIFEST, Hits, KeyIndex, encoding_of
-from walberg.apply.position.keystore import KeyStore, Place, Registry, place_of
+from walberg.apply.position.keystore import (
+    KeyStore,
+    Place,
+    Registry,
+    place_of,
+    registered_indexes,
+)
 from walberg.apply.position.lakekeys import Files, live_scan, table_uuid
 from walberg.apply.position.livefiles import LiveFiles
 from walberg.apply.position.rowdelta import RowDeltaResult
@@ -54,6 +59,10 @@ MAX_APPENDS = 64
 # into the index, entry by entry (after `walberg maintain` of a 10M-row table, following took
 # 11.6 s; a rebuild reads 10M keys in 1.6 s, 13M in 3.1 s).
 FOLLOW_MAX_ROWS = 2_000_000
+# A key index registered in its table's metadata (keystore) costs a metadata commit each time
+# it is kept, which every other commit to the table then has to retry over: kept at most this
+# often a table while walberg runs, and once more as it stops.
+REGISTER_EVERY_S = 60.0
 
 
 class KeyIndexes:
@@ -64,13 +73,16 @@ class KeyIndexes:
                  registered: bool = False) -> None:
         """``keep``: keep each index in the warehouse too, for a driver on another machine
         (``keystore``); ``registered``: as a Puffin file the table's metadata names (a catalog
-        that removes files no metadata names; ``keypuffin``), not in a folder beside it."""
+        that removes files no metadata names; see ``keystore``), not in a folder beside it."""
         self.lake = lake
         self.root = root
         self._registered = registered
         self._store = KeyStore(self._registry()) if keep else None
         self._places: dict[str, Optional[Place]] = {}
         self._kept: dict[str, int] = {}  # the snapshot each index was last kept at
+        # Registered indexes: when each was last kept, and those whose keeping waits.
+        self._registered_at: dict[str, float] = {}
+        self._deferred: dict[str, tuple[Any, KeyIndex]] = {}
         self._files: Optional[Files] = None
         self._fetching: dict[str, Future[None]] = {}  # kept indexes fetched ahead
         self._indexes: dict[str, KeyIndex] = {}
@@ -106,8 +118,11 @@ class KeyIndexes:
         self._indexes.pop(target, None)
 
     def close(self) -> None:
-        """Before the process ends: wait for the indexes still being kept in the warehouse."""
+        """Before the process ends: keep the newest state of each index whose keeping waits,
+        then wait for the indexes still being kept in the warehouse."""
         if self._store is not None:
+            for target, (table, index) in list(self._deferred.items()):
+                self._keep(target, table, index, now=True)
             self._store.close()
 
     # ---- the index ----------------------------------------------------------------------------
@@ -229,7 +244,7 @@ class KeyIndexes:
 
         def listed(target: str, source: Optional[str]) -> list[tuple[int, str]]:
             table = java_table(spark, target)
-            return keypuffin.ours(json.loads(batch_helper(spark).statistics(table)), source)
+            return registered_indexes(json.loads(batch_helper(spark).statistics(table)), source)
 
         def register(target: str, snapshot: int, path: str, size: int, footer: int,
                      blobs: list[list[Any]], replaced: list[int]) -> None:
@@ -315,14 +330,24 @@ class KeyIndexes:
         if pending is not None:
             pending.result()
 
-    def _keep(self, target: str, table: Any, index: KeyIndex) -> None:
-        """Have the index kept in the warehouse at its snapshot, unless it is already."""
+    def _keep(self, target: str, table: Any, index: KeyIndex, now: bool = False) -> None:
+        """Have the index kept in the warehouse at its snapshot, unless it is already. A
+        registered index (a metadata commit each time) is kept at most every
+        REGISTER_EVERY_S seconds a table, and its newest state when the sink closes
+        (``now``)."""
         if self._store is None or index.snapshot is None or \
                 self._kept.get(target) == index.snapshot:
             return
         place = self._place(target, table)
         if place is None:
             return
+        if place.registered and not now:
+            last = self._registered_at.get(target)
+            if last is not None and time.monotonic() - last < REGISTER_EVERY_S:
+                self._deferred[target] = (table, index)
+                return
+            self._registered_at[target] = time.monotonic()
+        self._deferred.pop(target, None)
         try:
             self._store.keep(target, place, index.directory, self._scratch_root())
         except OSError as exc:

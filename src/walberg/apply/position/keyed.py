@@ -64,7 +64,7 @@ class KeyedApply:
                  keep: bool = True, registered: bool = False) -> None:
         """``root``: where the key indexes live (None: never by position). ``keep``: keep each
         index in the warehouse too, for a driver on another machine (``keystore``; as a file
-        the table's metadata names if ``registered``, see ``keypuffin``)."""
+        the table's metadata names if ``registered``)."""
         self.lake = lake
         self.tables = tables
         self.root = root

@@ -20,6 +20,15 @@ state of a table is kept. A run waits for it before it ends (``close``). A crash
 leaves the folder at an older snapshot, or with files no manifest names (removed by the next
 keep): a manifest only names files written before it.
 
+Registered (a REST catalog, which may own the storage and remove every file no metadata
+names): one Puffin file in the table's metadata folder (``apply.catalog.puffin``): a blob per
+file of the index (``walberg-key-index-file``, its name and raw size among the blob's
+properties, packed as the pieces are), then the manifest (``walberg-key-index-manifest``);
+registered with ``UpdateStatistics`` as the statistics file of the snapshot it describes, in
+one metadata commit that drops the previous registration (whose file is deleted after). The
+registration lists no blobs (the file's footer does): PyIceberg 0.12 refuses to load a table
+whose metadata names a blob type it does not know. Fetched from the table's statistics files.
+
 Fetched: only when this disk has no index for the table, and only a manifest of the same table
 (its table-uuid) whose snapshot is the table's current one or one the index follows to it
 (appends and compactions since; the caller says which). Anything else, or any failure, and the
@@ -46,7 +55,7 @@ import numpy as np
 import pyarrow as pa
 from pyarrow import fs as pafs
 
-from walberg.apply.position import keypuffin
+from walberg.apply.catalog import puffin
 from walberg.apply.position.entries import local_path
 from walberg.apply.position.keyindex import MANIFEST, made_for
 from walberg.apply.position.lakekeys import s3_path
@@ -65,8 +74,8 @@ _COLUMNS: dict[str, np.dtype] = {"keys": np.dtype(np.int64), "checks": np.dtype(
 @dataclass(frozen=True)
 class Place:
     """Where one table's index is kept: a folder on an Arrow file system; or, ``registered``,
-    one Puffin file in the table's metadata folder named by the table's metadata (see
-    ``keypuffin``)."""
+    one Puffin file in the table's metadata folder named by the table's metadata (see the
+    module docstring)."""
 
     fs: Any
     folder: str
@@ -250,17 +259,19 @@ class KeyStore:
         before = self._registry.listed(job.target, place.source)
         if any(s == snapshot for s, _ in before):
             return None
-        sizes: dict[str, int] = {name: int(size) for name, size in manifest["kept"].items()}
-        path = place.path(keypuffin.name_for(snapshot, place.source))
-        body = {k: v for k, v in manifest.items() if k != "kept"}
+        body = json.dumps({k: v for k, v in manifest.items() if k != "kept"}).encode()
+        tag = {SOURCE_PROPERTY: place.source} if place.source else {}
+        blobs = [(FILE_BLOB, _pack(job.held / name, name), {"name": name, "size": str(size), **tag})
+                 for name, size in manifest["kept"].items()]
+        blobs.append((MANIFEST_BLOB, body, dict(tag)))
+        path = place.path(f"walberg-keys-{place.source or '_one'}-{snapshot}-"
+                          f"{os.urandom(6).hex()}.puffin")
         with place.output(path.rpartition("/")[2]) as out:
-            size, footer, blobs = keypuffin.write(
-                out, job.held, body, sizes, snapshot,
-                self._registry.sequence(job.target, snapshot), place.source)
+            size, footer = puffin.write(out, blobs, snapshot,
+                                        self._registry.sequence(job.target, snapshot))
         crash_point("key-store")  # the file there, the metadata naming it not yet
         try:
-            # (the registration names no blobs: see keypuffin)
-            del blobs
+            # (the registration names no blobs: see the module docstring)
             self._registry.register(job.target, snapshot, _uri(place, path), size, footer,
                                     [], [s for s, _ in before])
         except BaseException:
@@ -293,7 +304,7 @@ class KeyStore:
             directory.mkdir(parents=True)
             try:
                 with place.fs.open_input_file(_fs_path(place, path)) as source:
-                    manifest = keypuffin.read(source, directory, FETCHES)
+                    manifest = _unpuffin(source, directory)
                 if not made_for(manifest, encoding, keys, table):
                     shutil.rmtree(directory, ignore_errors=True)
                     return None
@@ -349,6 +360,53 @@ class KeyStore:
                 raise
             return snapshot
         return None
+
+
+FILE_BLOB = "walberg-key-index-file"
+MANIFEST_BLOB = "walberg-key-index-manifest"
+SOURCE_PROPERTY = "walberg.source"
+
+
+def registered_indexes(entries: list[list[Any]], source: Optional[str]) -> list[tuple[int, str]]:
+    """Of a table's statistics files (``Batch.statistics``: [snapshot, path, blobs]),
+    walberg's key indexes of ``source``, by their file names: (snapshot, path)."""
+    prefix = f"walberg-keys-{source or '_one'}-"
+    return [(int(snapshot), str(path)) for snapshot, path, _ in entries
+            if str(path).rpartition("/")[2].startswith(prefix)]
+
+
+def _pack(local: Path, name: str) -> bytes:
+    """A whole file of the index, packed as a piece is (see ``_send``)."""
+    raw = local.read_bytes()
+    dtype = _column(name)
+    if dtype is not None:
+        raw = _planes(np.diff(np.frombuffer(raw, dtype=dtype), prepend=dtype.type(0)))
+    return bytes(pa.compress(raw, codec="zstd", asbytes=True))
+
+
+def _unpuffin(source: Any, directory: Path) -> dict[str, Any]:
+    """A registered index's files into ``directory``, read side by side; its manifest."""
+    listed = puffin.blobs(source)
+    files = [b for b in listed if b["type"] == FILE_BLOB]
+    [kept] = [b for b in listed if b["type"] == MANIFEST_BLOB]
+
+    def one(found: dict[str, Any]) -> None:
+        name, size = found["properties"]["name"], int(found["properties"]["size"])
+        raw = pa.decompress(puffin.blob(source, found), decompressed_size=size, codec="zstd",
+                            asbytes=True)
+        if len(raw) != size:
+            raise ValueError(f"{name} in the warehouse is not the size its blob says")
+        dtype = _column(name)
+        if dtype is not None:
+            raw = np.cumsum(_unplanes(raw, dtype), dtype=dtype).tobytes()
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(raw)
+
+    with ThreadPoolExecutor(FETCHES, thread_name_prefix="walberg-fetch") as pool:
+        for done in [pool.submit(one, b) for b in files]:
+            done.result()
+    manifest: dict[str, Any] = json.loads(puffin.blob(source, kept))
+    return manifest
 
 
 def _uri(place: Place, path: str) -> str:

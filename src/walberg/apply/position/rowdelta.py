@@ -110,6 +110,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
     staged: Any = None
     clock = [time.monotonic()]
     committing = False
+    group = joined_group()  # (the batch's tables commit together: apply.together)
     try:
         files, deleted, referenced, replaced = upload_deletes(spark, table, deletes, live)
         written += files.locations
@@ -131,8 +132,6 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             delta = delta.set(key, value)
         expire = staged is not None and _may_expire(table)
 
-        group = joined_group()
-
         def commit() -> None:
             delta.commit()  # into the transaction: its validation runs here
             if expire:
@@ -145,9 +144,7 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
                 group[0].commit(group[1], target, txn)
             failure_point("row-delta")
 
-        committing = True
-        # (a group's commit is not held behind this process's other commits to the table: two
-        # sources' groups could wait on each other)
+        committing = True  # (a group's commit is not held behind this process's others)
         spark_call(f"committing a row delta to {target}",
                    commit if group is not None else lambda: one_commit_at_a_time(target, commit))
         clock.append(time.monotonic())
@@ -156,7 +153,9 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         # catalog's swap, a storage outage): the table may hold these files now, and a retry
         # that finds the commit landed must find them too. An orphan is left at worst, for
         # `walberg maintain`.
-        if not committing or _not_committed(exc):
+        # Nor after a group's commit (apply.together; its outcome comes through another
+        # thread and a catalog that may retry): orphans at worst, for `walberg maintain`.
+        if not committing or (group is None and _not_committed(exc)):
             remove_files(spark, written)
         raise
     if expire:
