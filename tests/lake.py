@@ -15,7 +15,11 @@ def hadoop_table(warehouse: Path, target: str) -> StaticTable:
     in ``warehouse``, for PyIceberg: the metadata file that version-hint.text names."""
     _, namespace, table = target.split(".")
     meta_dir = warehouse / namespace / table / "metadata"
-    version = (meta_dir / "version-hint.text").read_text().strip()
+    version = int((meta_dir / "version-hint.text").read_text().strip())
+    # The hint is written after a commit renames its metadata file in: newer versions may lie past it
+    # (Iceberg's own reader looks for them too).
+    while (meta_dir / f"v{version + 1}.metadata.json").exists():
+        version += 1
     return StaticTable.from_metadata(str(meta_dir / f"v{version}.metadata.json"))
 
 
