@@ -38,6 +38,7 @@ is right.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -261,7 +262,8 @@ class KeyStore:
             return None
         body = json.dumps({k: v for k, v in manifest.items() if k != "kept"}).encode()
         tag = {SOURCE_PROPERTY: place.source} if place.source else {}
-        blobs = [(FILE_BLOB, _pack(job.held / name, name), {"name": name, "size": str(size), **tag})
+        blobs = [(FILE_BLOB, _packed((job.held / name).read_bytes(), name),
+                  {"name": name, "size": str(size), **tag})
                  for name, size in manifest["kept"].items()]
         blobs.append((MANIFEST_BLOB, body, dict(tag)))
         path = place.path(f"walberg-keys-{place.source or '_one'}-{snapshot}-"
@@ -300,20 +302,14 @@ class KeyStore:
         for snapshot, path in reversed(self._registry.listed(target, place.source)):
             if not usable(snapshot):
                 continue
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
-            try:
-                with place.fs.open_input_file(_fs_path(place, path)) as source:
-                    manifest = _unpuffin(source, directory)
+            with place.fs.open_input_file(_fs_path(place, path)) as source:
+                listed = puffin.blobs(source)
+                [kept] = [b for b in listed if b["type"] == MANIFEST_BLOB]
+                manifest = json.loads(puffin.blob(source, kept))
                 if not made_for(manifest, encoding, keys, table):
-                    shutil.rmtree(directory, ignore_errors=True)
                     return None
-                partial = directory / f"{MANIFEST}.partial"
-                partial.write_text(json.dumps(manifest))
-                os.replace(partial, directory / MANIFEST)
-            except BaseException:
-                shutil.rmtree(directory, ignore_errors=True)
-                raise
+                _filled(directory, manifest,
+                        functools.partial(_unpuffin, source, listed, directory))
             return snapshot
         return None
 
@@ -339,25 +335,9 @@ class KeyStore:
                 return None
             packed = bool(manifest.pop("packed", False))
             sizes: dict[str, int] = manifest.pop("kept")
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
-            try:
-                for name, size in sizes.items():  # (each piece is written in its place)
-                    (directory / name).parent.mkdir(parents=True, exist_ok=True)
-                    with open(directory / name, "wb") as out:
-                        out.truncate(size)
-                with ThreadPoolExecutor(FETCHES, thread_name_prefix="walberg-fetch") as pool:
-                    for done in [pool.submit(_receive, place, name, directory / name, packed, n,
-                                             size)
-                                 for name, size in sizes.items()
-                                 for n in range(len(_objects(name, size, packed)))]:
-                        done.result()
-                partial = directory / f"{MANIFEST}.partial"
-                partial.write_text(json.dumps(manifest))
-                os.replace(partial, directory / MANIFEST)
-            except BaseException:
-                shutil.rmtree(directory, ignore_errors=True)
-                raise
+
+            _filled(directory, manifest,
+                    functools.partial(_receive_all, place, directory, sizes, packed))
             return snapshot
         return None
 
@@ -375,38 +355,45 @@ def registered_indexes(entries: list[list[Any]], source: Optional[str]) -> list[
             if str(path).rpartition("/")[2].startswith(prefix)]
 
 
-def _pack(local: Path, name: str) -> bytes:
-    """A whole file of the index, packed as a piece is (see ``_send``)."""
-    raw = local.read_bytes()
-    dtype = _column(name)
-    if dtype is not None:
-        raw = _planes(np.diff(np.frombuffer(raw, dtype=dtype), prepend=dtype.type(0)))
-    return bytes(pa.compress(raw, codec="zstd", asbytes=True))
+def _filled(directory: Path, manifest: dict[str, Any], fill: Callable[[], None]) -> None:
+    """``directory`` made anew, its files brought by ``fill``, then ``manifest`` written last
+    (an index is whole once its manifest is there); nothing left if any of it fails."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    try:
+        fill()
+        partial = directory / f"{MANIFEST}.partial"
+        partial.write_text(json.dumps(manifest))
+        os.replace(partial, directory / MANIFEST)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
 
 
-def _unpuffin(source: Any, directory: Path) -> dict[str, Any]:
-    """A registered index's files into ``directory``, read side by side; its manifest."""
-    listed = puffin.blobs(source)
-    files = [b for b in listed if b["type"] == FILE_BLOB]
-    [kept] = [b for b in listed if b["type"] == MANIFEST_BLOB]
+def _receive_all(place: Place, directory: Path, sizes: dict[str, int], packed: bool) -> None:
+    """The files of a kept index (``sizes``) into ``directory``, their pieces side by side."""
+    for name, size in sizes.items():  # (each piece is written in its place)
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(directory / name, "wb") as out:
+            out.truncate(size)
+    with ThreadPoolExecutor(FETCHES, thread_name_prefix="walberg-fetch") as pool:
+        for done in [pool.submit(_receive, place, name, directory / name, packed, n, size)
+                     for name, size in sizes.items()
+                     for n in range(len(_objects(name, size, packed)))]:
+            done.result()
 
+
+def _unpuffin(source: Any, listed: list[dict[str, Any]], directory: Path) -> None:
+    """The files of a registered index (its Puffin file's blobs ``listed``) into
+    ``directory``, read side by side."""
     def one(found: dict[str, Any]) -> None:
         name, size = found["properties"]["name"], int(found["properties"]["size"])
-        raw = pa.decompress(puffin.blob(source, found), decompressed_size=size, codec="zstd",
-                            asbytes=True)
-        if len(raw) != size:
-            raise ValueError(f"{name} in the warehouse is not the size its blob says")
-        dtype = _column(name)
-        if dtype is not None:
-            raw = np.cumsum(_unplanes(raw, dtype), dtype=dtype).tobytes()
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_bytes(raw)
+        (directory / name).write_bytes(_unpacked(puffin.blob(source, found), size, name))
 
     with ThreadPoolExecutor(FETCHES, thread_name_prefix="walberg-fetch") as pool:
-        for done in [pool.submit(one, b) for b in files]:
+        for done in [pool.submit(one, b) for b in listed if b["type"] == FILE_BLOB]:
             done.result()
-    manifest: dict[str, Any] = json.loads(puffin.blob(source, kept))
-    return manifest
 
 
 def _uri(place: Place, path: str) -> str:
@@ -460,12 +447,7 @@ def _send(local: Path, place: Place, name: str, n: int) -> int:
     the bytes sent."""
     with open(local, "rb") as source:
         source.seek(n * PIECE)
-        raw = source.read(PIECE)
-    dtype = _column(name)
-    if dtype is not None:
-        values = np.frombuffer(raw, dtype=dtype)
-        raw = _planes(np.diff(values, prepend=dtype.type(0)))
-    body = pa.compress(raw, codec="zstd", asbytes=True)
+        body = _packed(source.read(PIECE), name)
     with place.output(f"{name}.{n}") as out:
         out.write(body)
     return len(body)
@@ -478,20 +460,33 @@ def _receive(place: Place, name: str, local: Path, packed: bool, n: int, size: i
         local.unlink()
         _link(Path(place.path(name)), local)
         return
-    length = min(PIECE, size - n * PIECE)
     with place.fs.open_input_stream(place.path(f"{name}.{n}")) as source:
-        body = source.read()
-    raw = pa.decompress(body, decompressed_size=length, codec="zstd", asbytes=True)
-    if len(raw) != length:
-        raise ValueError(f"{name} in the warehouse is not the size its manifest says")
-    dtype = _column(name)
-    if dtype is not None:
-        raw = np.cumsum(_unplanes(raw, dtype), dtype=dtype).tobytes()
+        raw = _unpacked(source.read(), min(PIECE, size - n * PIECE), name)
     fd = os.open(local, os.O_WRONLY)
     try:
         os.pwrite(fd, raw, n * PIECE)
     finally:
         os.close(fd)
+
+
+def _packed(raw: bytes, name: str) -> bytes:
+    """Bytes of the index file ``name`` as the warehouse keeps them: a base column's values as
+    differences between neighbours with their bytes grouped by significance, then zstd."""
+    dtype = _column(name)
+    if dtype is not None:
+        raw = _planes(np.diff(np.frombuffer(raw, dtype=dtype), prepend=dtype.type(0)))
+    return bytes(pa.compress(raw, codec="zstd", asbytes=True))
+
+
+def _unpacked(body: bytes, length: int, name: str) -> bytes:
+    """``_packed``'s inverse, for ``length`` bytes of the file ``name``."""
+    raw = pa.decompress(body, decompressed_size=length, codec="zstd", asbytes=True)
+    if len(raw) != length:
+        raise ValueError(f"{name} in the warehouse is not the size its manifest says")
+    dtype = _column(name)
+    if dtype is not None:
+        return bytes(np.cumsum(_unplanes(raw, dtype), dtype=dtype).tobytes())
+    return bytes(raw)
 
 
 def _link(source: Path, target: Path) -> None:
