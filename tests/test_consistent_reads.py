@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import as_file, make_config, run_once, running, walberg_ok, write_pipeline
+from conftest import as_file, make_config, run_once, running, walberg_cli, walberg_ok, write_pipeline
 from lake import hadoop_table
 from shop import half_transactions, make_shop, write_shop
 from walberg.lake.query import consistent_cut
@@ -70,8 +70,6 @@ def test_query_consistent_names_its_cut(postgres: Any, pg_conn: Any, warehouse: 
         cur.execute(f"INSERT INTO {orders} VALUES (9001, 'x', 3)")
         cur.execute(f"INSERT INTO {lines} SELECT 9001, k, 1 FROM generate_series(1, 3) k")
     walberg_ok("-q", "run", "--once", "-c", str(path))
-    from conftest import walberg_cli
-
     namespace = f"ns_{unique}"
     done = walberg_cli("query", "--consistent", "-c", str(path),
                        f"SELECT count(*) AS n FROM lake.{namespace}.l_{unique} l JOIN "

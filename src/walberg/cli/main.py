@@ -327,8 +327,7 @@ def _on_lake(command: Callable[[argparse.Namespace, "Lake"], int]
 
 @_on_lake
 def _cmd_query(args: argparse.Namespace, lake: "Lake") -> int:
-    from walberg.apply.iceberg import pin_tables
-    from walberg.lake.query import pinned
+    from walberg.lake.query import consistent_cut, pinned
     from walberg.model import Lsn
 
     try:
@@ -337,14 +336,9 @@ def _cmd_query(args: argparse.Namespace, lake: "Lake") -> int:
         return _fail(f"--lsn: {exc}", 2)
     def statement() -> str:
         if args.consistent:
-            from walberg.lake.query import consistent_cut
-
             cut = consistent_cut(lake)
-            print(f"consistent cut at LSN {cut.lsn}: " + ", ".join(
-                f"{t} at snapshot {s}" for t, s in sorted(cut.snapshots.items())),
-                file=sys.stderr)
-            return pin_tables(args.sql, {t: f"VERSION AS OF {s}"
-                                         for t, s in cut.snapshots.items()})
+            print(cut.describe(), file=sys.stderr)
+            return cut.pin(args.sql)
         return pinned(lake, args.sql, args.as_of, args.snapshot, lsn)
 
     return _show(args, lake, statement)

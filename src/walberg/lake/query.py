@@ -31,18 +31,13 @@ def export(lake: Lake, statement: str, fmt: str, output: Path, limit: Optional[i
 
 
 def pinned(lake: Lake, statement: str, as_of: Optional[str] = None,
-           snapshot: Optional[int] = None, lsn: Optional[Lsn] = None,
-           consistent: bool = False) -> str:
-    """``statement`` with the pipeline's tables read at a point in their history
-    (``consistent``: at the newest position every table holds whole; see ``consistent_cut``)."""
-    if sum(x is not None for x in (as_of, snapshot, lsn)) + consistent > 1:
-        raise ConfigError("give one of --as-of, --snapshot, --lsn and --consistent, not several")
+           snapshot: Optional[int] = None, lsn: Optional[Lsn] = None) -> str:
+    """``statement`` with the pipeline's tables read at a point in their history."""
+    if sum(x is not None for x in (as_of, snapshot, lsn)) > 1:
+        raise ConfigError("give one of --as-of, --snapshot and --lsn, not several")
     sink = lake.sink()
     pins: dict[str, str] = {}
-    if consistent:
-        cut = consistent_cut(lake)
-        pins = {target: f"VERSION AS OF {snap}" for target, snap in cut.snapshots.items()}
-    elif as_of is not None:
+    if as_of is not None:
         stamp = as_of.replace("'", "")
         pins = {target: f"TIMESTAMP AS OF '{stamp}'" for target in lake.targets
                 if sink.table_exists(target)}
@@ -69,6 +64,14 @@ class Cut:
 
     lsn: Lsn
     snapshots: dict[str, int]  # by Iceberg table
+
+    def pin(self, statement: str) -> str:
+        """``statement`` with every table of the cut read at its snapshot."""
+        return pin_tables(statement, {t: f"VERSION AS OF {s}" for t, s in self.snapshots.items()})
+
+    def describe(self) -> str:
+        return f"consistent cut at LSN {self.lsn}: " + ", ".join(
+            f"{t} at snapshot {s}" for t, s in sorted(self.snapshots.items()))
 
 
 def consistent_cut(lake: Lake) -> Cut:

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from walberg.apply.catalog.catalog_reads import TRANSACTIONS_ENDPOINT, describe_rest
+from walberg.apply.catalog.catalog_reads import commits_together, describe_rest
 from walberg.apply.catalog.metadata import TableSummary
 from walberg.buffer.files import Mapped, inspect_directory, read_freshness
 from walberg.buffer.recovery import NAME
@@ -132,7 +132,7 @@ def _catalog(source: LakeSource) -> CatalogStatus:
     except WalbergError as exc:
         return CatalogStatus(cat.type, cat.name, False, "unknown", error=str(exc))
     return CatalogStatus(cat.type, cat.name,
-                         config.sink.atomic_commits and TRANSACTIONS_ENDPOINT in endpoints,
+                         commits_together(endpoints, config.sink.atomic_commits),
                          describe_rest(endpoints, config.sink.atomic_commits))
 
 

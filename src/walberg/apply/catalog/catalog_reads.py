@@ -175,6 +175,12 @@ def probe_rest(name: str, uri: str, options: dict[str, Optional[str]],
     return frozenset(str(e) for e in getattr(catalog, "_supported_endpoints", ()))
 
 
+def commits_together(endpoints: frozenset[str], atomic_commits: bool) -> bool:
+    """Whether a batch's tables commit in one catalog transaction on a REST catalog offering
+    ``endpoints``, with sink.atomic_commits as given."""
+    return atomic_commits and TRANSACTIONS_ENDPOINT in endpoints
+
+
 def describe_rest(endpoints: frozenset[str], atomic_commits: bool) -> str:
     """What ``walberg check`` and ``status`` say of a REST catalog's multi-table commits."""
     if TRANSACTIONS_ENDPOINT not in endpoints:
