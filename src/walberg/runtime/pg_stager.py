@@ -442,7 +442,10 @@ class _Staging:
         self.seq = 0
         self.txn: Optional[Begin] = None
         self.txn_first_seq = 0
-        self.wanted: dict[int, Chunk] = {}  # relations this transaction applies to
+        # The relations this transaction applies to (None: not), asked of each relation at
+        # its first change in the transaction: a database of many tables has every one
+        # described, and a transaction touches a few.
+        self.wanted: dict[int, Optional[Chunk]] = {}
         self.touched: set[str] = set()
         self.live: set[str] = set()  # tables with changes from committed transactions
         self.void: list[tuple[int, int]] = []
@@ -466,7 +469,8 @@ class _Staging:
                 if tag in CHANGE_TAGS:
                     if self.txn is None:
                         continue  # the tail of a transaction applied in an earlier batch
-                    chunk = self.wanted.get(_oid(payload, 1)[0])
+                    oid = _oid(payload, 1)[0]
+                    chunk = self.wanted[oid] if oid in self.wanted else self._want(oid)
                     if chunk is None:
                         self._unwanted(payload, lsn)
                         continue
@@ -546,7 +550,7 @@ class _Staging:
         self.builder.describe(msg.qualified_name,
                               self.stager.tables.description(msg.qualified_name, self.txn_lsn))
         self.stager.tables.learn_relation(msg)
-        self.wanted = self._wanted_chunks(self.txn)
+        self.wanted = {}
         return False
 
     def _begin(self, msg: Begin) -> None:
@@ -560,7 +564,7 @@ class _Staging:
         if msg.final_lsn < self.floor:
             self.txn = None  # already in the batch before this one
         else:
-            self.wanted = self._wanted_chunks(msg)
+            self.wanted = {}
 
     def _truncate(self, msg: Truncate) -> None:
         for oid in msg.relation_oids:
@@ -574,16 +578,23 @@ class _Staging:
                     "Relation message before a table's first change on every connection). "
                     "Report this as a walberg bug; `walberg resync` of the tables of the "
                     "publication copies them afresh.")
-            if oid in self.wanted:
+            chunk = self.wanted[oid] if oid in self.wanted else self._want(oid)
+            if chunk is not None:
                 self.seq += 2
-                rel = self.wanted[oid].relation
+                rel = chunk.relation
                 self.builder.truncate(rel.qualified_name, rel.columns, self.seq, self.txn_lsn)
                 self.touched.add(rel.qualified_name)
                 self.changes += 1
 
-    def _wanted_chunks(self, txn: Begin) -> dict[int, Chunk]:
-        return {oid: self.chunks.for_relation(rel) for oid, rel in self.decoder.relations.items()
-                if self._wants(rel, txn)}
+    def _want(self, oid: int) -> Optional[Chunk]:
+        """The chunk a change of the relation goes to in this transaction (None: not applied
+        to), asked once per relation and transaction."""
+        rel = self.decoder.relations.get(oid)
+        assert self.txn is not None
+        chunk = None if rel is None or not self._wants(rel, self.txn) else \
+            self.chunks.for_relation(rel)
+        self.wanted[oid] = chunk
+        return chunk
 
     def _wants(self, rel: Relation, txn: Begin) -> bool:
         wanted = self.stager.wanted(rel, txn, self.early)
