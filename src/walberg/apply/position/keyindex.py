@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,11 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 import numpy as np
 
 from walberg.apply.position.keycodec import KeyClash
+
+# numpy reads a .npy header with ast.literal_eval, which CPython 3.11 (before 3.11.8) cannot
+# run in two threads at once without, now and then, "SystemError: AST constructor recursion
+# depth mismatch" (cpython gh-106905); a batch's tables load their indexes side by side.
+_NPY_READS = threading.Lock()
 
 MANIFEST = "manifest.json"
 TOMBSTONE = -1
@@ -191,7 +197,7 @@ class KeyIndex:
         self._base_size = manifest["base_size"]
         self._delta_names = manifest["deltas"]
         for name in self._delta_names:
-            with np.load(self.directory / name) as run:
+            with _NPY_READS, np.load(self.directory / name) as run:
                 checks = run["checks"] if "checks" in run.files else \
                     np.zeros(len(run["keys"]), np.int64)
                 self._deltas.append(_Run(run["keys"], checks, run["file_ids"], run["positions"]))
