@@ -149,6 +149,9 @@ class LakeSession:
                               else f"{COPY_OWED_PROPERTY}.{source}")
         self.server: Optional[str] = None  # recorded with each LSN, once the source is met
         self.staging = StageArea(spark, stage_root)
+        # The summary of the snapshot each table's last row delta made, for that commit's
+        # metrics (``Snapshots.last_commit`` takes it instead of loading the table again).
+        self.last_summaries: dict[str, Mapping[str, str]] = {}
 
     def read_staged(self, files: Sequence[Path]) -> Any:
         """A DataFrame of staged Parquet files that every executor can read."""

@@ -153,10 +153,12 @@ class Snapshots:
         its summary; Iceberg metadata only)."""
         from walberg.apply.jvm.helper import batch_helper
 
+        kept = self.lake.last_summaries.pop(target, None)
+
         def read() -> dict[str, int]:
             # (one round trip: py4j iterates a Java map in three an entry)
-            summary = json.loads(batch_helper(self.lake.spark).summary(
-                self.iceberg_table(target)))
+            summary = kept if kept is not None else json.loads(
+                batch_helper(self.lake.spark).summary(self.iceberg_table(target)))
             return {"bytes": int(summary.get("added-files-size", 0)),
                     "data_files": int(summary.get("added-data-files", 0)),
                     "delete_files": int(summary.get("added-delete-files", 0))

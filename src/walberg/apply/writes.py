@@ -374,6 +374,7 @@ class Writes:
         ranges, after the last TRUNCATE that counts. ``upsert``: inserts are merged by key even
         when the batch only inserts (the table may hold some of them already)."""
         truncate = effective_truncate(max_seq, void, staged.truncates)
+        self.lake.last_summaries.pop(target, None)  # (this commit's, if a row delta's)
 
         def staged_rows() -> Any:
             df = self.lake.read_staged(staged.files)

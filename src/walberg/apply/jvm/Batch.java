@@ -45,11 +45,15 @@ import org.apache.iceberg.StatisticsFile;
 import org.apache.iceberg.StructLike;
 import org.apache.iceberg.Table;
 import org.apache.iceberg.TableScan;
+import org.apache.iceberg.Transaction;
 import org.apache.iceberg.UpdateStatistics;
 import org.apache.iceberg.catalog.TableCommit;
+import org.apache.iceberg.expressions.Expression;
+import org.apache.iceberg.expressions.Expressions;
 import org.apache.iceberg.catalog.TableIdentifier;
 import org.apache.iceberg.rest.RESTCatalog;
 import org.apache.iceberg.io.CloseableIterable;
+import org.apache.iceberg.relocated.com.google.common.util.concurrent.MoreExecutors;
 import org.apache.iceberg.types.Types;
 import org.apache.iceberg.parquet.ParquetUtil;
 import org.apache.iceberg.shaded.org.apache.parquet.ParquetReadOptions;
@@ -58,6 +62,8 @@ import org.apache.iceberg.shaded.org.apache.parquet.io.LocalInputFile;
 
 public class Batch {
     private final ObjectMapper json = new ObjectMapper();
+    private static final java.util.concurrent.ExecutorService DIRECT =
+        MoreExecutors.newDirectExecutorService();
     private final ParquetReadOptions options = ParquetReadOptions.builder().build();
 
     private List parse(String text) throws Exception {
@@ -149,6 +155,27 @@ public class Batch {
         } finally {
             reader.close();
         }
+    }
+
+    /** What a table's plan for its new rows depends on, as one string: its schema, spec,
+     * sort order, properties and location (a change to any of them changes it). */
+    public String shape(Table table) {
+        return table.schema().schemaId() + "/" + table.spec().specId() + "/"
+            + table.sortOrder().orderId() + "/" + table.properties().hashCode() + "/"
+            + table.properties().size() + "/" + table.location();
+    }
+
+    /** A position-delete file written on this machine at {@code local}, described as the
+     * Iceberg delete file it becomes at {@code location} (of the table's spec, unpartitioned),
+     * with the metrics of its footer read here: the bounds of its {@code file_path} tell
+     * readers which data files it applies to. Read before the file moves, with the reader
+     * options made once (Iceberg's own footer reader makes a Hadoop configuration per file,
+     * parsing its XML resources each time). */
+    public Object positionDeleteFile(Table table, String location, String local, long size)
+            throws Exception {
+        return FileMetadata.deleteFileBuilder(table.spec()).ofPositionDeletes()
+            .withPath(location).withFormat(FileFormat.PARQUET).withFileSizeInBytes(size)
+            .withMetrics(footer(local, MetricsConfig.forPositionDelete(table))).build();
     }
 
     /** Position-delete files already in the table's storage: each of {@code files} is
@@ -351,6 +378,97 @@ public class Batch {
             delta = delta.removeDeletes((DeleteFile) removes.get(i));
         }
         return delta;
+    }
+
+    /** One table's row delta, in a transaction of its own: {@code adds}, {@code deletes} and
+     * {@code removes} as {@code fill} puts them, validated as {@code params} (JSON) says, and
+     * committed into the transaction (its validation runs here); the transaction is committed
+     * to the catalog too if {@code alone}, else returned for a commit with other tables'.
+     * {@code params}: "base" the snapshot the positions were read from (null: none),
+     * "referenced" the data files the deletes point into (each must still be there),
+     * "key" [a key column, the lowest and highest of its values the batch changes] (null: any
+     * key) and "source" (null: none) the rows whose concurrent deletes or new files conflict,
+     * "properties" the commit's summary marks, "expire" a staged snapshot that expires in the
+     * same transaction (null: none). One call instead of two dozen round trips. */
+    public Transaction rowDelta(Table table, List adds, List deletes, List removes,
+                                String params, boolean alone) throws Exception {
+        Map p = (Map) json.readValue(params, Map.class);
+        Transaction txn = table.newTransaction();
+        // Its manifests written and its validation's manifests read in this thread: through
+        // Iceberg's shared worker pool (as many threads as cores, for every table committing
+        // at once) each step waits for the pool, then for a poll that sleeps 10 ms at a time.
+        RowDelta delta = (RowDelta) txn.newRowDelta().scanManifestsWith(DIRECT);
+        if (p.get("base") != null) {
+            delta = delta.validateFromSnapshot(asLong(p.get("base")));
+        }
+        delta = fill(delta, adds, deletes, removes);
+        List referenced = (List) p.get("referenced");
+        if (referenced != null && !referenced.isEmpty()) {
+            delta = delta.validateDeletedFiles().validateDataFilesExist(referenced);
+        }
+        delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles();
+        Expression conflicts = null;
+        List key = (List) p.get("key");
+        if (key != null) {
+            String name = (String) key.get(0);
+            conflicts = Expressions.and(Expressions.greaterThanOrEqual(name, key.get(1)),
+                                        Expressions.lessThanOrEqual(name, key.get(2)));
+        }
+        if (p.get("source") != null) {
+            Expression mine = Expressions.equal((String) p.get("source_column"), p.get("source"));
+            conflicts = conflicts == null ? mine : Expressions.and(conflicts, mine);
+        }
+        if (conflicts != null) {
+            delta = delta.conflictDetectionFilter(conflicts);
+        }
+        Map marks = (Map) p.get("properties");
+        for (Iterator it = marks.entrySet().iterator(); it.hasNext();) {
+            Map.Entry mark = (Map.Entry) it.next();
+            delta = (RowDelta) delta.set((String) mark.getKey(), (String) mark.getValue());
+        }
+        delta.commit();
+        if (p.get("expire") != null) {
+            // expireOlderThan(0): nothing but the staged snapshot expires.
+            txn.expireSnapshots().expireSnapshotId(asLong(p.get("expire"))).expireOlderThan(0)
+                .cleanExpiredFiles(false).commit();
+        }
+        if (alone) {
+            txn.commitTransaction();
+        }
+        return txn;
+    }
+
+    /** After a commit whose summary carries {@code marks} (JSON map): the table refreshed,
+     * and as JSON "snapshot" the snapshot that commit made (the newest carrying them; a later
+     * commit may be current already), else the current one; "parent" its parent (null: none,
+     * or not found); "summary" its summary. */
+    public String committed(Table table, String marks) throws Exception {
+        table.refresh();
+        Map wanted = (Map) json.readValue(marks, Map.class);
+        Snapshot mine = null;
+        Snapshot at = table.currentSnapshot();
+        for (int i = 0; i < 100 && at != null && !wanted.isEmpty() && mine == null; i++) {
+            Map summary = at.summary();
+            boolean all = true;
+            for (Iterator it = wanted.entrySet().iterator(); it.hasNext();) {
+                Map.Entry mark = (Map.Entry) it.next();
+                if (!String.valueOf(summary.get(mark.getKey())).equals(mark.getValue())) {
+                    all = false;
+                }
+            }
+            if (all) {
+                mine = at;
+            } else {
+                Long parent = at.parentId();
+                at = parent == null ? null : table.snapshot(parent.longValue());
+            }
+        }
+        Snapshot found = mine != null ? mine : table.currentSnapshot();
+        Map out = new HashMap();
+        out.put("snapshot", found == null ? null : Long.valueOf(found.snapshotId()));
+        out.put("parent", mine == null ? null : mine.parentId());
+        out.put("summary", found == null ? new HashMap() : found.summary());
+        return json.writeValueAsString(out);
     }
 
     /** The overwrite with {@code files} added. */

@@ -136,12 +136,18 @@ def _with_ids(name: str, staged: pa.DataType, field: Any) -> pa.Field:
 
 def local_folder(spark: Any, location: str) -> Optional[Path]:
     """The folder on this machine's disk that ``location`` names, if Hadoop's file system for
-    it is the local one (a path without a scheme is on the cluster's default file system)."""
-    path = spark._jvm.org.apache.hadoop.fs.Path(location)
-    fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
-    if str(fs.getUri().getScheme()) != "file":
-        return None
-    return Path(str(fs.makeQualified(path).toUri().getPath()))
+    it is the local one (a path without a scheme is on the cluster's default file system).
+    Asked of Hadoop once per Spark context and location (a table's batches ask each time)."""
+    key = (id(spark._jsc), location)
+    if key not in _LOCAL_FOLDERS:
+        path = spark._jvm.org.apache.hadoop.fs.Path(location)
+        fs = path.getFileSystem(spark._jsc.hadoopConfiguration())
+        _LOCAL_FOLDERS[key] = None if str(fs.getUri().getScheme()) != "file" else \
+            Path(str(fs.makeQualified(path).toUri().getPath()))
+    return _LOCAL_FOLDERS[key]
+
+
+_LOCAL_FOLDERS: dict[tuple[int, str], Optional[Path]] = {}
 
 
 def data_folder(table: Any) -> str:

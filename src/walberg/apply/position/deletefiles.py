@@ -223,24 +223,17 @@ def _write_position_deletes(spark: Any, table: Any, deletes: Any
 def _upload_position_deletes(spark: Any, table: Any, deletes: Positions
                              ) -> tuple[JavaFiles, int, list[str]]:
     """Put the position-delete file written on the driver for an unpartitioned table in its
-    data folder through Hadoop's file system, whatever the warehouse's storage, and describe
-    it with the metrics of its footer (the bounds of its ``file_path`` tell readers which data
-    files it applies to). No Spark job: the positions were on the driver already."""
+    data folder, whatever the warehouse's storage, described with the metrics of its footer
+    (the bounds of its ``file_path`` tell readers which data files it applies to). No Spark
+    job: the positions were on the driver already."""
     if not deletes.rows:
         return JavaFiles.empty(spark), 0, []
     local = deletes.local
-    jvm = spark._jvm
-    name = f"{data_folder(table)}/{local.name}"
-    dest = jvm.org.apache.hadoop.fs.Path(name)
-    fs = dest.getFileSystem(spark._jsc.hadoopConfiguration())
-    spark_call("uploading position deletes", lambda: fs.copyFromLocalFile(
-        True, True, jvm.org.apache.hadoop.fs.Path(local.resolve().as_uri()), dest))
-    metrics = jvm.org.apache.iceberg.parquet.ParquetUtil.fileMetrics(
-        table.io().newInputFile(name), jvm.org.apache.iceberg.MetricsConfig.forPositionDelete(table))
-    builder = jvm.org.apache.iceberg.FileMetadata.deleteFileBuilder(table.spec()) \
-        .ofPositionDeletes()
-    delete = (builder.withPath(name).withFormat(jvm.org.apache.iceberg.FileFormat.PARQUET)
-              .withFileSizeInBytes(fs.getFileStatus(dest).getLen()).withMetrics(metrics).build())
+    # Described from its footer here, then moved in (a rename where the warehouse is on
+    # this disk).
+    delete = batch_helper(spark).positionDeleteFile(
+        table, f"{data_folder(table)}/{local.name}", str(local.resolve()), local.stat().st_size)
+    _move_in(spark, table, [local], "position deletes")
     return JavaFiles.of(spark, [delete]), deletes.rows, deletes.data_files
 
 

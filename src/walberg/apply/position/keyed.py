@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.batch import StagedTable
-from walberg.apply.jvm.helper import JavaFiles
+from walberg.apply.jvm.helper import JavaFiles, batch_helper
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.batchkeys import concat_entries, entries_as_written, look_up, new_rows
 from walberg.apply.position.copykeys import KeysAsWritten
@@ -72,6 +72,9 @@ class KeyedApply:
         self._told: dict[str, str] = {}  # the reason last logged for new rows by Spark
         self._positional: dict[str, bool] = {}
         self._clashed: set[str] = set()  # tables whose keys share index entries: MERGE
+        # How each table's new rows are written, for the table's shape (schema, spec, sort
+        # order, properties), source columns and staged types it was worked out for.
+        self._plans: dict[str, tuple[Any, _Plan]] = {}
 
     @property
     def _enabled(self) -> bool:
@@ -103,6 +106,7 @@ class KeyedApply:
     def forget(self, target: str) -> None:
         """The table may have been replaced or repartitioned: look at it afresh."""
         self._positional.pop(target, None)
+        self._plans.pop(target, None)
         if self.indexes is not None:
             self.indexes.forget(target)
 
@@ -174,9 +178,9 @@ class KeyedApply:
             # position: the index's entries for them, with nothing read back after the commit
             # (on object storage that was a Spark job over every new file, one per partition).
             as_written: list[tuple[str, int, pa.Table]] = []
-            why = self._why_not_here(target, staged, table)
+            plan = self._plan(target, staged, table)
             started = time.monotonic()
-            rows, new_files, why = self._write_new_rows(target, staged, netted, table, why,
+            rows, new_files, why = self._write_new_rows(target, staged, netted, table, plan,
                                                         max_seq, void, scratch, key_names,
                                                         as_written)
             written_in = time.monotonic() - started
@@ -193,6 +197,8 @@ class KeyedApply:
             result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
                                       new_files, table, keys, self.lake.source, live)
             clock.append(time.monotonic())
+            if result.summary is not None:
+                self.lake.last_summaries[target] = result.summary
             crash_point("indexed", delay=0.5)
             if new_files is not None and \
                     set(result.added_files) == {location for location, _, _ in as_written}:
@@ -212,11 +218,11 @@ class KeyedApply:
                  lookup_s, result.seconds[0], result.seconds[2], clock[3] - clock[2])
 
     def _write_new_rows(self, target: str, staged: StagedTable, netted: Callable[[], Any],
-                        table: Any, why: Optional[str], max_seq: int,
+                        table: Any, plan: "_Plan", max_seq: int,
                         void: Sequence[tuple[int, int]], scratch: Path,
                         key_names: Sequence[str], as_written: list[tuple[str, int, pa.Table]]
                         ) -> tuple[Any, Optional[JavaFiles], Optional[str]]:
-        """The batch's new rows: as data files written on the driver unless ``why`` (or the
+        """The batch's new rows: as data files written on the driver unless ``plan`` (or the
         writing) says why not, their keys noted in ``as_written``; else as the DataFrame for
         Spark to write, from ``netted()``. With the reason they are not written here (None:
         they are)."""
@@ -224,16 +230,15 @@ class KeyedApply:
         columns = staged.columns
         rows: Any = None
         new_files: Optional[JavaFiles] = None
+        why, schema, partitioner = plan
         if why is None:
-            schema = datafiles.arrow_schema(table, columns, self.lake, target)
-            partitioner = Partitioner.of(table, schema)
-            assert isinstance(partitioner, Partitioner)  # as ``why`` found
+            assert schema is not None and partitioner is not None  # (as ``why`` found)
             try:
                 written = datafiles.write(
                     spark, table, schema,
                     new_rows(staged.files, schema, max_seq, void, self.lake.source),
                     scratch, "walberg-rows",
-                    None if table.spec().isUnpartitioned() else partitioner,
+                    partitioner if partitioner.fields else None,
                     on_rows=lambda location, first, part: as_written.append(
                         (location, first, part.select(key_names))))
                 new_files = datafiles.data_files(spark, table, written)
@@ -246,17 +251,34 @@ class KeyedApply:
             rows = self.lake.typed(netted().where("_wb_op <> 'D'"), target, columns, "_wb_lsn")
         return rows, new_files, why
 
-    def _why_not_here(self, target: str, staged: StagedTable, table: Any) -> Optional[str]:
-        """Why this batch's new rows are written by Spark (None: on the driver). Said in the
-        log once per table and reason."""
-        why = ("the batch was not netted per key when it was staged" if not staged.unique_keys
-               else datafiles.why_not_staged(self.lake, self.tables, target, staged.columns,
-                                             table, [pq.read_schema(f).types
-                                                     for f in staged.files]))
+    def _plan(self, target: str, staged: StagedTable, table: Any) -> "_Plan":
+        """How this batch's new rows are written: why by Spark (None: on the driver), and
+        then the data files' schema and partitioner. Worked out once per table shape, source
+        columns and staged types (over py4j it is a few dozen round trips a table, which a
+        database of many small tables paid every batch). The reason is said in the log once
+        per table and reason."""
+        if not staged.unique_keys:
+            plan: _Plan = ("the batch was not netted per key when it was staged", None, None)
+        else:
+            key = (str(batch_helper(self.lake.spark).shape(table)), tuple(staged.columns),
+                   tuple(tuple(pq.read_schema(f).types) for f in staged.files))
+            kept = self._plans.get(target)
+            if kept is None or kept[0] != key:
+                why = datafiles.why_not_staged(self.lake, self.tables, target, staged.columns,
+                                               table, [list(types) for types in key[2]])
+                schema = partitioner = None
+                if why is None:
+                    schema = datafiles.arrow_schema(table, staged.columns, self.lake, target)
+                    found = Partitioner.of(table, schema)
+                    assert isinstance(found, Partitioner)  # (as ``why_not_staged`` found)
+                    partitioner = found
+                kept = self._plans[target] = (key, (why, schema, partitioner))
+            plan = kept[1]
+        why = plan[0]
         if why is not None and self._told.get(target) != why:
             self._told[target] = why
             log.info("%s by position: new rows written by Spark, because %s", target, why)
-        return why
+        return plan
 
     def keys_as_written(self, target: str, columns: Sequence[Column]
                         ) -> Optional[KeysAsWritten]:
@@ -296,6 +318,11 @@ class KeyedApply:
         finally:
             if keys is not None:
                 keys.discard()
+
+
+# How a batch's new rows are written (KeyedApply._plan): why by Spark (None: on the driver),
+# the data files' Arrow schema and the partitioner of the table's spec.
+_Plan = tuple[Optional[str], Optional[pa.Schema], Optional[Partitioner]]
 
 
 def _positional(table: Any, source: Optional[str]) -> bool:

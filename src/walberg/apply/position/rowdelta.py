@@ -71,6 +71,7 @@ class RowDeltaResult:
     # another writer's commit landed between (Iceberg retries a commit on top of one it does
     # not conflict with, such as a compaction of other files).
     parent: Optional[int] = None
+    summary: Optional[Mapping[str, str]] = None  # the summary of the snapshot it made
 
     @property
     def added_files(self) -> tuple[str, ...]:
@@ -120,27 +121,20 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             new_files = new_files.plus(spark, rows_files)
         clock.append(time.monotonic())
         # One transaction: the row delta, and the staged snapshot's removal from the metadata
-        # (readers and `history` see one snapshot a batch).
-        txn = table.newTransaction()
-        delta = txn.newRowDelta()
-        if base_snapshot is not None:
-            delta = delta.validateFromSnapshot(base_snapshot)
-        delta = helper.fill(delta, new_files.java, files.java, replaced)
-        delta = _validated(spark, delta, referenced, keys, source)
+        # (readers and `history` see one snapshot a batch). Built, validated and committed in
+        # one call into the JVM (Batch.rowDelta).
         added = new_files.records
-        for key, value in properties.items():
-            delta = delta.set(key, value)
         expire = staged is not None and _may_expire(table)
+        params = json.dumps({
+            "base": base_snapshot, "referenced": referenced,
+            "key": None if keys is None else list(keys),
+            "source": source, "source_column": SOURCE_COLUMN, "properties": dict(properties),
+            "expire": int(staged.snapshotId()) if expire else None})
 
         def commit() -> None:
-            delta.commit()  # into the transaction: its validation runs here
-            if expire:
-                # expireOlderThan(0): nothing but the staged snapshot expires.
-                txn.expireSnapshots().expireSnapshotId(staged.snapshotId()) \
-                    .expireOlderThan(0).cleanExpiredFiles(False).commit()
-            if group is None:
-                txn.commitTransaction()
-            else:  # with the batch's other tables, in one catalog transaction
+            txn = helper.rowDelta(table, new_files.java, files.java, replaced, params,
+                                  group is None)
+            if group is not None:  # with the batch's other tables, in one catalog transaction
                 group[0].commit(group[1], target, txn)
             failure_point("row-delta")
 
@@ -160,46 +154,13 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
         raise
     if expire:
         _remove_staged_metadata(spark, table, staged)
-    table.refresh()
-    mine = _committed(table, properties)
-    parent = None if mine is None or mine.parentId() is None else int(mine.parentId())
-    return RowDeltaResult(int((mine or table.currentSnapshot()).snapshotId()), added, deleted,
-                          new_files, files,
+    # The table refreshed; the snapshot this commit made (the newest carrying its marks: a
+    # later commit may be current already), its parent and summary.
+    mine = json.loads(helper.committed(table, json.dumps(dict(properties))))
+    return RowDeltaResult(int(mine["snapshot"]), added, deleted, new_files, files,
                           (clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2]),
-                          parent)
-
-
-def _validated(spark: Any, delta: Any, referenced: list[str],
-               keys: Optional[tuple[str, Any, Any]], source: Optional[str]) -> Any:
-    """The row delta, told what to validate against the commits since its base snapshot (see
-    ``commit_row_delta``): the data files its deletes point into (``referenced``) still there,
-    and no other writer's deletes or new rows for its keys."""
-    if referenced:
-        refs = spark._jvm.java.util.ArrayList()
-        for path in referenced:
-            refs.add(path)
-        delta = delta.validateDeletedFiles().validateDataFilesExist(refs)
-    # What another writer did since the base snapshot: deletes or new rows for these keys.
-    delta = delta.validateNoConflictingDeleteFiles().validateNoConflictingDataFiles()
-    conflicts = _conflicts(spark, keys, source)
-    if conflicts is not None:
-        delta = delta.conflictDetectionFilter(conflicts)
-    return delta
-
-
-def _committed(table: Any, properties: Mapping[str, str]) -> Any:
-    """The snapshot this commit made: the newest whose summary carries its marks (a later
-    commit may be current already), or None."""
-    at = table.currentSnapshot()
-    for _ in range(100):
-        if at is None or not properties:
-            return None
-        summary = at.summary()
-        if all(str(summary.get(k)) == v for k, v in properties.items()):
-            return at
-        parent = at.parentId()
-        at = None if parent is None else table.snapshot(parent)
-    return None
+                          None if mine["parent"] is None else int(mine["parent"]),
+                          {str(k): str(v) for k, v in mine["summary"].items()})
 
 
 def _not_committed(exc: BaseException) -> bool:
@@ -208,24 +169,6 @@ def _not_committed(exc: BaseException) -> bool:
     names = {str(cause.getClass().getSimpleName()) for cause in java_causes(exc)}
     return bool(names & {"CommitFailedException", "ValidationException"}) and \
         "CommitStateUnknownException" not in names
-
-
-def _conflicts(spark: Any, keys: Optional[tuple[str, Any, Any]], source: Optional[str]) -> Any:
-    """The rows a concurrent commit conflicts on: the batch's key range, in its source's
-    partition (None: any row)."""
-    expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
-    found = None if keys is None else _key_range(spark, *keys)
-    if source is not None:
-        mine = expressions.equal(SOURCE_COLUMN, source)
-        found = mine if found is None else getattr(expressions, "and")(found, mine)
-    return found
-
-
-def _key_range(spark: Any, key: str, lowest: Any, highest: Any) -> Any:
-    """The Iceberg expression ``lowest <= key <= highest``."""
-    expressions = spark._jvm.org.apache.iceberg.expressions.Expressions
-    return getattr(expressions, "and")(expressions.greaterThanOrEqual(key, lowest),
-                                       expressions.lessThanOrEqual(key, highest))
 
 
 def _may_expire(table: Any) -> bool:
