@@ -213,6 +213,9 @@ class IcebergSink:
     def committed_server(self, target: str) -> Optional[str]:
         return self.snapshots.committed_server(target)
 
+    def committed_marks(self, target: str) -> tuple[Optional[Lsn], Optional[str]]:
+        return self.snapshots.committed_marks(target)
+
     def owe_copy(self, target: str, lsn: Lsn) -> None:
         """Say in the lake that ``target`` is owed a copy from at least ``lsn``, before the
         copy starts (see ``copy_owed``)."""

@@ -31,32 +31,31 @@ class Snapshots:
         a maintenance commit may carry an older one), or None when walberg has never committed
         to it (the initial copy is still owed). Read from the snapshots' summaries through
         Iceberg's API: table metadata only, no Spark job (this is asked at every start)."""
-        if not self.lake.table_exists(target):
-            return None
+        return self.committed_marks(target)[0]
 
-        def read() -> Optional[Lsn]:
+    def committed_server(self, target: str) -> Optional[str]:
+        """The source server (``<system identifier>/<timeline>``) of walberg's newest commit to
+        the table that names one, or None."""
+        return self.committed_marks(target)[1]
+
+    def committed_marks(self, target: str) -> tuple[Optional[Lsn], Optional[str]]:
+        """``committed_lsn`` and ``committed_server`` from one read of the table's history
+        (a start asks both of every table)."""
+        if not self.lake.table_exists(target):
+            return None, None
+
+        def read() -> tuple[Optional[Lsn], Optional[str]]:
             best: Optional[Lsn] = None
+            server: Optional[str] = None
             for summary in self.current_ancestry(target):
                 value = summary.get(self.lake.lsn_property)
                 if value is not None:
                     lsn = Lsn.parse(value)
                     best = lsn if best is None else max(best, lsn)
-            return best
-
-        return spark_call(f"reading the snapshot history of {target}", read)
-
-    def committed_server(self, target: str) -> Optional[str]:
-        """The source server (``<system identifier>/<timeline>``) of walberg's newest commit to
-        the table that names one, or None."""
-        if not self.lake.table_exists(target):
-            return None
-
-        def read() -> Optional[str]:
-            for summary in self.current_ancestry(target):
-                value = summary.get(self.lake.server_property)
-                if value is not None:
-                    return str(value)
-            return None
+                found = summary.get(self.lake.server_property)
+                if server is None and found is not None:
+                    server = str(found)  # (the newest: newest first)
+            return best, server
 
         return spark_call(f"reading the snapshot history of {target}", read)
 

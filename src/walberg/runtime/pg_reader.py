@@ -138,9 +138,11 @@ class PgReader:
                 crash_point("lake-check", delay=1.0)  # while Spark starts and the stream runs
             sink = self.tables.sink
 
+            servers: dict[str, Optional[str]] = {}  # (for the failover check below)
+
             def ensure(t: str) -> None:
                 self.tables.ensure(t, infos[t])
-                lsn = sink.committed_lsn(self.tables.targets[t])
+                lsn, servers[t] = sink.committed_marks(self.tables.targets[t])
                 if lsn is not None:
                     self.state.set_committed(t, lsn)
 
@@ -148,7 +150,7 @@ class PgReader:
             # which overlap (hundreds of tables start in a fraction of the time).
             jvm_map(ensure, list(infos))
             if slot is not None:
-                self.server.same_server_as_lake(server, slot_exists=True)
+                self.server.same_server_as_lake(server, slot_exists=True, recorded=servers)
             if self.parking is not None:
                 self.parking.load(self.tables.tables)
                 self._park_refused()

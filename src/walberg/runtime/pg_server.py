@@ -6,7 +6,7 @@ another system, an old primary back, or a standby without the slot may not)."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Mapping, Optional
 
 from walberg.apply.session import jvm_map
 from walberg.config import PostgresSource
@@ -45,21 +45,27 @@ class ServerCheck:
         """The furthest position this run holds changes up to: read, applied or committed."""
         return max([self.state.received, self.state.applied, *self.state.committed().values()])
 
-    def same_server_as_lake(self, server: tuple[str, int], slot_exists: bool) -> None:
+    def same_server_as_lake(self, server: tuple[str, int], slot_exists: bool,
+                            recorded: Optional[Mapping[str, Optional[str]]] = None) -> None:
         """At start: the server (system identifier, timeline) judged against the one each
-        table's last commit recorded (``walberg.server``), with the table's LSN at stake: a
-        failover while walberg was down is caught as one while it runs."""
+        table's last commit recorded (``walberg.server``; ``recorded``: as the start just read
+        it, per table), with the table's LSN at stake: a failover while walberg was down is
+        caught as one while it runs."""
         system, timeline = server
         sink = self.tables.sink
         # (tables copied again by walberg resync: what they held does not matter)
         tables = [t for t in self.tables.tables if t not in self.recopy]
+        known = recorded or {}
+        unread = [t for t in tables if t not in known]
         # Each is a read of the table's history: side by side for hundreds of tables.
-        servers = jvm_map(lambda t: sink.committed_server(self.tables.targets[t]), tables)
-        for t, recorded in zip(tables, servers, strict=True):
+        read = dict(zip(unread, jvm_map(
+            lambda t: sink.committed_server(self.tables.targets[t]), unread), strict=True))
+        servers = [known[t] if t in known else read[t] for t in tables]
+        for t, named in zip(tables, servers, strict=True):
             target = self.tables.targets[t]
-            if recorded is None:
+            if named is None:
                 continue
-            known_system, _, known_timeline = recorded.partition("/")
+            known_system, _, known_timeline = named.partition("/")
             held = self.state.committed_at(t) or sink.committed_lsn(target) or Lsn(0)
             self._judge((known_system, int(known_timeline or 0)), (system, timeline),
                         slot_exists, held, f"the lake's {target}")
