@@ -139,6 +139,10 @@ def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
         assert iceberg_rows(warehouse, target) == rows
     assert duckdb_rows(warehouse, target) == rows
     assert sorted(index.lookup(np.array(sorted(model))).keys.tolist()) == sorted(model)
+    # Hadoop wrote the table's metadata without a checksum file beside each (each file it
+    # makes on the local disk costs a `chmod` run: apply.jvm.spark._no_local_checksums).
+    folder = warehouse.joinpath(*target.split(".")[1:])
+    assert list(folder.rglob("*.metadata.json")) and not list(folder.rglob("*.crc"))
 
 
 def test_the_commit_code_is_loaded_ahead_on_files_of_its_own(spark: Any, tmp_path: Path) -> None:
