@@ -145,7 +145,7 @@ class KafkaStager:
             for info in segments:  # (grows while read)
                 read.append(info)
                 records, past = read_segment(self.store, info, below)
-                if self._stage_records(into, records):
+                if self._stage_records(into, by_topic(records)):
                     cut = True  # the record that adds columns starts the next batch
                     break
                 for tp, o in past.items():  # (offsets without records: the lake may pass them)
@@ -313,6 +313,20 @@ class KafkaStager:
     def done_with(self, batch: Batch) -> list[SegmentInfo]:
         # A batch cut before new columns leaves its last segment to the next one.
         return batch.segments[:-1] if batch.cut else batch.segments
+
+
+def by_topic(records: list[kafka.Record]) -> list[kafka.Record]:
+    """The records of a segment a topic at a time (topics in the order they first come), each
+    topic's in their order: the columnar decoder takes a topic's records in runs, and the
+    topics of an application's transactions interleave (200 topics: runs of a record or two,
+    most of the staging's time spent per run). Only each partition's order matters: a table is
+    applied by itself, and what a batch holds of a partition is still a prefix of it if a
+    record that adds columns cuts the batch (the topics after it in this order are left whole
+    to the next batch, from the offsets staged)."""
+    groups: dict[str, list[kafka.Record]] = {}
+    for record in records:
+        groups.setdefault(record.topic, []).append(record)
+    return records if len(groups) < 2 else [r for group in groups.values() for r in group]
 
 
 @dataclass
