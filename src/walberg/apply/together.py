@@ -26,13 +26,12 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
+from walberg.apply.catalog.catalog_reads import TRANSACTIONS_ENDPOINT
 from walberg.apply.jvm.calls import spark_call
 from walberg.errors import ApplyError
 from walberg.faults import crash_point, failure_point
 
 log = logging.getLogger("walberg")
-
-TRANSACTIONS_ENDPOINT = "POST /v1/{prefix}/transactions/commit"
 
 _current = threading.local()
 

@@ -120,9 +120,9 @@ def commit_row_delta(spark: Any, target: str, rows: Optional[Any],
             staged, rows_files = _stage_rows(spark, table, target, rows)  # refreshes ``table``
             new_files = new_files.plus(spark, rows_files)
         clock.append(time.monotonic())
-        # One transaction: the row delta, and the staged snapshot's removal from the metadata
-        # (readers and `history` see one snapshot a batch). Built, validated and committed in
-        # one call into the JVM (Batch.rowDelta).
+        # Built, validated and committed in one call into the JVM (Batch.rowDelta): by itself,
+        # or in a transaction with the staged snapshot's removal from the metadata (readers
+        # and `history` see one snapshot a batch) or with the batch's other tables.
         added = new_files.records
         expire = staged is not None and _may_expire(table)
         params = json.dumps({
