@@ -4,6 +4,8 @@ reading the positions and committing makes the commit fail rather than delete wr
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +145,15 @@ def test_index_and_row_deltas_keep_a_table_exact_over_rounds_and_a_compaction(
     # makes on the local disk costs a `chmod` run: apply.jvm.spark._no_local_checksums).
     folder = warehouse.joinpath(*target.split(".")[1:])
     assert list(folder.rglob("*.metadata.json")) and not list(folder.rglob("*.crc"))
+    # ... and set each one's permissions in the JVM (Batch.LocalPermissions), not by running
+    # `chmod`: the same permissions a file made under this umask has.
+    raw = spark._jvm.org.apache.hadoop.fs.FileSystem.getLocal(
+        spark._jsc.hadoopConfiguration()).getRawFileSystem()
+    assert raw.getClass().getName() == "walberg.Batch$LocalPermissions"
+    umask = os.umask(0)
+    os.umask(umask)
+    made = [p for p in folder.rglob("*") if p.is_file()]
+    assert made and {p.stat().st_mode & 0o777 for p in made} == {0o666 & ~umask}
 
 
 def test_the_commit_code_is_loaded_ahead_on_files_of_its_own(spark: Any, tmp_path: Path) -> None:
