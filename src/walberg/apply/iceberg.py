@@ -105,6 +105,12 @@ class IcebergSink:
     def table_exists(self, target: str) -> bool:
         return self.lake.table_exists(target)
 
+    def known_to_exist(self, target: str) -> bool:
+        """``table_exists``, answered without the catalog for a table this sink read already
+        (at a start, every table is read once; asking the catalog again cost a round of Spark's
+        name resolution per table)."""
+        return self.tables.read_already(target) or self.table_exists(target)
+
     def forget(self, target: str) -> None:
         """Drop what is cached about ``target`` (after a failed commit: read it afresh)."""
         self.tables.forget(target)

@@ -51,11 +51,10 @@ def quote_target(target: str) -> str:
 
 def java_table(spark: Any, target: str) -> Any:
     """``target`` as an Iceberg Java table, refreshed: its metadata, read on the driver, with
-    no Spark job and none of Spark SQL's parsing and planning."""
-    table = spark._jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
-        spark._jsparkSession, quote_target(target))
-    table.refresh()
-    return table
+    no Spark job and none of Spark SQL's parsing and planning (one round trip)."""
+    from walberg.apply.jvm.helper import batch_helper
+
+    return batch_helper(spark).table(spark._jsparkSession, quote_target(target), False)
 
 
 def java_properties(spark: Any, table: Any) -> dict[str, str]:
@@ -111,23 +110,9 @@ def side_by_side(call: Callable[..., None], items: Sequence[tuple[Any, ...]],
 
 def find_java_table(spark: Any, target: str) -> Optional[Any]:
     """``target`` as an Iceberg Java table (see ``java_table``), or None if it does not exist."""
-    try:
-        return java_table(spark, target)
-    except Exception as exc:
-        if _not_found(exc):
-            return None
-        raise
+    from walberg.apply.jvm.helper import batch_helper
 
-
-def _not_found(exc: BaseException) -> bool:
-    """Whether a Java call failed because the table (or its namespace) does not exist. PySpark
-    turns Spark's exceptions into its own, with Spark's error class; others stay py4j's."""
-    error_class = getattr(exc, "getErrorClass", None)
-    if callable(error_class) and error_class() in ("TABLE_OR_VIEW_NOT_FOUND", "SCHEMA_NOT_FOUND"):
-        return True
-    java = getattr(exc, "java_exception", None)
-    return java is not None and str(java.getClass().getName()).endswith(
-        (".NoSuchTableException", ".NoSuchNamespaceException"))
+    return batch_helper(spark).table(spark._jsparkSession, quote_target(target), True)
 
 
 class LakeSession:

@@ -14,6 +14,7 @@ from walberg.apply.session import (
     OFFSET_PROPERTY,
     SERVER_PROPERTY,
     LakeSession,
+    find_java_table,
     java_table,
     quote_target,
 )
@@ -41,21 +42,15 @@ class Snapshots:
     def committed_marks(self, target: str) -> tuple[Optional[Lsn], Optional[str]]:
         """``committed_lsn`` and ``committed_server`` from one read of the table's history
         (a start asks both of every table)."""
-        if not self.lake.table_exists(target):
-            return None, None
+        from walberg.apply.jvm.helper import batch_helper
 
         def read() -> tuple[Optional[Lsn], Optional[str]]:
-            best: Optional[Lsn] = None
-            server: Optional[str] = None
-            for summary in self.current_ancestry(target):
-                value = summary.get(self.lake.lsn_property)
-                if value is not None:
-                    lsn = Lsn.parse(value)
-                    best = lsn if best is None else max(best, lsn)
-                found = summary.get(self.lake.server_property)
-                if server is None and found is not None:
-                    server = str(found)  # (the newest: newest first)
-            return best, server
+            table = find_java_table(self.lake.spark, target)
+            if table is None:
+                return None, None
+            lsn, server = json.loads(batch_helper(self.lake.spark).marks(
+                table, self.lake.lsn_property, self.lake.server_property))
+            return (None if lsn is None else Lsn.parse(lsn)), server
 
         return spark_call(f"reading the snapshot history of {target}", read)
 

@@ -18,8 +18,6 @@ from walberg.apply.session import (
     SOURCE_COLUMN,
     LakeSession,
     find_java_table,
-    java_items,
-    java_properties,
     quote_target,
 )
 from walberg.apply.types import quote, sql_string
@@ -105,17 +103,15 @@ class TableFacts:
     columns: list[tuple[str, str]]
 
 
-def _spec_fields(table: Any) -> list[str]:
-    """The partition fields of a Java table's current spec, normalised; a field a v2 spec
-    dropped (a void transform) is left out."""
+def _partitioning(fields: list[list[str]]) -> list[str]:
+    """The partition fields of a spec ([transform, source column] each), normalised; a field a
+    v2 spec dropped (a void transform) is left out."""
     out: list[str] = []
-    schema = table.schema()
-    for field in java_items(table.spec().fields()):  # (py4j's iteration ends in an error)
-        m = re.fullmatch(r"(\w+)(?:\[(\d+)\])?", str(field.transform().toString()))
+    for transform, column in fields:
+        m = re.fullmatch(r"(\w+)(?:\[(\d+)\])?", str(transform))
         if m is None or m.group(1) == "void":
             continue
         name, width = m.groups()
-        column = str(schema.findColumnName(field.sourceId()))
         text = column if name == "identity" else (
             f"{name}({width},{column})" if width else f"{name}({column})")
         out.append(normal_transform(text))
@@ -125,11 +121,13 @@ def _spec_fields(table: Any) -> list[str]:
 def _facts(spark: Any, table: Any) -> TableFacts:
     from pyspark.sql.types import StructType
 
-    jvm = spark._jvm
-    struct = StructType.fromJson(json.loads(
-        jvm.org.apache.iceberg.spark.SparkSchemaUtil.convert(table.schema()).json()))
-    return TableFacts(_spec_fields(table), java_properties(spark, table),
-                      int(table.operations().current().formatVersion()),
+    from walberg.apply.jvm.helper import batch_helper
+
+    found = json.loads(batch_helper(spark).facts(table))
+    struct = StructType.fromJson(found["struct"])
+    return TableFacts(_partitioning(found["spec"]),
+                      {str(k): str(v) for k, v in found["properties"].items()},
+                      int(found["format"]),
                       [(f.name, f.dataType.simpleString()) for f in struct.fields])
 
 
@@ -173,6 +171,10 @@ class Tables:
 
     def exists(self, target: str) -> bool:
         return self.describe(target) is not None
+
+    def read_already(self, target: str) -> bool:
+        """Whether the table's facts are held (it existed when they were read)."""
+        return target in self._facts
 
     def ensure_table(self, target: str, columns: Sequence[Column],
                      layout: Optional[Layout] = None,

@@ -111,7 +111,7 @@ class Parking:
         key = self._key()
         for table in tables:
             target = self.targets[table]
-            if not sink.table_exists(target):
+            if not sink.known_to_exist(target):
                 continue
             value = sink.properties(target, key).get(key)
             if not value:

@@ -40,11 +40,14 @@ import org.apache.iceberg.FileMetadata;
 import org.apache.iceberg.FileScanTask;
 import org.apache.iceberg.GenericBlobMetadata;
 import org.apache.iceberg.GenericStatisticsFile;
+import org.apache.iceberg.HasTableOperations;
 import org.apache.iceberg.Metrics;
 import org.apache.iceberg.MetricsConfig;
 import org.apache.iceberg.OverwriteFiles;
+import org.apache.iceberg.PartitionField;
 import org.apache.iceberg.PartitionSpec;
 import org.apache.iceberg.RowDelta;
+import org.apache.iceberg.Schema;
 import org.apache.iceberg.Snapshot;
 import org.apache.iceberg.StatisticsFile;
 import org.apache.iceberg.StructLike;
@@ -299,6 +302,61 @@ public class Batch {
         return "committed";
     }
 
+    /** The Iceberg table {@code name} (a quoted multi-part name) as Spark's catalog holds it,
+     * refreshed: one round trip where py4j took four (the class, its method, the load, the
+     * refresh). With {@code missingOk}, null when the table or its namespace does not exist. */
+    public Table table(org.apache.spark.sql.SparkSession spark, String name, boolean missingOk)
+            throws Exception {
+        Table table;
+        // Spark finds a catalog by the settings of the calling thread's active session; a
+        // py4j thread made for a new Python thread has none, and a catalog not loaded yet would
+        // be taken for a namespace of the session catalog.
+        org.apache.spark.sql.SparkSession.setActiveSession(spark);
+        try {
+            table = org.apache.iceberg.spark.Spark3Util.loadIcebergTable(spark, name);
+        } catch (Exception e) {
+            if (missingOk && notFound(e)) {
+                return null;
+            }
+            throw e;
+        }
+        table.refresh();
+        return table;
+    }
+
+    private static boolean notFound(Exception e) {
+        String kind = e.getClass().getName();
+        if (kind.endsWith(".NoSuchTableException") || kind.endsWith(".NoSuchNamespaceException")) {
+            return true;
+        }
+        if (e instanceof org.apache.spark.SparkThrowable) {
+            String error = ((org.apache.spark.SparkThrowable) e).getErrorClass();
+            return "TABLE_OR_VIEW_NOT_FOUND".equals(error) || "SCHEMA_NOT_FOUND".equals(error);
+        }
+        return false;
+    }
+
+    /** What walberg checks of a table, as a JSON object: its columns as Spark's schema JSON
+     * ("struct"), the fields of its current spec as [transform, source column] ("spec"), its
+     * properties and format version (some twenty round trips through py4j). */
+    public String facts(Table table) throws Exception {
+        Map out = new HashMap();
+        Schema schema = table.schema();
+        out.put("struct", json.readTree(
+            org.apache.iceberg.spark.SparkSchemaUtil.convert(schema).json()));
+        List spec = new ArrayList();
+        for (Iterator it = table.spec().fields().iterator(); it.hasNext();) {
+            PartitionField field = (PartitionField) it.next();
+            spec.add(Arrays.asList(new Object[] {field.transform().toString(),
+                schema.findColumnName(field.sourceId())}));
+        }
+        out.put("spec", spec);
+        out.put("properties", table.properties());
+        out.put("format", Integer.valueOf(
+            ((HasTableOperations) table).operations().current().formatVersion()));
+        return json.writeValueAsString(out);
+    }
+
     /** The table's properties, as a JSON object (py4j would iterate the map in three round
      * trips a property). */
     public String properties(Table table) throws Exception {
@@ -317,6 +375,41 @@ public class Batch {
             snapshot = parent == null ? null : table.snapshot(parent.longValue());
         }
         return json.writeValueAsString(summaries);
+    }
+
+    /** walberg's marks in the table's current history, as JSON [the highest LSN under
+     * {@code lsnKey}, the newest value under {@code serverKey}], either null when no snapshot
+     * has one: what a start asks of every table (its ancestry as JSON was most of a start's
+     * time at 200 tables with a few dozen snapshots each). */
+    public String marks(Table table, String lsnKey, String serverKey) throws Exception {
+        String best = null;
+        long bestValue = 0;
+        String server = null;
+        Snapshot snapshot = table.currentSnapshot();
+        while (snapshot != null) {
+            Map summary = snapshot.summary();
+            String lsn = (String) summary.get(lsnKey);
+            if (lsn != null) {
+                lsn = lsn.trim();
+                int slash = lsn.indexOf('/');
+                if (slash <= 0) {
+                    throw new IllegalArgumentException("snapshot " + snapshot.snapshotId()
+                        + ": not an LSN under " + lsnKey + ": " + lsn);
+                }
+                long value = (Long.parseLong(lsn.substring(0, slash), 16) << 32)
+                    | Long.parseLong(lsn.substring(slash + 1), 16);
+                if (best == null || Long.compareUnsigned(value, bestValue) > 0) {
+                    best = lsn;
+                    bestValue = value;
+                }
+            }
+            if (server == null) {
+                server = (String) summary.get(serverKey);
+            }
+            Long parent = snapshot.parentId();
+            snapshot = parent == null ? null : table.snapshot(parent.longValue());
+        }
+        return json.writeValueAsString(Arrays.asList(new Object[] {best, server}));
     }
 
     /** The table's current snapshot and each ancestor it still holds, oldest first, as a JSON
