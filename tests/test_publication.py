@@ -139,3 +139,36 @@ def test_generated_columns_land_only_where_the_publication_publishes_them(
         assert verdict.equal, verdict
     assert "doubled" not in landed["none"][0]
     assert landed["stored"][0]["doubled"] == 2 * landed["stored"][0]["a"]
+
+
+def test_tables_described_together_keep_each_its_own_columns_filter_and_key(
+        pg_conn: Any, unique: str) -> None:
+    """A start describes every table in three queries (``describe_tables``): each table keeps
+    its own column list, row filter, replica identity, keys and array dimensions, as it is
+    described alone, and one that does not exist is named."""
+    from walberg.errors import SourceError
+    from walberg.source.postgres import describe_table, describe_tables
+
+    a, b, c = (f"public.{unique}_{x}" for x in "abc")
+    pub, other = f"{unique}_pub", f"{unique}_other"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {a} (id int PRIMARY KEY, secret text, v int)")
+        cur.execute(f"CREATE TABLE {b} (k1 int, k2 bigint, tags text[][], note text, "
+                    f"PRIMARY KEY (k1, k2))")
+        cur.execute(f"CREATE TABLE {c} (u uuid NOT NULL, w text)")
+        cur.execute(f"CREATE UNIQUE INDEX {unique}_cu ON {c} (u)")
+        cur.execute(f"ALTER TABLE {c} REPLICA IDENTITY USING INDEX {unique}_cu")
+        cur.execute(f"CREATE PUBLICATION {pub} FOR TABLE {a} (id, v) WHERE (v > 3), {b}, {c}")
+        cur.execute(f"CREATE PUBLICATION {other} FOR TABLE {b} WHERE (k1 < 10)")
+    together = describe_tables(pg_conn, [a, b, c], [pub, other])
+    assert together == {t: describe_table(pg_conn, t, [pub, other]) for t in (a, b, c)}
+    assert [col.name for col in together[a].columns] == ["id", "v"]
+    assert together[a].column_list and together[a].row_filter == "((v > 3))"
+    assert [col.name for col in together[b].columns if col.is_key] == ["k1", "k2"]
+    assert together[b].row_filter is None  # (published whole by one of the two)
+    assert together[b].dims == {"tags": 2}
+    assert (together[c].replica_identity, [x.name for x in together[c].columns if x.is_key]) \
+        == ("i", ["u"])
+    assert together[c].row_filter is None and not together[c].column_list
+    with pytest.raises(SourceError, match=f"{unique}_gone .*does not exist"):
+        describe_tables(pg_conn, [a, f"public.{unique}_gone"], [pub])

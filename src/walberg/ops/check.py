@@ -115,7 +115,7 @@ def replication_role(p: Probe) -> str:
 
 def tables(p: Probe) -> str:
     publications = p.source.postgres.publications
-    infos = {t: pg.describe_table(p.conn, t, publications) for t in p.source.targets}
+    infos = pg.describe_tables(p.conn, list(p.source.targets), publications)
     for info in infos.values():
         pg.require_key(info)
     p.lake.learn_types(p.source, p.conn, infos)

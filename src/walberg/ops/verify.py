@@ -66,7 +66,7 @@ def verify_source(lake: Lake, source: LakeSource, tables: Optional[list[str]] = 
     conn = pg.connect(source.postgres.dsn, autocommit=False)
     verdicts = []
     try:
-        infos = {t: pg.describe_table(conn, t, source.postgres.publications) for t in chosen}
+        infos = pg.describe_tables(conn, list(chosen), source.postgres.publications)
         conn.rollback()
         lake.learn_types(source, conn, infos)
         conn.rollback()

@@ -95,7 +95,7 @@ class PgReader:
         # read before ensure_publication so that a missing table is named as missing. A
         # publication walberg creates below publishes every row and column, which is what a
         # table no publication has yet is described with.
-        infos = {t: pg.describe_table(conn, t, self.pg.publications) for t in self.tables.tables}
+        infos = pg.describe_tables(conn, list(self.tables.tables), self.pg.publications)
         self._refused = {}
         for t, info in infos.items():
             try:

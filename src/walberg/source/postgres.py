@@ -158,54 +158,87 @@ def describe_table(conn: Any, table: str, publications: Sequence[str] = ()) -> T
     With ``publications`` (those the stream subscribes to), the table as they publish it: only
     the columns of their column list (and PostgreSQL 18's generated columns where published),
     and their row filter, combined as PostgreSQL's own subscriber combines them for its initial
-    copy (see ``publishing``). Without, every ordinary column and every row."""
-    schema, name = split_name(table)
+    copy (see ``_combined``). Without, every ordinary column and every row."""
+    return describe_tables(conn, [table], publications)[table]
+
+
+def describe_tables(conn: Any, tables: Sequence[str],
+                    publications: Sequence[str] = ()) -> dict[str, TableInfo]:
+    """``describe_table`` of each of ``tables``, in three queries whatever their number: a
+    start at 1,000 tables made four a table, and each look into ``pg_publication_tables``
+    works out every table of the publications (30 ms cold, 3 ms warm at 1,000 tables)."""
+    names = [split_name(t) for t in tables]
+    if not names:
+        return {}
+    schemas, relnames = [n[0] for n in names], [n[1] for n in names]
     with conn.cursor() as cur:
         cur.execute(
-            """SELECT c.oid, c.relreplident, c.reltuples::bigint,
+            """SELECT n.nspname, c.relname, c.oid, c.relreplident, c.reltuples::bigint,
                       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
                       c.relkind = 'p'
-               FROM pg_class c
-               JOIN pg_namespace n ON n.oid = c.relnamespace
-               WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')""",
-            (schema, name),
-        )
-        row = cur.fetchone()
-        if row is None:
-            raise SourceError(
-                f"table {table} (from source.postgres.tables) does not exist in the source "
-                "database. Create it, or fix the name (schema.table, case-sensitive)."
-            )
-        oid, identity, estimate, has_pk, partitioned = row
+               FROM unnest(%s::text[], %s::text[]) AS w(nspname, relname)
+               JOIN pg_namespace n ON n.nspname = w.nspname
+               JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = w.relname
+               WHERE c.relkind IN ('r', 'p')""",
+            (schemas, relnames))
+        classes = {(r[0], r[1]): r[2:] for r in cur.fetchall()}
+        for table, key in zip(tables, names, strict=True):
+            if key not in classes:
+                raise SourceError(
+                    f"table {table} (from source.postgres.tables) does not exist in the source "
+                    "database. Create it, or fix the name (schema.table, case-sensitive)."
+                )
         cur.execute(
-            """SELECT a.attname, a.atttypid, a.atttypmod,
+            """SELECT a.attrelid, a.attname, a.atttypid, a.atttypmod,
                       coalesce(a.attnum = ANY(i.indkey), false), a.attndims, a.attgenerated <> '',
                       a.attnum
                FROM pg_attribute a
+               JOIN pg_class c ON c.oid = a.attrelid
                LEFT JOIN LATERAL (
                    SELECT ix.indkey FROM pg_index ix
                    WHERE ix.indrelid = a.attrelid
-                     AND ((%s = 'i' AND ix.indisreplident) OR (%s = 'd' AND ix.indisprimary))
+                     AND ((c.relreplident = 'i' AND ix.indisreplident)
+                          OR (c.relreplident = 'd' AND ix.indisprimary))
                    LIMIT 1) i ON true
-               WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
-               ORDER BY a.attnum""",
-            (identity, identity, oid),
+               WHERE a.attrelid = ANY(%s::oid[]) AND a.attnum > 0 AND NOT a.attisdropped
+               ORDER BY a.attrelid, a.attnum""",
+            ([classes[k][0] for k in names],))
+        attributes: dict[int, list[tuple[Any, ...]]] = {}
+        for r in cur.fetchall():
+            attributes.setdefault(int(r[0]), []).append(tuple(r[1:]))
+        published: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
+        version = server_version(conn)
+        if publications and version >= 150000:
+            cur.execute(
+                """SELECT p.schemaname, p.tablename, p.pubname, p.attnames::text[], p.rowfilter
+                   FROM pg_publication_tables p
+                   JOIN unnest(%s::text[], %s::text[]) AS w(nspname, relname)
+                     ON w.nspname = p.schemaname AND w.relname = p.tablename
+                   WHERE p.pubname = ANY(%s)
+                   ORDER BY p.pubname""",
+                (schemas, relnames, list(publications)))
+            for r in cur.fetchall():
+                published.setdefault((r[0], r[1]), []).append(tuple(r[2:]))
+    out: dict[str, TableInfo] = {}
+    for table, key in zip(tables, names, strict=True):
+        oid, identity, estimate, has_pk, partitioned = classes[key]
+        rows = attributes.get(int(oid), [])
+        publishes = _combined(table, published.get(key, []), [(r[0], r[5]) for r in rows],
+                              version) if publications else Publishing(None, None)
+        if publishes.columns is None:
+            rows = [r for r in rows if not r[5]]  # generated columns are published only by name
+        else:
+            rows = [r for r in rows if r[0] in publishes.columns]
+        cols = tuple(
+            Column(name=r[0], type_oid=r[1], type_modifier=r[2],
+                   is_key=bool(r[3]) or identity == "f")
+            for r in rows
         )
-        rows = cur.fetchall()
-    published = publishing(conn, publications, table) if publications else Publishing(None, None)
-    if published.columns is None:
-        rows = [r for r in rows if not r[5]]  # generated columns are published only by name
-    else:
-        rows = [r for r in rows if r[0] in published.columns]
-    cols = tuple(
-        Column(name=r[0], type_oid=r[1], type_modifier=r[2],
-               is_key=bool(r[3]) or identity == "f")
-        for r in rows
-    )
-    return TableInfo(schema, name, oid, identity, cols, max(int(estimate), 0),
-                     {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk),
-                     published.row_filter, published.column_list, bool(partitioned),
-                     {r[0]: int(r[6]) for r in rows})
+        out[table] = TableInfo(key[0], key[1], oid, identity, cols, max(int(estimate), 0),
+                               {r[0]: int(r[4]) for r in rows if r[4]}, bool(has_pk),
+                               publishes.row_filter, publishes.column_list, bool(partitioned),
+                               {r[0]: int(r[6]) for r in rows})
+    return out
 
 
 def column_numbers(conn: Any, table: str) -> Optional[dict[str, int]]:
@@ -257,29 +290,19 @@ def server_version(conn: Any) -> int:
     return int(conn.server_version)
 
 
-def publishing(conn: Any, publications: Sequence[str], table: str) -> Publishing:
-    """The columns and rows ``publications`` publish of ``table``, combined the way
+def _combined(table: str, found: Sequence[Sequence[Any]], every: Sequence[Sequence[Any]],
+              version: int) -> Publishing:
+    """The columns and rows a set of publications publish of ``table``, combined the way
     PostgreSQL's subscriber combines them for its initial copy: a row is published if any
     publication's row filter passes (a publication without a filter, or FOR ALL TABLES,
     publishes every row); the column lists must agree (PostgreSQL refuses to subscribe to
-    publications that publish one table with different column lists).
+    publications that publish one table with different column lists). ``found``: each
+    publication's (name, column list, row filter) for the table, by name; ``every``: each
+    column's (name, generated).
 
     Row filters and column lists exist from PostgreSQL 15 on; generated columns are published
     from 18 on, when a column list names them or with ``publish_generated_columns = stored``."""
-    if server_version(conn) < 150000:
-        return Publishing(None, None)
-    schema, name = split_name(table)
-    with conn.cursor() as cur:
-        cur.execute(
-            """SELECT pubname, attnames::text[], rowfilter FROM pg_publication_tables
-               WHERE pubname = ANY(%s) AND schemaname = %s AND tablename = %s
-               ORDER BY pubname""",
-            (list(publications), schema, name))
-        found = cur.fetchall()
-        cur.execute("SELECT attname, attgenerated <> '' FROM pg_attribute WHERE attrelid = "
-                    "%s::regclass AND attnum > 0 AND NOT attisdropped", (quote_table(table),))
-        every = cur.fetchall()
-    if not found:
+    if version < 150000 or not found:
         return Publishing(None, None)
     lists = {frozenset(attnames or ()) for _, attnames, _ in found}
     if len(lists) > 1:
@@ -291,7 +314,7 @@ def publishing(conn: Any, publications: Sequence[str], table: str) -> Publishing
     generated = frozenset(n for n, gen in every if gen)
     ordinary = frozenset(n for n, gen in every if not gen)
     columns = lists.pop()
-    if server_version(conn) < 180000:
+    if version < 180000:
         # Before PostgreSQL 18, attnames may name generated columns the stream never carries.
         columns = columns - generated
     filters = [f for _, _, f in found]
