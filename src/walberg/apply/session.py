@@ -54,7 +54,7 @@ def java_table(spark: Any, target: str) -> Any:
     no Spark job and none of Spark SQL's parsing and planning (one round trip)."""
     from walberg.apply.jvm.helper import batch_helper
 
-    return batch_helper(spark).table(spark._jsparkSession, quote_target(target), False)
+    return batch_helper(spark).table(spark._jsparkSession, target, False)
 
 
 def java_properties(spark: Any, table: Any) -> dict[str, str]:
@@ -112,7 +112,7 @@ def find_java_table(spark: Any, target: str) -> Optional[Any]:
     """``target`` as an Iceberg Java table (see ``java_table``), or None if it does not exist."""
     from walberg.apply.jvm.helper import batch_helper
 
-    return batch_helper(spark).table(spark._jsparkSession, quote_target(target), True)
+    return batch_helper(spark).table(spark._jsparkSession, target, True)
 
 
 class LakeSession:
