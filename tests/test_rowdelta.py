@@ -5,7 +5,6 @@ reading the positions and committing makes the commit fail rather than delete wr
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 from typing import Any
 
