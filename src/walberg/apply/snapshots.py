@@ -48,9 +48,10 @@ class Snapshots:
             table = find_java_table(self.lake.spark, target)
             if table is None:
                 return None, None
-            lsn, server = json.loads(batch_helper(self.lake.spark).marks(
+            lsns, server = json.loads(batch_helper(self.lake.spark).marks(
                 table, self.lake.lsn_property, self.lake.server_property))
-            return (None if lsn is None else Lsn.parse(lsn)), server
+            # (the highest: a maintenance commit may carry an older one)
+            return max((Lsn.parse(x) for x in lsns), default=None), server
 
         return spark_call(f"reading the snapshot history of {target}", read)
 

@@ -397,31 +397,18 @@ public class Batch {
         return json.writeValueAsString(summaries);
     }
 
-    /** walberg's marks in the table's current history, as JSON [the highest LSN under
-     * {@code lsnKey}, the newest value under {@code serverKey}], either null when no snapshot
-     * has one: what a start asks of every table (its ancestry as JSON was most of a start's
-     * time at 200 tables with a few dozen snapshots each). */
+    /** walberg's marks in the table's current history, as JSON [every value under {@code
+     * lsnKey}, newest first; the newest value under {@code serverKey}, or null]: what a start
+     * asks of every table (its ancestry as JSON, whole summaries, was most of a start's time at
+     * 200 tables with a few dozen snapshots each). */
     public String marks(Table table, String lsnKey, String serverKey) throws Exception {
-        String best = null;
-        long bestValue = 0;
+        List lsns = new ArrayList();
         String server = null;
         Snapshot snapshot = table.currentSnapshot();
         while (snapshot != null) {
             Map summary = snapshot.summary();
-            String lsn = (String) summary.get(lsnKey);
-            if (lsn != null) {
-                lsn = lsn.trim();
-                int slash = lsn.indexOf('/');
-                if (slash <= 0) {
-                    throw new IllegalArgumentException("snapshot " + snapshot.snapshotId()
-                        + ": not an LSN under " + lsnKey + ": " + lsn);
-                }
-                long value = (Long.parseLong(lsn.substring(0, slash), 16) << 32)
-                    | Long.parseLong(lsn.substring(slash + 1), 16);
-                if (best == null || Long.compareUnsigned(value, bestValue) > 0) {
-                    best = lsn;
-                    bestValue = value;
-                }
+            if (summary.get(lsnKey) != null) {
+                lsns.add(summary.get(lsnKey));
             }
             if (server == null) {
                 server = (String) summary.get(serverKey);
@@ -429,7 +416,7 @@ public class Batch {
             Long parent = snapshot.parentId();
             snapshot = parent == null ? null : table.snapshot(parent.longValue());
         }
-        return json.writeValueAsString(Arrays.asList(new Object[] {best, server}));
+        return json.writeValueAsString(Arrays.asList(new Object[] {lsns, server}));
     }
 
     /** The table's current snapshot and each ancestor it still holds, oldest first, as a JSON
