@@ -128,8 +128,9 @@ class InitialCopy:
         added column would be missing from the lake until the table's next change, and its
         values lost."""
         with in_snapshot(self.pg.dsn, created.snapshot_name) as conn:
-            now = [pg.describe_table(conn, i.qualified_name, self.pg.publications)
-                   for i in infos]
+            described = pg.describe_tables(conn, [i.qualified_name for i in infos],
+                                           self.pg.publications)
+            now = [described[i.qualified_name] for i in infos]
             changed = {n.qualified_name: n for n, i in zip(now, infos, strict=True)
                        if n.columns != i.columns}
             for info in changed.values():
