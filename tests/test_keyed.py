@@ -120,7 +120,7 @@ def test_integer_key_table_applies_by_position(pg_conn: Any, postgres: Any, spar
         [f"UPDATE {table} SET v = 0 WHERE id BETWEEN 3001 AND 3100",
          f"DELETE FROM {table} WHERE id BETWEEN 3101 AND 3150",
          f"UPDATE {table} SET v = 1 WHERE id = 5"],
-        # Only inserts: an append, which the index follows from the files it added.
+        # Only inserts: a row delta of added rows alone (an "append" in the history).
         [f"INSERT INTO {table} SELECT g, g, 'appended' FROM generate_series(4001, 4100) g"],
         [f"UPDATE {table} SET v = 2 WHERE id BETWEEN 4001 AND 4050 OR id % 13 = 0"],
     ]
@@ -262,13 +262,14 @@ def test_another_writer_between_the_index_and_the_commit_is_never_a_second_row(
 def test_a_compaction_the_commit_landed_on_is_not_taken_for_the_index(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, expire: bool) -> None:
-    """Another writer compacts the table after walberg looked its batch up, before the row
-    delta commits. The batch deletes nothing of the compacted files, so Iceberg puts the commit
-    on top of the compaction; the index, which knows the files from before it, is not taken
-    as the new snapshot's (a later update would delete the row from a file no longer in the
-    table, and the key would have two rows). ``expire``: the other writer then expires every
-    snapshot but the compaction's, the index's among them: the commit, validated from it,
-    fails, and is tried again once the index has caught up with the table."""
+    """Another writer compacts the table after walberg looked its batch up, before the commit.
+    The batch deletes nothing (new rows alone: an append), so Iceberg puts the commit on top
+    of the compaction; the index, which knows the files from before it, is not taken as the
+    new snapshot's (a later update would delete the row from a file no longer in the table,
+    and the key would have two rows). ``expire``: in the next batch (a row delta) the other
+    writer compacts again and then expires every snapshot but its own, the index's among
+    them: the commit, validated from it, fails, and is tried again once the index has caught
+    up with the table."""
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
@@ -276,41 +277,53 @@ def test_a_compaction_the_commit_landed_on_is_not_taken_for_the_index(
     config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
     target = config.target_for(table)
     run_once(config, spark)
-    with pg_conn.cursor() as cur:
-        cur.execute(f"INSERT INTO {table} VALUES (1001, 1)")
-        cur.execute(f"UPDATE {table} SET v = 2 WHERE id = 1001")
     compacted: list[int] = []
     real = keyed.crash_point
     catalog, namespace, name = target.split(".")
 
-    def compaction(point: str, *args: Any, **kwargs: Any) -> None:
-        if point == "row-delta" and not compacted:  # the lookup is done, the commit not yet
-            spark.sql(f"CALL {catalog}.system.rewrite_data_files(table => "
-                      f"'{namespace}.{name}', options => map('rewrite-all', 'true'))")
-            if expire:
-                spark.sql(f"CALL {catalog}.system.expire_snapshots(table => "
-                          f"'{namespace}.{name}', older_than => TIMESTAMP '2999-01-01', "
-                          "retain_last => 1)")
-            compacted.append(hadoop_table(warehouse, target).current_snapshot().snapshot_id)
-        real(point, *args, **kwargs)
+    def other_writer(expiring: bool) -> Any:
+        def compaction(point: str, *args: Any, **kwargs: Any) -> None:
+            if point == "row-delta" and not compacted:  # looked up, not yet committed
+                spark.sql(f"CALL {catalog}.system.rewrite_data_files(table => "
+                          f"'{namespace}.{name}', options => map('rewrite-all', 'true'))")
+                if expiring:
+                    spark.sql(f"CALL {catalog}.system.expire_snapshots(table => "
+                              f"'{namespace}.{name}', older_than => TIMESTAMP '2999-01-01', "
+                              "retain_last => 1)")
+                compacted.append(hadoop_table(warehouse, target).current_snapshot().snapshot_id)
+            real(point, *args, **kwargs)
+        return compaction
 
-    monkeypatch.setattr(keyed, "crash_point", compaction)
+    with pg_conn.cursor() as cur:
+        cur.execute(f"INSERT INTO {table} VALUES (1001, 1)")
+        cur.execute(f"UPDATE {table} SET v = 2 WHERE id = 1001")
+    monkeypatch.setattr(keyed, "crash_point", other_writer(False))
     with caplog.at_level(logging.INFO, logger="walberg"):
         run_once(config, spark)
     monkeypatch.undo()
     assert compacted
     landed = hadoop_table(warehouse, target).current_snapshot()
     assert landed.parent_snapshot_id == compacted[0]  # (the commit went on top of it)
-    if expire:
-        assert len(hadoop_table(warehouse, target).snapshots()) == 2
-        assert re.search(rf"commit to {re.escape(target)} failed .*trying again",
-                         caplog.text), caplog.text[-3000:]
-        # (the index followed the compaction's files to the table's snapshot, then the batch)
-        assert KeyIndex(config.index_dir / target).snapshot == landed.snapshot_id
+    assert landed.summary.operation.value == "append"
+    assert "another writer committed between the key index's snapshot" in caplog.text
     with pg_conn.cursor() as cur:
         cur.execute(f"UPDATE {table} SET v = -5 WHERE id = 5")
         cur.execute(f"DELETE FROM {table} WHERE id = 6")
-    run_once(config, spark)
+    if expire:
+        compacted.clear()
+        caplog.clear()
+        monkeypatch.setattr(keyed, "crash_point", other_writer(True))
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once(config, spark)
+    monkeypatch.undo()
+    if expire:
+        assert compacted
+        assert len(hadoop_table(warehouse, target).snapshots()) == 2
+        assert re.search(rf"commit to {re.escape(target)} failed .*trying again",
+                         caplog.text), caplog.text[-3000:]
+        # (the index was read again at the table's snapshot, then took the batch)
+        assert KeyIndex(config.index_dir / target).snapshot == \
+            hadoop_table(warehouse, target).current_snapshot().snapshot_id
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
 

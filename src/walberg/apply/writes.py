@@ -38,7 +38,6 @@ from walberg.apply.session import (
 )
 from walberg.apply.snapshots import Snapshots
 from walberg.apply.tables import Tables
-from walberg.apply.together import joined_group
 from walberg.apply.types import quote, sql_string
 from walberg.model import Column, Lsn, Op
 
@@ -380,9 +379,10 @@ class Writes:
             df = self.lake.read_staged(staged.files)
             return df.where(seq_filter(max_seq, void, staged.truncates))
 
-        # A batch of inserts alone is appended by Spark, unless the table commits with others
-        # in one catalog transaction (apply.together): that takes a row delta.
-        if (staged.files and not (staged.insert_only and not upsert and joined_group() is None)
+        # Every batch of a table applied by position is a row delta, one of inserts alone too:
+        # its new rows are written on the driver and their keys go into the index as written
+        # (a Spark append was a Spark job, and the index then read the appended files back).
+        if (bool(staged.files)
                 and spark_call(f"reading the layout of {target}",
                                lambda: self.keyed.takes(target, staged))):
             # One row delta by position: no join over the table (see apply.position.keyed). Spark
