@@ -32,7 +32,7 @@ from walberg.apply.session import (
     LakeSession,
     quote_target,
 )
-from walberg.apply.snapshots import Snapshots
+from walberg.apply.snapshots import Snapshots, highest_marks
 from walberg.apply.tables import Tables, normal_transform, spark_transform
 from walberg.apply.types import TypeMap
 from walberg.apply.writes import Writes
@@ -219,7 +219,15 @@ class IcebergSink:
     def committed_server(self, target: str) -> Optional[str]:
         return self.snapshots.committed_server(target)
 
-    def committed_marks(self, target: str) -> tuple[Optional[Lsn], Optional[str]]:
+    def committed_marks(self, target: str, read_since: Optional[float] = None
+                        ) -> tuple[Optional[Lsn], Optional[str]]:
+        """``Snapshots.committed_marks``. ``read_since`` (``time.monotonic``): the marks read
+        with the table's facts by a read that began then or later are taken instead of reading
+        the table again (a start reads both of every table, one right after the other)."""
+        if read_since is not None:
+            held = self.tables.marks_read_since(target, read_since)
+            if held is not None:
+                return highest_marks(*held)
         return self.snapshots.committed_marks(target)
 
     def owe_copy(self, target: str, lsn: Lsn) -> None:

@@ -50,8 +50,7 @@ class Snapshots:
                 return None, None
             lsns, server = json.loads(batch_helper(self.lake.spark).marks(
                 table, self.lake.lsn_property, self.lake.server_property))
-            # (the highest: a maintenance commit may carry an older one)
-            return max((Lsn.parse(x) for x in lsns), default=None), server
+            return highest_marks(lsns, server)
 
         return spark_call(f"reading the snapshot history of {target}", read)
 
@@ -215,3 +214,9 @@ class Snapshots:
         return int(self.lake.sql(f"counting {target}",
                                  f"SELECT count(*) AS n FROM {quote_target(target)}")
                    .collect()[0]["n"])
+
+
+def highest_marks(lsns: list[str], server: Optional[str]) -> tuple[Optional[Lsn], Optional[str]]:
+    """``committed_marks`` from what ``Batch.marks`` says: the highest LSN mark of the history
+    (a maintenance commit may carry an older one than the commit before it), and the server."""
+    return max((Lsn.parse(x) for x in lsns), default=None), server

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -17,7 +18,6 @@ from walberg.apply.session import (
     OP_COLUMN,
     SOURCE_COLUMN,
     LakeSession,
-    find_java_table,
     quote_target,
 )
 from walberg.apply.types import quote, sql_string
@@ -118,12 +118,10 @@ def _partitioning(fields: list[list[str]]) -> list[str]:
     return out
 
 
-def _facts(spark: Any, table: Any) -> TableFacts:
+def _facts_of(found: dict[str, Any]) -> TableFacts:
+    """``TableFacts`` from what ``Batch.facts`` says."""
     from pyspark.sql.types import StructType
 
-    from walberg.apply.jvm.helper import batch_helper
-
-    found = json.loads(batch_helper(spark).facts(table))
     struct = StructType.fromJson(found["struct"])
     return TableFacts(_partitioning(found["spec"]),
                       {str(k): str(v) for k, v in found["properties"].items()},
@@ -141,6 +139,9 @@ class Tables:
     def __init__(self, lake: LakeSession) -> None:
         self.lake = lake
         self._facts: dict[str, TableFacts] = {}
+        # Each table's marks as its facts were last read: (when the read began, LSN marks,
+        # server mark); see marks_read_since.
+        self._marks: dict[str, tuple[float, list[str], Optional[str]]] = {}
         self._told: set[str] = set()  # tables whose codec's caveat was said
 
     def _codec_caveat(self, target: str, layout: Optional[Layout]) -> None:
@@ -157,17 +158,36 @@ class Tables:
                     "snappy in the pipeline file (files already written keep theirs).", target)
 
     def describe(self, target: str) -> Optional[TableFacts]:
-        """The table's facts, as last read (None: the table does not exist)."""
+        """The table's facts, as last read (None: the table does not exist). A read takes the
+        table's marks in the same call (``marks_read_since``)."""
         found = self._facts.get(target)
         if found is None:
-            def read() -> Optional[TableFacts]:
-                table = find_java_table(self.lake.spark, target)
-                return None if table is None else _facts(self.lake.spark, table)
+            def read() -> Optional[dict[str, Any]]:
+                from walberg.apply.jvm.helper import batch_helper
 
-            found = spark_call(f"reading the metadata of {target}", read)
-            if found is not None:
-                self._facts[target] = found
+                said = batch_helper(self.lake.spark).describe(
+                    self.lake.spark._jsparkSession, target, self.lake.lsn_property,
+                    self.lake.server_property)
+                return None if said is None else json.loads(said)
+
+            read_at = time.monotonic()
+            said = spark_call(f"reading the metadata of {target}", read)
+            if said is not None:
+                found = self._facts[target] = _facts_of(said["facts"])
+                lsns, server = said["marks"]
+                self._marks[target] = (read_at, [str(x) for x in lsns],
+                                       None if server is None else str(server))
         return found
+
+    def marks_read_since(self, target: str, since: float
+                         ) -> Optional[tuple[list[str], Optional[str]]]:
+        """The table's marks (``Batch.marks``: every LSN mark of its history, its newest server
+        mark) as its facts were last read, if that read began at ``since`` (``time.monotonic``)
+        or later; taken once. None: not read since then (read them from the table)."""
+        held = self._marks.pop(target, None)
+        if held is None or held[0] < since:
+            return None
+        return held[1], held[2]
 
     def exists(self, target: str) -> bool:
         return self.describe(target) is not None

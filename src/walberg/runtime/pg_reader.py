@@ -141,8 +141,10 @@ class PgReader:
             servers: dict[str, Optional[str]] = {}  # (for the failover check below)
 
             def ensure(t: str) -> None:
+                began = time.monotonic()
                 self.tables.ensure(t, infos[t])
-                lsn, servers[t] = sink.committed_marks(self.tables.targets[t])
+                # (the table's marks as ensure just read it, if it did: one load a table)
+                lsn, servers[t] = sink.committed_marks(self.tables.targets[t], read_since=began)
                 if lsn is not None:
                     self.state.set_committed(t, lsn)
 

@@ -378,6 +378,21 @@ public class Batch {
         return json.writeValueAsString(out);
     }
 
+    /** The table {@code name} loaded as {@code table} loads it (null: it does not exist) and
+     * read in the same call: JSON {"facts": what {@code facts} says, "marks": what {@code marks}
+     * says}. A start asks both of every table; one call loads the table once. */
+    public String describe(org.apache.spark.sql.SparkSession spark, String name, String lsnKey,
+                           String serverKey) throws Exception {
+        Table table = table(spark, name, true);
+        if (table == null) {
+            return null;
+        }
+        Map out = new HashMap();
+        out.put("facts", json.readTree(facts(table)));
+        out.put("marks", json.readTree(marks(table, lsnKey, serverKey)));
+        return json.writeValueAsString(out);
+    }
+
     /** The table's properties, as a JSON object (py4j would iterate the map in three round
      * trips a property). */
     public String properties(Table table) throws Exception {
