@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("walberg")
 
+# At most this many tables' lookups at once (a thread each, made when first needed): more than
+# the tables a batch applies side by side (sink.commit_parallelism), so none waits for another.
+LOOKUP_THREADS = 32
+
 
 class KeyedApply:
     """Applies batches by position to the tables that allow it (see the module docstring)."""
@@ -75,6 +79,8 @@ class KeyedApply:
         # How each table's new rows are written, for the table's shape (schema, spec, sort
         # order, properties), source columns and staged types it was worked out for.
         self._plans: dict[str, tuple[Any, _Plan]] = {}
+        self._pool: Optional[ThreadPoolExecutor] = None  # (see _lookups)
+        self._lock = threading.Lock()
 
     @property
     def _enabled(self) -> bool:
@@ -112,8 +118,22 @@ class KeyedApply:
 
     def close(self) -> None:
         """Before the process ends: wait for the indexes still being kept in the warehouse."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if self.indexes is not None:
             self.indexes.close()
+
+    def _lookups(self) -> ThreadPoolExecutor:
+        """The threads that look a batch's keys up beside its new rows' writing, one a table
+        applied at once, kept for the process: a thread made per table and batch was a Python
+        thread, a py4j connection and a JVM thread each time (200 of each a batch at 200
+        tables)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="walberg-lookup")
+            return self._pool
 
     # ---- which tables -----------------------------------------------------------------------
 
@@ -170,42 +190,44 @@ class KeyedApply:
         index = self.indexes.index(target, key_names, codec, table)
         live = self.indexes.live(target)
         clock.append(time.monotonic())
-        with self.indexes.scratch() as scratch, \
-                ThreadPoolExecutor(1, thread_name_prefix="walberg-lookup") as pool:
-            looked_up = pool.submit(look_up, spark, index, staged, positions, codec, key_names,
-                                    max_seq, void, live, scratch)
-            # The new rows' keys as they are written on the driver, by data file and first
-            # position: the index's entries for them, with nothing read back after the commit
-            # (on object storage that was a Spark job over every new file, one per partition).
-            as_written: list[tuple[str, int, pa.Table]] = []
-            plan = self._plan(target, staged, table)
-            started = time.monotonic()
-            rows, new_files, why = self._write_new_rows(target, staged, netted, table, plan,
-                                                        max_seq, void, scratch, key_names,
-                                                        as_written)
-            written_in = time.monotonic() - started
+        with self.indexes.scratch() as scratch:
+            looked_up = self._lookups().submit(look_up, spark, index, staged, positions, codec,
+                                               key_names, max_seq, void, live, scratch)
             try:
-                hits, deletes, keys, lookup_s = looked_up.result()
-            except ByMerge:
-                if new_files is not None:
-                    rowdelta.remove_files(spark, new_files.locations)
-                raise
-            crash_point("row-delta")
-            # Validated from the index's snapshot: a commit by another writer since then that
-            # touched these rows fails it, and the caller tries again (lakeside's retries,
-            # which forget the table, so the index is brought to the new state first).
-            result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
-                                      new_files, table, keys, self.lake.source, live)
-            clock.append(time.monotonic())
-            if result.summary is not None:
-                self.lake.last_summaries[target] = result.summary
-            crash_point("indexed", delay=0.5)
-            if new_files is not None and \
-                    set(result.added_files) == {location for location, _, _ in as_written}:
-                added = entries_as_written(as_written, key_names, codec)
-            else:
-                added = concat_entries(list(written_entries(spark, result.added_files,
-                                                            key_names, codec, Path(scratch))))
+                # The new rows' keys as they are written on the driver, by data file and first
+                # position: the index's entries for them, with nothing read back after the commit
+                # (on object storage that was a Spark job over every new file, one per partition).
+                as_written: list[tuple[str, int, pa.Table]] = []
+                plan = self._plan(target, staged, table)
+                started = time.monotonic()
+                rows, new_files, why = self._write_new_rows(target, staged, netted, table, plan,
+                                                            max_seq, void, scratch, key_names,
+                                                            as_written)
+                written_in = time.monotonic() - started
+                try:
+                    hits, deletes, keys, lookup_s = looked_up.result()
+                except ByMerge:
+                    if new_files is not None:
+                        rowdelta.remove_files(spark, new_files.locations)
+                    raise
+                crash_point("row-delta")
+                # Validated from the index's snapshot: a commit by another writer since then that
+                # touched these rows fails it, and the caller tries again (lakeside's retries,
+                # which forget the table, so the index is brought to the new state first).
+                result = commit_row_delta(spark, target, rows, deletes, marks, index.snapshot,
+                                          new_files, table, keys, self.lake.source, live)
+                clock.append(time.monotonic())
+                if result.summary is not None:
+                    self.lake.last_summaries[target] = result.summary
+                crash_point("indexed", delay=0.5)
+                if new_files is not None and \
+                        set(result.added_files) == {location for location, _, _ in as_written}:
+                    added = entries_as_written(as_written, key_names, codec)
+                else:
+                    added = concat_entries(list(written_entries(spark, result.added_files,
+                                                                key_names, codec, Path(scratch))))
+            finally:
+                wait([looked_up])  # (what it writes is in scratch, removed next)
         if not self.indexes.after_commit(target, table, index, live, result, hits, added):
             self.forget(target)
         clock.append(time.monotonic())
