@@ -441,3 +441,48 @@ def test_what_iceberg_cannot_follow_stops_with_the_way_out(
         cur.execute("COMMIT")
     with pytest.raises(Terminal, match="inside a transaction that changed rows"):
         run_once(config, spark)
+
+
+def test_the_source_catalog_connection_is_kept_and_replaced_once_the_server_drops_it(
+        pg_conn: Any, postgres: Any, warehouse: Path, tmp_path: Path, unique: str) -> None:
+    """pgoutput describes busy tables again often; each description is checked against the
+    source's catalog. The connection for it is kept between reads, in autocommit (no
+    snapshot held), replaced when the server has dropped it (a restart, a failover: the read
+    is made again on a new one), and closed with the tables."""
+    from walberg.apply.types import TypeMap
+    from walberg.runtime.tables import PgTables
+    from walberg.source import postgres as pg
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    tables = PgTables(config, lambda: None, TypeMap())  # type: ignore[arg-type,return-value]
+
+    def backend() -> int:
+        return int(tables._catalog("a test", lambda conn: conn.get_backend_pid()))
+
+    def sessions(pid: int) -> list[tuple[str, str]]:
+        with pg_conn.cursor() as cur:
+            cur.execute("SELECT state, coalesce(backend_xmin::text, '') FROM pg_stat_activity "
+                        "WHERE pid = %s", (pid,))
+            return cur.fetchall()
+
+    first = backend()
+    assert backend() == first, "kept between reads"
+    assert sessions(first) == [("idle", "")], "idle, holding no snapshot"
+    with pg_conn.cursor() as cur:
+        cur.execute("SELECT pg_terminate_backend(%s)", (first,))
+    deadline = time.monotonic() + 10
+    while sessions(first) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The read on the dropped connection fails; it is made again on a new one.
+    assert tables._catalog("a test", lambda conn: pg.column_numbers(conn, table)) == \
+        {"id": 1, "v": 2}
+    second = backend()
+    assert second != first
+    tables.close()
+    deadline = time.monotonic() + 10
+    while sessions(second) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions(second) == [], "closed with the tables"

@@ -196,6 +196,7 @@ class Pipeline:
                 self.session()
             except BaseException:
                 pass
+        self._tables.close()
         if self._sink is not None:
             self._sink.close()
         release(self._store, self._session if self._owns_session else None, exiting)

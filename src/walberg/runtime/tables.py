@@ -4,11 +4,11 @@ source's column types."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 from walberg import metrics
 from walberg.apply import evolution
@@ -34,6 +34,7 @@ from walberg.model import Column, Lsn, Relation
 from walberg.source import postgres as pg
 
 log = logging.getLogger("walberg")
+T = TypeVar("T")
 
 _INTEGERS = (INT2, INT4, INT8)  # narrowest first
 _TIMES = (TIME, TIMESTAMP, TIMESTAMPTZ, 1266)  # (1266: timetz) a precision, 0-6 or none
@@ -90,6 +91,9 @@ class PgTables(Tables):
         self._attnums: dict[str, dict[str, int]] = {}  # ATTNUM_PROPERTY's, as read or written
         # (staging) the transaction of each table's first description in this run
         self._first_described: dict[str, int] = {}
+        # The connection the source's catalog is read through (see _catalog), kept open.
+        self._catalog_conn: Any = None
+        self._catalog_lock = threading.Lock()
 
     @property
     def sink(self) -> IcebergSink:
@@ -227,19 +231,43 @@ class PgTables(Tables):
         return now is not None and bool(Numbers(known, now).again(now))
 
     def _numbers(self, source: str) -> Optional[dict[str, int]]:
-        with self._catalog(f"the column numbers of {source}") as conn:
-            return pg.column_numbers(conn, source)
+        return self._catalog(f"the column numbers of {source}",
+                             lambda conn: pg.column_numbers(conn, source))
 
-    @contextlib.contextmanager
-    def _catalog(self, what: str) -> Iterator[Any]:
-        """A connection to the source for reading its catalog (``what``: for the message
-        while it cannot be made), closed after."""
-        conn = pg.connect_patiently(self.pg.dsn, self.pg.reconnect_max_seconds, what,
-                                    waiting=self.source_unreachable)
-        try:
-            yield conn
-        finally:
-            conn.close()
+    def _catalog(self, what: str, read: Callable[[Any], T]) -> T:
+        """``read(conn)`` on a connection to the source, for reading its catalog (``what``:
+        for the message while it cannot be made), one caller at a time. The connection is
+        kept open between reads (autocommit: no transaction, no snapshot held): pgoutput
+        describes tables again often (after each ANALYZE of a busy table, say), and a
+        connection each time started and stopped a server process each time. A kept one the
+        server dropped meanwhile (a restart, a failover) is replaced and the read made again
+        once; a connection a read failed on is closed."""
+        with self._catalog_lock:
+            while True:
+                kept = self._catalog_conn is not None
+                if not kept:
+                    self._catalog_conn = pg.connect_patiently(
+                        self.pg.dsn, self.pg.reconnect_max_seconds, what,
+                        waiting=self.source_unreachable)
+                conn = self._catalog_conn
+                try:
+                    return read(conn)
+                except pg.CONNECTION_LOST:
+                    self._catalog_conn = None
+                    _close_quietly(conn)
+                    if not kept:
+                        raise
+                except BaseException:
+                    self._catalog_conn = None
+                    _close_quietly(conn)
+                    raise
+
+    def close(self) -> None:
+        """Close the catalog connection, if one is open."""
+        with self._catalog_lock:
+            conn, self._catalog_conn = self._catalog_conn, None
+        if conn is not None:
+            _close_quietly(conn)
 
     def _attnum_key(self) -> str:
         shared_by = self.sink.source
@@ -312,10 +340,12 @@ class PgTables(Tables):
         except evolution.NotEvolvable as exc:
             raise self.schema_error(source, columns, lsn, str(exc)) from None
         after = {name: (wanted[i - 1][0] if i else "") for i, (name, _) in enumerate(wanted)}
-        with self._catalog(f"the added columns' defaults of {source}") as conn:
+        def record_fills(conn: Any) -> None:
             for step in steps:
                 if step.kind == "add":
                     self._record_fill(conn, source, target, columns, step.name)
+
+        self._catalog(f"the added columns' defaults of {source}", record_fills)
         self.sink.evolve(target, steps, after)
         log.info("evolved the schema of %s to follow %s (before LSN %s): %s", target, source,
                  lsn, "; ".join(s.describe() for s in steps))
@@ -461,13 +491,15 @@ class PgTables(Tables):
                 all((target, c.name) in self.types.dims for c in rel.columns
                     if types[c.type_oid].element):
             return
-        with self._catalog(f"the column types of {rel.qualified_name}") as conn:
+        def learn(conn: Any) -> None:
             try:
                 dims = pg.describe_table(conn, rel.qualified_name).dims
             except WalbergError:
                 dims = {}  # dropped or renamed since: the OIDs still tell the types
             found = pg.describe_types(conn, {c.type_oid for c in rel.columns})
             self.types.learn(found, target, dims)
+
+        self._catalog(f"the column types of {rel.qualified_name}", learn)
 
     def learn_types(self, conn: Any, infos: dict[str, pg.TableInfo],
                     refused: Optional[dict[str, str]] = None) -> None:
@@ -540,3 +572,10 @@ def count_dead(sink: IcebergSink, source: str, target: str, rows: int) -> None:
         metrics.DEAD_LETTERS.labels(source).inc(rows)
         log.warning("%d row(s) of %s could not be written exactly and went to %s with the "
                     "reason in _dlq_reason", rows, source, sink.dead_letter_target(target))
+
+
+def _close_quietly(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:
+        pass  # (broken already: nothing to release)

@@ -71,6 +71,11 @@ def connect(dsn: str, *, replication: bool = False, autocommit: bool = True) -> 
     return conn
 
 
+# What a read raises on a connection the server dropped since it was made (a restart, a
+# failover) or that is closed: a new connection may succeed.
+CONNECTION_LOST = (psycopg2.OperationalError, psycopg2.InterfaceError)
+
+
 def connect_patiently(dsn: str, patience: float, what: str,
                       stop: Optional[threading.Event] = None,
                       waiting: Optional[Callable[[], None]] = None) -> Any:
