@@ -249,3 +249,62 @@ def test_unsorted_entries_with_checks_sort_on_disk(tmp_path_factory: object,
     index.rebuild_unsorted(3, files, iter(entries), scratch, run=run)
     hits = index.lookup(np.array(keys, np.int64), np.array(checks, np.int64))
     assert sorted(hits.keys.tolist()) == sorted(keys)
+
+
+def test_an_index_whose_files_cannot_be_read_whole_is_made_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A base whose files are gone, or a delta that is not a whole file, makes the index not
+    built (the caller makes it again from the lake, see KeyIndexes.index) and is said in the
+    log: a lookup never meets a missing file in the middle of a batch."""
+    import logging
+
+    entries = [(np.array([1, 2, 3]), None, ["a", "b", "c"], np.array([0, 1, 2]))]
+    no_base = KeyIndex(tmp_path / "no-base", table="t")
+    no_base.rebuild(7, iter(entries))
+    base = json.loads((tmp_path / "no-base" / MANIFEST).read_text())["base"]
+    (tmp_path / "no-base" / base / "keys").unlink()
+    broken = KeyIndex(tmp_path / "broken-delta", table="t")
+    broken.rebuild(7, iter(entries))
+    broken.commit(8, np.array([2]), (np.array([4]), None, ["d"], np.array([0])))
+    delta = json.loads((tmp_path / "broken-delta" / MANIFEST).read_text())["deltas"][0]
+    whole = (tmp_path / "broken-delta" / delta).read_bytes()
+    (tmp_path / "broken-delta" / delta).write_bytes(whole[:len(whole) // 2])
+    with caplog.at_level(logging.WARNING, logger="walberg"):
+        for name in ("no-base", "broken-delta"):
+            again = KeyIndex(tmp_path / name, table="t")
+            assert not again.built and again.snapshot is None, name
+            again.rebuild(9, iter(entries))  # made again in place
+            assert KeyIndex(tmp_path / name, table="t").lookup(
+                np.array([1, 3]), np.zeros(2, np.int64)).keys.tolist() == [1, 3]
+    assert caplog.text.count("cannot be read whole") == 2, caplog.text
+
+
+def test_scratch_folders_made_side_by_side_at_a_start_all_survive(tmp_path: Path) -> None:
+    """The first use of the index root sweeps the scratch folders a killed run left. Tables
+    copied or applied side by side ask for scratch folders at once: the sweep is made once,
+    before any of them is made (a second sweep removed one another thread had just made, and
+    a base index was moved in without its keys)."""
+    import threading
+
+    from walberg.apply.position.indexes import KeyIndexes
+
+    for attempt in range(60):
+        root = tmp_path / f"root-{attempt}"
+        (root / "scratch-left-by-a-killed-run").mkdir(parents=True)
+        indexes = KeyIndexes(None, root, keep=False)  # type: ignore[arg-type]
+        gate = threading.Barrier(8)
+        made: list[Path] = []
+
+        def take(indexes: KeyIndexes, gate: threading.Barrier, made: list[Path]) -> None:
+            gate.wait()
+            for _ in range(3):
+                made.append(Path(indexes.scratch().path))
+
+        threads = [threading.Thread(target=take, args=(indexes, gate, made)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(made) == 24
+        assert all(p.is_dir() for p in made), f"attempt {attempt}: a sweep removed a new folder"
+        assert not (root / "scratch-left-by-a-killed-run").exists()

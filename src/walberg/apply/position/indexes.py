@@ -20,6 +20,7 @@ import logging
 import re
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -90,6 +91,7 @@ class KeyIndexes:
         # vectors (see livefiles), as of a snapshot.
         self._live: dict[str, Optional[LiveFiles]] = {}
         self._swept = False
+        self._sweep_lock = threading.Lock()  # (see _scratch_root)
 
     def fetch_ahead(self, targets: Sequence[str]) -> None:
         """Fetch the kept index of each of ``targets`` that has none on this disk (a driver
@@ -426,13 +428,16 @@ class KeyIndexes:
 
     def _scratch_root(self) -> Path:
         """The index root, made if need be; on first use, swept of the scratch folders and
-        links to keep that a killed run left (this process holds buffer.dir's lock)."""
-        if not self.root.is_dir():
+        links to keep that a killed run left (this process holds buffer.dir's lock). The
+        sweep is done once, under a lock, before any caller makes a folder there: tables
+        copied or applied side by side ask at once, and a second sweep would remove the
+        folder another had just made (a base index moved in without its keys)."""
+        with self._sweep_lock:
+            if not self._swept:
+                for left in [*self.root.glob("scratch-*"), *self.root.glob("keep-*")]:
+                    shutil.rmtree(left, ignore_errors=True)
+                self._swept = True
             self.root.mkdir(parents=True, exist_ok=True)
-        elif not self._swept:
-            for left in [*self.root.glob("scratch-*"), *self.root.glob("keep-*")]:
-                shutil.rmtree(left, ignore_errors=True)
-        self._swept = True
         return self.root
 
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import threading
 import uuid
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
@@ -45,7 +47,11 @@ from walberg.apply.position.keycodec import KeyClash
 # depth mismatch" (cpython gh-106905); a batch's tables load their indexes side by side.
 _NPY_READS = threading.Lock()
 
+log = logging.getLogger("walberg")
+
 MANIFEST = "manifest.json"
+# The files every base holds (a base of keys with checks has "checks" too; see write_base).
+BASE_FILES = ("keys", "files", "positions")
 TOMBSTONE = -1
 
 
@@ -180,10 +186,20 @@ class KeyIndex:
     # ---- state on disk ---------------------------------------------------------------------
 
     def _load(self) -> None:
+        """The index as its manifest names it; one whose manifest or files cannot be read
+        whole is not built (the caller makes it again from the lake), and said so."""
         path = self.directory / MANIFEST
         if not path.exists():
             return
-        manifest = json.loads(path.read_text())
+        try:
+            self._read(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+            log.warning("key index in %s cannot be read whole (%s: %s); it is made again from "
+                        "the lake", self.directory, type(exc).__name__, exc)
+            self.snapshot, self._files, self._file_ids = None, [], {}
+            self._base, self._base_size, self._deltas, self._delta_names = None, 0, [], []
+
+    def _read(self, manifest: dict[str, Any]) -> None:
         if not made_for(manifest, self.encoding, self.keys, self.table):
             return
         if self.keys is None:
@@ -196,6 +212,11 @@ class KeyIndex:
         self._base = manifest["base"]
         self._base_size = manifest["base_size"]
         self._delta_names = manifest["deltas"]
+        if self._base is not None:
+            missing = [name for name in BASE_FILES if not (self.directory / self._base / name)
+                       .is_file()]
+            if missing:
+                raise FileNotFoundError(f"its base has no {', '.join(missing)}")
         for name in self._delta_names:
             with _NPY_READS, np.load(self.directory / name) as run:
                 checks = run["checks"] if "checks" in run.files else \
