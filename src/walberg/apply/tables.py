@@ -119,7 +119,7 @@ def _partitioning(fields: list[list[str]]) -> list[str]:
 
 
 def _facts_of(found: dict[str, Any]) -> TableFacts:
-    """``TableFacts`` from what ``Batch.facts`` says."""
+    """``TableFacts`` from the facts ``Batch.describe`` says."""
     from pyspark.sql.types import StructType
 
     struct = StructType.fromJson(found["struct"])

@@ -50,6 +50,7 @@ import org.apache.iceberg.PartitionSpec;
 import org.apache.iceberg.RowDelta;
 import org.apache.iceberg.Schema;
 import org.apache.iceberg.Snapshot;
+import org.apache.iceberg.SnapshotUpdate;
 import org.apache.iceberg.StatisticsFile;
 import org.apache.iceberg.StructLike;
 import org.apache.iceberg.Table;
@@ -357,10 +358,10 @@ public class Batch {
         return false;
     }
 
-    /** What walberg checks of a table, as a JSON object: its columns as Spark's schema JSON
-     * ("struct"), the fields of its current spec as [transform, source column] ("spec"), its
-     * properties and format version (some twenty round trips through py4j). */
-    public String facts(Table table) throws Exception {
+    /** What walberg checks of a table: its columns as Spark's schema JSON ("struct"), the
+     * fields of its current spec as [transform, source column] ("spec"), its properties and
+     * format version (some twenty round trips through py4j). */
+    private Map facts(Table table) throws Exception {
         Map out = new HashMap();
         Schema schema = table.schema();
         out.put("struct", json.readTree(
@@ -375,7 +376,7 @@ public class Batch {
         out.put("properties", table.properties());
         out.put("format", Integer.valueOf(
             ((HasTableOperations) table).operations().current().formatVersion()));
-        return json.writeValueAsString(out);
+        return out;
     }
 
     /** The table {@code name} loaded as {@code table} loads it (null: it does not exist) and
@@ -388,8 +389,8 @@ public class Batch {
             return null;
         }
         Map out = new HashMap();
-        out.put("facts", json.readTree(facts(table)));
-        out.put("marks", json.readTree(marks(table, lsnKey, serverKey)));
+        out.put("facts", facts(table));
+        out.put("marks", markList(table, lsnKey, serverKey));
         return json.writeValueAsString(out);
     }
 
@@ -418,6 +419,10 @@ public class Batch {
      * asks of every table (its ancestry as JSON, whole summaries, was most of a start's time at
      * 200 tables with a few dozen snapshots each). */
     public String marks(Table table, String lsnKey, String serverKey) throws Exception {
+        return json.writeValueAsString(markList(table, lsnKey, serverKey));
+    }
+
+    private List markList(Table table, String lsnKey, String serverKey) {
         List lsns = new ArrayList();
         String server = null;
         Snapshot snapshot = table.currentSnapshot();
@@ -432,7 +437,7 @@ public class Batch {
             Long parent = snapshot.parentId();
             snapshot = parent == null ? null : table.snapshot(parent.longValue());
         }
-        return json.writeValueAsString(Arrays.asList(new Object[] {lsns, server}));
+        return Arrays.asList(new Object[] {lsns, server});
     }
 
     /** The table's current snapshot and each ancestor it still holds, oldest first, as a JSON
@@ -571,12 +576,7 @@ public class Batch {
             for (int i = 0; i < adds.size(); i++) {
                 append = append.appendFile((DataFile) adds.get(i));
             }
-            Map marks = (Map) p.get("properties");
-            for (Iterator it = marks.entrySet().iterator(); it.hasNext();) {
-                Map.Entry mark = (Map.Entry) it.next();
-                append = (AppendFiles) append.set((String) mark.getKey(), (String) mark.getValue());
-            }
-            append.commit();
+            marked(append, (Map) p.get("properties")).commit();
             return txn;  // (null alone: it committed itself)
         }
         // Its manifests scanned and merged in this thread: through Iceberg's shared worker
@@ -606,12 +606,7 @@ public class Batch {
         if (conflicts != null) {
             delta = delta.conflictDetectionFilter(conflicts);
         }
-        Map marks = (Map) p.get("properties");
-        for (Iterator it = marks.entrySet().iterator(); it.hasNext();) {
-            Map.Entry mark = (Map.Entry) it.next();
-            delta = (RowDelta) delta.set((String) mark.getKey(), (String) mark.getValue());
-        }
-        delta.commit();
+        marked(delta, (Map) p.get("properties")).commit();
         if (txn == null) {
             return null;
         }
@@ -624,6 +619,15 @@ public class Batch {
             txn.commitTransaction();
         }
         return txn;
+    }
+
+    /** {@code update} with {@code marks} (summary property -> value) set on its snapshot. */
+    private SnapshotUpdate marked(SnapshotUpdate update, Map marks) {
+        for (Iterator it = marks.entrySet().iterator(); it.hasNext();) {
+            Map.Entry mark = (Map.Entry) it.next();
+            update = (SnapshotUpdate) update.set((String) mark.getKey(), (String) mark.getValue());
+        }
+        return update;
     }
 
     /** After a commit whose summary carries {@code marks} (JSON map): the table refreshed,
