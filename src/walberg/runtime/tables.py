@@ -252,15 +252,11 @@ class PgTables(Tables):
                 conn = self._catalog_conn
                 try:
                     return read(conn)
-                except pg.CONNECTION_LOST:
+                except BaseException as exc:
                     self._catalog_conn = None
                     _close_quietly(conn)
-                    if not kept:
+                    if not (kept and isinstance(exc, pg.CONNECTION_LOST)):
                         raise
-                except BaseException:
-                    self._catalog_conn = None
-                    _close_quietly(conn)
-                    raise
 
     def close(self) -> None:
         """Close the catalog connection, if one is open."""

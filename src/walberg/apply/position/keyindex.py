@@ -174,14 +174,20 @@ class KeyIndex:
         self.chunk = chunk
         self.max_delta = max_delta
         self.max_runs = max_runs
-        self.snapshot: Optional[int] = None
-        self._files: list[str] = []
-        self._file_ids: dict[str, int] = {}
-        self._base: Optional[str] = None  # name of the base's folder
-        self._base_size = 0
-        self._deltas: list[_Run] = []
-        self._delta_names: list[str] = []
+        self.snapshot: Optional[int]
+        self._files: list[str]
+        self._file_ids: dict[str, int]
+        self._base: Optional[str]  # name of the base's folder
+        self._base_size: int
+        self._deltas: list[_Run]
+        self._delta_names: list[str]
+        self._unbuilt()
         self._load()
+
+    def _unbuilt(self) -> None:
+        """As made, before anything was read: not built."""
+        self.snapshot, self._files, self._file_ids = None, [], {}
+        self._base, self._base_size, self._deltas, self._delta_names = None, 0, [], []
 
     # ---- state on disk ---------------------------------------------------------------------
 
@@ -196,8 +202,7 @@ class KeyIndex:
         except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
             log.warning("key index in %s cannot be read whole (%s: %s); it is made again from "
                         "the lake", self.directory, type(exc).__name__, exc)
-            self.snapshot, self._files, self._file_ids = None, [], {}
-            self._base, self._base_size, self._deltas, self._delta_names = None, 0, [], []
+            self._unbuilt()
 
     def _read(self, manifest: dict[str, Any]) -> None:
         if not made_for(manifest, self.encoding, self.keys, self.table):
