@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from walberg.apply.position.copykeys import KeysAsWritten
+from walberg.apply.position.keybase import Entry, KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyClash, KeyCodec
-from walberg.apply.position.keyindex import MANIFEST, Entry, KeyIndex
+from walberg.apply.position.keyindex import MANIFEST, KeyIndex
 
 Model = dict[int, tuple[str, int]]
 

@@ -24,7 +24,7 @@ from walberg.apply.jvm.calls import spark_call
 from walberg.apply.jvm.commits import one_commit_at_a_time
 from walberg.apply.jvm.helper import batch_helper
 from walberg.apply.position import datafiles
-from walberg.apply.position.copykeys import KeysAsWritten
+from walberg.apply.position.keybase import KeysAsWritten
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.readahead import ahead
 from walberg.apply.session import SOURCE_COLUMN, LakeSession, java_table

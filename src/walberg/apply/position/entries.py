@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from walberg.apply.jvm.calls import spark_call
+from walberg.apply.position.keybase import Entry
 from walberg.apply.position.keycodec import KeyCodec
-from walberg.apply.position.keyindex import Entry
 from walberg.apply.session import SOURCE_COLUMN, java_table, quote_target
 from walberg.errors import ApplyError
 

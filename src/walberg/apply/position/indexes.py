@@ -30,8 +30,8 @@ import numpy as np
 
 from walberg.apply.jvm.helper import JavaFiles
 from walberg.apply.position.batchkeys import concat_entries
-from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.entries import lake_entries, scan_of, written_entries
+from walberg.apply.position.keybase import KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.keyindex import MANIFEST, Hits, KeyIndex, encoding_of
 from walberg.apply.position.keystore import (

@@ -39,9 +39,9 @@ from walberg.apply.batch import StagedTable
 from walberg.apply.jvm.helper import JavaFiles, batch_helper
 from walberg.apply.position import datafiles, rowdelta
 from walberg.apply.position.batchkeys import concat_entries, entries_as_written, look_up, new_rows
-from walberg.apply.position.copykeys import KeysAsWritten
 from walberg.apply.position.entries import written_entries
 from walberg.apply.position.indexes import KeyIndexes, source_field
+from walberg.apply.position.keybase import KeysAsWritten
 from walberg.apply.position.keycodec import ByMerge, KeyCodec
 from walberg.apply.position.partitions import NotHere, Partitioner
 from walberg.apply.position.rowdelta import commit_row_delta

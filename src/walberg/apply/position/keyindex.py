@@ -30,16 +30,23 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from walberg.apply.position.keybase import (
+    Entry,
+    external_sort,
+    filled_checks,
+    keeps_checks,
+    sort_rows,
+    write_base,
+)
 from walberg.apply.position.keycodec import KeyClash
 
 # numpy reads a .npy header with ast.literal_eval, which CPython 3.11 (before 3.11.8) cannot
@@ -104,15 +111,6 @@ class _Run:
     checks: np.ndarray
     file_ids: np.ndarray
     positions: np.ndarray
-
-
-# A batch of index entries: (keys, checks or None for all 0, data file paths or numbers,
-# positions).
-Entry = tuple[np.ndarray, Optional[np.ndarray], Any, np.ndarray]
-
-
-def _checks(checks: Optional[np.ndarray], n: int) -> np.ndarray:
-    return np.zeros(n, np.int64) if checks is None else np.asarray(checks, dtype=np.int64)
 
 
 def sorted_unique(keys: np.ndarray) -> np.ndarray:
@@ -319,7 +317,7 @@ class KeyIndex:
                          entries: Iterator[Entry], scratch: Path, run: int = 1 << 21) -> None:
         """``rebuild`` from entries in any order (data files given as numbers in ``files``),
         sorted on disk as ``rebuild_from_files`` does."""
-        self.rebuild(snapshot, _external_sort(entries, scratch, run), files)
+        self.rebuild(snapshot, external_sort(entries, scratch, run), files)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -391,7 +389,8 @@ class KeyIndex:
         ids = np.fromiter((self._file_id(x) for x in paths), dtype=np.int32, count=len(keys))
         gone = np.asarray(gone, dtype=np.int64)
         all_keys = np.concatenate([gone, keys])
-        all_checks = np.concatenate([np.zeros(len(gone), np.int64), _checks(checks, len(keys))])
+        all_checks = np.concatenate([np.zeros(len(gone), np.int64),
+                                     filled_checks(checks, len(keys))])
         all_ids = np.concatenate([np.full(len(gone), TOMBSTONE, np.int32), ids])
         all_pos = np.concatenate([np.zeros(len(gone), np.int64),
                                   np.asarray(positions, dtype=np.int64)])
@@ -486,168 +485,3 @@ def _same(held: np.ndarray, wanted: np.ndarray) -> None:
     """Hits count only when the check matches: two keys share the entry otherwise."""
     if len(held) and not bool(np.array_equal(held, wanted)):
         raise KeyClash("a key of the batch shares its index entry with another key")
-
-
-def _numbered(rows: Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]]
-              ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """(keys, checks, file numbers, positions) of rows of numbered files: consecutive rows
-    from a first position, or rows at an array of positions."""
-    for file_number, at, keys, checks in rows:
-        keys = np.asarray(keys, dtype=np.int64)
-        positions = (np.asarray(at, dtype=np.int64) if isinstance(at, np.ndarray)
-                     else np.arange(at, at + len(keys), dtype=np.int64))
-        yield (keys, _checks(checks, len(keys)), np.full(len(keys), file_number, np.int32),
-               positions)
-
-
-def keeps_checks(encoding: str) -> bool:
-    """Whether a base of ``encoding`` keeps its checks: not for a key whose checks are all 0
-    (one integer-like column; 20 bytes a key instead of 28)."""
-    return not (encoding == "int" or encoding.startswith("one:"))
-
-
-def write_base(folder: Path, entries: Iterator[Entry], with_checks: bool,
-               file_id: Optional[Callable[[Any], int]] = None) -> int:
-    """Write ``entries`` (as ``KeyIndex.rebuild`` takes them: ascending key order across
-    batches) as an index base in ``folder`` (made here), their checks only ``with_checks``;
-    the number of entries written. ``file_id``: a data file's number, where the entries give
-    paths (None: they give numbers). ``KeyClash`` if two different keys share a key entry."""
-    folder.mkdir()
-    size = 0
-    last: Optional[tuple[int, int]] = None
-    with open(folder / "keys", "wb") as k, \
-            (open(folder / "checks", "wb") if with_checks else contextlib.nullcontext()) as c, \
-            open(folder / "files", "wb") as f, open(folder / "positions", "wb") as p:
-        for keys, checks, paths, positions in entries:
-            keys = np.asarray(keys, dtype=np.int64)
-            if len(keys) == 0:
-                continue
-            checks = _checks(checks, len(keys))
-            if last is not None:
-                keys = np.concatenate(([last[0]], keys))
-                checks = np.concatenate(([last[1]], checks))
-            if np.any(keys[1:] < keys[:-1]):
-                raise ValueError("key index entries must come in ascending key order, "
-                                 "each key once")
-            same = keys[1:] == keys[:-1]
-            if same.any():
-                if bool(np.all(checks[1:][same] == checks[:-1][same])):
-                    raise ValueError("key index entries must come in ascending key order, "
-                                     "each key once")
-                raise KeyClash("two keys of the table share an index entry")
-            if last is not None:
-                keys, checks = keys[1:], checks[1:]
-            ids = (np.asarray(paths, dtype=np.int32) if file_id is None else
-                   np.fromiter((file_id(x) for x in paths), dtype=np.int32, count=len(keys)))
-            keys.tofile(k)
-            if c is not None:
-                checks.tofile(c)
-            ids.tofile(f)
-            np.asarray(positions, dtype=np.int64).tofile(p)
-            size, last = size + len(keys), (int(keys[-1]), int(checks[-1]))
-    return size
-
-
-Columns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # keys, checks, files, positions
-
-
-def sort_rows(rows: Iterator[tuple[int, Any, np.ndarray, Optional[np.ndarray]]], scratch: Path,
-              run: int = 1 << 21) -> Iterator[Columns]:
-    """The entries of ``rows`` (as ``rebuild_from_files`` takes them) in ascending key order,
-    for ``rebuild`` with the same files: the first batch comes once every row was read and
-    sorted into runs on disk under ``scratch``; the rest are merged from them as they are
-    taken."""
-    return _external_sort(_numbered(rows), scratch, run)
-_NAMES = (("keys", np.int64), ("checks", np.int64), ("files", np.int32), ("positions", np.int64))
-
-
-def _external_sort(entries: Iterator[Entry], scratch: Path, run: int) -> Iterator[Columns]:
-    """``entries`` (file numbers, not paths) in ascending key order, in batches: sorted runs
-    of at most ``run`` entries written under ``scratch``, then merged a block of each run at a
-    time."""
-    runs: list[Path] = []
-    pending: list[Columns] = []
-    held = 0
-
-    def spill() -> None:
-        nonlocal pending, held
-        sorted_run = _by_key(pending, kind="quicksort")
-        folder = Path(tempfile.mkdtemp(prefix="run-", dir=scratch))
-        for (name, _), column in zip(_NAMES, sorted_run, strict=True):
-            column.tofile(folder / name)
-        runs.append(folder)
-        pending, held = [], 0
-
-    for keys, checks, numbers, positions in entries:
-        keys = np.asarray(keys, dtype=np.int64)
-        whole = (keys, _checks(checks, len(keys)), np.asarray(numbers, dtype=np.int32),
-                 np.asarray(positions, dtype=np.int64))
-        for lo in range(0, len(keys), run):
-            part = tuple(c[lo:lo + run] for c in whole)
-            if held + len(part[0]) > run:
-                spill()
-            pending.append(part)  # type: ignore[arg-type]
-            held += len(part[0])
-    if not runs:  # everything fits in one run: sorted in memory
-        if pending:
-            yield _by_key(pending, kind="quicksort")
-        return
-    if pending:
-        spill()
-    yield from _merge(runs, max(1 << 16, run // len(runs)))
-
-
-def _by_key(parts: list[Columns], kind: Literal["stable", "quicksort"] = "stable") -> Columns:
-    """The columns of ``parts`` together, sorted by key. ``kind``: numpy's sort; the default
-    (timsort) finds the runs of parts sorted already and merges them, four times faster than
-    a quicksort of the same entries; quicksort is faster for entries in no order."""
-    keys = np.concatenate([p[0] for p in parts])
-    order = np.argsort(keys, kind=kind)
-    return (keys[order], *(np.concatenate([p[i] for p in parts])[order]  # type: ignore[return-value]
-                           for i in (1, 2, 3)))
-
-
-class _RunReader:
-    """A sorted run on disk, read a block at a time."""
-
-    def __init__(self, folder: Path, block: int) -> None:
-        self.folder, self.block = folder, block
-        self.size = (folder / "keys").stat().st_size // 8
-        self.offset = 0
-        self.held: Columns = tuple(np.empty(0, t) for _, t in _NAMES)  # type: ignore[assignment]
-
-    @property
-    def more(self) -> bool:
-        """Whether entries remain on disk past the block held."""
-        return self.offset < self.size
-
-    def fill(self) -> None:
-        count = min(self.block, self.size - self.offset)
-        self.held = tuple(np.fromfile(self.folder / name, t, count,  # type: ignore[assignment]
-                                      offset=self.offset * np.dtype(t).itemsize)
-                          for name, t in _NAMES)
-        self.offset += count
-
-    def take(self, upto: int) -> Columns:
-        """The held entries with a key of at most ``upto``; the rest stay held."""
-        n = int(np.searchsorted(self.held[0], upto, side="right"))
-        out = tuple(c[:n] for c in self.held)
-        self.held = tuple(c[n:] for c in self.held)  # type: ignore[assignment]
-        return out  # type: ignore[return-value]
-
-
-def _merge(folders: list[Path], block: int) -> Iterator[Columns]:
-    """Sorted runs merged: each round takes, from every run's held block, the entries up to
-    the smallest last key among the blocks of runs that have more on disk (nothing past it can
-    come before it), so every round empties at least one block."""
-    readers = [_RunReader(f, block) for f in folders]
-    while True:
-        for r in readers:
-            if not len(r.held[0]) and r.more:
-                r.fill()
-        live = [r for r in readers if len(r.held[0])]
-        if not live:
-            return
-        limits = [int(r.held[0][-1]) for r in live if r.more]
-        upto = min(limits) if limits else int(np.iinfo(np.int64).max)
-        yield _by_key([r.take(upto) for r in live])
