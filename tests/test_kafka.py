@@ -917,3 +917,18 @@ def test_string_and_composite_keys_apply_by_position(
     rows = hadoop_table(warehouse, target).scan().to_arrow().to_pylist()
     assert {(r["tenant"], r["code"]): r["qty"] for r in rows} == expected
     assert len(rows) == len(expected)
+
+
+def test_a_log_line_names_a_few_partitions_then_how_many_more() -> None:
+    """At hundreds of topics the start, batch and stop lines named every partition (a 200-topic
+    pipeline wrote 10 KB lines); they name the first few, then say how many more."""
+    from walberg.runtime.kafka.marks import SHOWN, offsets_text
+
+    few = {("orders", 0): 12, ("orders", 1): -2}
+    assert offsets_text(few) == "orders[0]@12, orders[1]@earliest"
+    assert offsets_text({}) == "-"
+    many = {(f"app.public.t_{i:04d}", 0): 200 for i in range(200)}
+    text = offsets_text(many)
+    assert text.startswith("app.public.t_0000[0]@200, app.public.t_0001[0]@200")
+    assert text.endswith(f"and {200 - SHOWN} more partition(s)")
+    assert text.count("@") == SHOWN and len(text) < 300

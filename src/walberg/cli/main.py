@@ -287,6 +287,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _run_kafka(config: "Config", once: bool) -> int:
     from walberg.kafka_pipeline import KafkaPipeline
+    from walberg.runtime.kafka.marks import offsets_text
 
     pipeline = KafkaPipeline(config)
     with _stopped_by_signals(pipeline.stop):
@@ -297,7 +298,7 @@ def _run_kafka(config: "Config", once: bool) -> int:
     logging.getLogger("walberg").info(
         "stopped: %d batch(es), %d change(s) applied, %d dead letter(s); offsets %s",
         report.batches, report.records, report.dead_letters,
-        ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(report.offsets.items())) or "-")
+        offsets_text(report.offsets))
     return 0
 
 

@@ -14,6 +14,7 @@ from walberg.config import Config
 from walberg.errors import SourceError, Terminal, Transient
 from walberg.runtime.applier import Partition
 from walberg.runtime.kafka.frames import FRAME_KAFKA_PAST, FRAME_KAFKA_RUN
+from walberg.runtime.kafka.marks import offsets_text
 from walberg.runtime.state import RunState
 from walberg.source import kafka
 
@@ -68,9 +69,8 @@ class KafkaReader:
             state.catching_up.set()
         consumer.assign(start)
         self._assigned = dict(start)
-        log.info("reading %s from the lake's offsets: %s", ", ".join(self.topics),
-                 ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
-                           for (t, p), o in sorted(start.items())) or "-")
+        log.info("reading %d topic(s) from the lake's offsets: %s", len(self.topics),
+                 offsets_text(start))
         interval = self.config.buffer.max_interval_seconds
         backlog_limit = 4 * self.config.buffer.max_batch_bytes
         # (a run frame of a poll's records, no more than a quarter segment: segments stay about
@@ -191,9 +191,7 @@ class KafkaReader:
         start = {tp: held.get(tp, kafka.BEGINNING) for tp in new}
         self.consumer.add(start)
         self._assigned.update(start)
-        log.info("partition(s) added while running, read from: %s",
-                 ", ".join(f"{t}[{p}]@{'earliest' if o < 0 else o}"
-                           for (t, p), o in sorted(start.items())))
+        log.info("partition(s) added while running, read from: %s", offsets_text(start))
 
     def _tell_group(self, wait: bool = False) -> None:
         """Commit what the lake holds to the consumer group, at most every few seconds, so the
