@@ -144,7 +144,7 @@ class PgStager:
             last = after.segments[-1]
             meta = self.state.segment(last.seq)
             first_seq = last.seq if meta is None or not meta.clean_end else last.seq + 1
-        batch, end = self._segments_after(first_seq - 1, 0)
+        batch, end = self._segments_after(first_seq - 1, 0, floor)
         if end is None or end <= floor:
             if after is None:
                 self._let_go_applied(floor)
@@ -192,9 +192,13 @@ class PgStager:
         return grow_batch(sum(info.size_bytes for info in staged),
                           self.config.buffer.max_batch_bytes, self.state.stop, look, wait)
 
-    def _segments_after(self, seq: int, size: int) -> tuple[list[SegmentInfo], Optional[Lsn]]:
-        """The sealed segments after ``seq`` up to the last one that ends a transaction, and that
-        transaction's end; no more than reach ``buffer.max_batch_bytes`` with ``size``."""
+    def _segments_after(self, seq: int, size: int, floor: Optional[Lsn] = None
+                        ) -> tuple[list[SegmentInfo], Optional[Lsn]]:
+        """The sealed segments after ``seq`` up to the last one that ends a transaction after
+        ``floor``, and that transaction's end; no more than reach ``buffer.max_batch_bytes``
+        with ``size``. (A segment whose last commit the lake holds already, the next
+        transaction begun in it, ends no batch: were it as large as a batch may be, the next
+        batch would end there, at the floor, every time, and nothing more would be applied.)"""
         batch: list[SegmentInfo] = []
         end: Optional[Lsn] = None
         for info in self.store.sealed():
@@ -203,7 +207,8 @@ class PgStager:
             batch.append(info)
             size += info.size_bytes
             meta = self.state.segment(info.seq)  # (none yet: sealed this instant)
-            if meta is not None and meta.last_commit_end is not None:
+            if meta is not None and meta.last_commit_end is not None and \
+                    (floor is None or meta.last_commit_end > floor):
                 end = meta.last_commit_end
                 if size >= self.config.buffer.max_batch_bytes:
                     break
