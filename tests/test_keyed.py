@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import as_file, make_config, run_once
+from conftest import as_file, make_config, run_once, run_once_within
 from lake import duckdb_rows, hadoop_table, iceberg_rows, postgres_rows
 from walberg import faults
 from walberg.apply.position import datafiles, indexes, keyed
@@ -743,6 +743,50 @@ def test_a_driver_on_another_machine_fetches_the_index_kept_in_the_warehouse(
     _run_logged(config, spark, caplog)
     assert "rebuilt from the lake" in caplog.text and "fetched" not in caplog.text, \
         caplog.text[-3000:]
+    assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
+
+
+def test_a_small_tables_index_is_kept_at_most_once_a_minute_and_as_the_run_ends(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Keeping an index in the warehouse costs the driver the same few milliseconds whatever
+    its size: an index of under SMALL_INDEX_KEYS keys is kept after a run's first commit, then
+    at most once a minute, and its newest state as the run ends (not after every batch).
+
+    And batches no larger than a segment, transactions that straddle segments: a segment that
+    ends with the start of a transaction after one the lake holds was taken for a whole batch
+    ending at the lake's position, every time, and the run never applied anything more (a
+    `--once` run never ended)."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 3000) g")
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
+    # (small segments and batches: one run applies the three transactions below as several
+    # batches)
+    raw["buffer"].update({"max_segment_bytes": 64 * 1024, "max_batch_bytes": 64 * 1024})
+    config = parse_config(raw, tmp_path)
+    target = config.target_for(table)
+    kept = warehouse / target.split(".", 1)[1].replace(".", "/") / "_walberg_keys" / "_one"
+    run_once(config, spark)
+    with pg_conn.cursor() as cur:
+        for step in range(3):
+            cur.execute(f"UPDATE {table} SET v = v + {step + 1}")
+            pg_conn.commit()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="walberg"):
+        run_once_within(180, config, spark)
+    batches = [r for r in caplog.records if r.getMessage().startswith("batch of")]
+    keeps = [r for r in caplog.records
+             if r.getMessage().startswith(f"key index of {target} kept in the warehouse")]
+    assert len(batches) >= 3, [r.getMessage() for r in batches]
+    # The first commit's (unless the last one's replaced it before it was kept) and the last
+    # one's, not one a batch.
+    assert 1 <= len(keeps) <= 2, [r.getMessage() for r in keeps]
+    snapshot = hadoop_table(warehouse, target).current_snapshot()
+    assert snapshot is not None
+    assert sorted(p.name for p in kept.glob("snapshot-*.json")) == \
+        [f"snapshot-{snapshot.snapshot_id}.json"]
     assert iceberg_rows(warehouse, target) == postgres_rows(pg_conn, table)
 
 

@@ -62,8 +62,14 @@ MAX_APPENDS = 64
 FOLLOW_MAX_ROWS = 2_000_000
 # A key index registered in its table's metadata (keystore) costs a metadata commit each time
 # it is kept, which every other commit to the table then has to retry over: kept at most this
-# often a table while walberg runs, and once more as it stops.
-REGISTER_EVERY_S = 60.0
+# often a table while walberg runs, and once more as it stops. So is an index of fewer than
+# SMALL_INDEX_KEYS keys, wherever it is kept: keeping costs the same few milliseconds of the
+# driver's CPU whatever the index's size (reading its manifest, linking or sending its files),
+# which at hundreds of small tables a batch was a fifth of the driver's work, while a driver
+# that starts elsewhere after a crash reads so small a table's keys from the lake in well under
+# a second. A larger index is kept after every commit.
+KEEP_EVERY_S = 60.0
+SMALL_INDEX_KEYS = 1_000_000
 
 
 class KeyIndexes:
@@ -81,8 +87,8 @@ class KeyIndexes:
         self._store = KeyStore(self._registry()) if keep else None
         self._places: dict[str, Optional[Place]] = {}
         self._kept: dict[str, int] = {}  # the snapshot each index was last kept at
-        # Registered indexes: when each was last kept, and those whose keeping waits.
-        self._registered_at: dict[str, float] = {}
+        # Registered and small indexes: when each was last kept, and those whose keeping waits.
+        self._kept_at: dict[str, float] = {}
         self._deferred: dict[str, tuple[Any, KeyIndex]] = {}
         self._files: Optional[Files] = None
         self._fetching: dict[str, Future[None]] = {}  # kept indexes fetched ahead
@@ -334,21 +340,20 @@ class KeyIndexes:
 
     def _keep(self, target: str, table: Any, index: KeyIndex, now: bool = False) -> None:
         """Have the index kept in the warehouse at its snapshot, unless it is already. A
-        registered index (a metadata commit each time) is kept at most every
-        REGISTER_EVERY_S seconds a table, and its newest state when the sink closes
-        (``now``)."""
+        registered index (a metadata commit each time) and a small one are kept at most every
+        KEEP_EVERY_S seconds a table, and their newest state when the sink closes (``now``)."""
         if self._store is None or index.snapshot is None or \
                 self._kept.get(target) == index.snapshot:
             return
         place = self._place(target, table)
         if place is None:
             return
-        if place.registered and not now:
-            last = self._registered_at.get(target)
-            if last is not None and time.monotonic() - last < REGISTER_EVERY_S:
+        if (place.registered or index.size < SMALL_INDEX_KEYS) and not now:
+            last = self._kept_at.get(target)
+            if last is not None and time.monotonic() - last < KEEP_EVERY_S:
                 self._deferred[target] = (table, index)
                 return
-            self._registered_at[target] = time.monotonic()
+            self._kept_at[target] = time.monotonic()
         self._deferred.pop(target, None)
         try:
             self._store.keep(target, place, index.directory, self._scratch_root())

@@ -14,9 +14,10 @@ a base's columns first turned into differences between neighbours with their byt
 significance: sorted keys and mostly ascending positions shrink to a few bytes an entry, one
 integer key's to almost nothing. In a warehouse on this machine's disk the files are hard links.
 
-When: after each change of the index (a batch's commit, a copy, a rebuild), by a thread of its
-own, from hard links taken at once (the index moves on meanwhile): only the newest waiting
-state of a table is kept. A run waits for it before it ends (``close``). A crash in between
+When: after each change of the index (a batch's commit, a copy, a rebuild; a small or
+registered index at most once a minute and as the run ends, see ``indexes.KEEP_EVERY_S``), by a
+thread of its own, from hard links taken at once (the index moves on meanwhile): only the
+newest waiting state of a table is kept. A run waits for it before it ends (``close``). A crash in between
 leaves the folder at an older snapshot, or with files no manifest names (removed by the next
 keep): a manifest only names files written before it.
 
