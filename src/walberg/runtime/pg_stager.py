@@ -145,7 +145,7 @@ class PgStager:
             meta = self.state.segment(last.seq)
             first_seq = last.seq if meta is None or not meta.clean_end else last.seq + 1
         batch, end = self._segments_after(first_seq - 1, 0, floor)
-        if end is None or end <= floor:
+        if end is None:  # (no commit after the floor sealed yet)
             if after is None:
                 self._let_go_applied(floor)
             return None

@@ -17,9 +17,9 @@ integer key's to almost nothing. In a warehouse on this machine's disk the files
 When: after each change of the index (a batch's commit, a copy, a rebuild; a small or
 registered index at most once a minute and as the run ends, see ``indexes.KEEP_EVERY_S``), by a
 thread of its own, from hard links taken at once (the index moves on meanwhile): only the
-newest waiting state of a table is kept. A run waits for it before it ends (``close``). A crash in between
-leaves the folder at an older snapshot, or with files no manifest names (removed by the next
-keep): a manifest only names files written before it.
+newest waiting state of a table is kept. A run waits for it before it ends (``close``). A
+crash in between leaves the folder at an older snapshot, or with files no manifest names
+(removed by the next keep): a manifest only names files written before it.
 
 Registered (a REST catalog, which may own the storage and remove every file no metadata
 names): one Puffin file in the table's metadata folder (``apply.catalog.puffin``): a blob per

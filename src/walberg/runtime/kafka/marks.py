@@ -12,23 +12,16 @@ from walberg.model import Lsn
 from walberg.runtime.applier import Batch, Partition
 from walberg.runtime.state import RunState
 
-# A log line names this many partitions (or topics) at most, then how many more: at hundreds
-# of topics every start, batch and stop line was kilobytes long (`walberg status` lists them).
+# A log line names this many partitions at most, then how many more: at hundreds of topics
+# every start, batch and stop line was kilobytes long (`walberg status` lists them all).
 SHOWN = 8
 
 
 def offsets_text(offsets: Mapping[Partition, int]) -> str:
     """``topic[partition]@offset, ...``: the first ``SHOWN`` partitions, then how many more."""
-    return listed([f"{t}[{p}]@{'earliest' if o < 0 else o}"
-                   for (t, p), o in sorted(offsets.items())], "partition(s)")
-
-
-def listed(items: list[str], what: str) -> str:
-    """``items`` joined for a log line: the first ``SHOWN``, then "and N more <what>"."""
-    if not items:
-        return "-"
-    shown = ", ".join(items[:SHOWN])
-    return shown if len(items) <= SHOWN else f"{shown} and {len(items) - SHOWN} more {what}"
+    items = [f"{t}[{p}]@{'earliest' if o < 0 else o}" for (t, p), o in sorted(offsets.items())]
+    more = f" and {len(items) - SHOWN} more partition(s)" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more if items else "-"
 
 
 class OffsetMarks:
