@@ -15,7 +15,13 @@ def hadoop_table(warehouse: Path, target: str) -> StaticTable:
     in ``warehouse``, for PyIceberg: the metadata file that version-hint.text names."""
     _, namespace, table = target.split(".")
     meta_dir = warehouse / namespace / table / "metadata"
-    version = int((meta_dir / "version-hint.text").read_text().strip())
+    try:
+        version = int((meta_dir / "version-hint.text").read_text().strip())
+    except FileNotFoundError:
+        # A commit replaces the hint by deleting it and renaming a new one in: read while a
+        # run commits, it may be missing for a moment. The versions are on disk either way (as
+        # Iceberg's own reader does without a hint).
+        version = max(int(f.name[1:].split(".", 1)[0]) for f in meta_dir.glob("v*.metadata.json"))
     # The hint is written after a commit renames its metadata file in: newer versions may lie past it
     # (Iceberg's own reader looks for them too).
     while (meta_dir / f"v{version + 1}.metadata.json").exists():
