@@ -100,3 +100,45 @@ def test_the_summary_holds_the_highest_lsn_of_the_history_and_when_it_was_commit
     meta["snapshots"][2]["summary"]["walberg.lsn"] = "0/30"
     meta["snapshots"][3]["summary"]["walberg.lsn"] = "0/30"
     assert summarize(meta).walberg_committed_at_ms == 200
+
+
+def test_a_table_read_while_a_commit_replaces_its_version_hint(spark: Any, warehouse: Path,
+                                                               unique: str) -> None:
+    """A hadoop catalog's commit deletes ``version-hint.text`` and then renames the new one in.
+    `walberg status` and `history` reading in between must still see the table, at its newest
+    metadata version (as Iceberg's own reader does), not say it does not exist or fail."""
+    from pyiceberg.io import load_file_io
+
+    from walberg.apply.catalog import catalog_reads
+    from walberg.apply.catalog.metadata import read_hadoop_table
+
+    namespace = f"hint_{unique}"
+    target = f"lake.{namespace}.t"
+    spark.sql(f"CREATE TABLE {target} (id bigint) USING iceberg")
+    for start in (1, 11, 21):
+        spark.range(start, start + 10).write.option(
+            "snapshot-property.walberg.lsn", f"0/{start}").mode("append").saveAsTable(target)
+    meta_dir = warehouse / namespace / "t" / "metadata"
+    with_hint = (read_hadoop_table(warehouse, namespace, "t"),
+                 read_hadoop_history(warehouse, namespace, "t"),
+                 catalog_reads.table_metadata("hadoop", "lake", str(warehouse), None, {}, {},
+                                              namespace, "t"))
+    assert with_hint[0] is not None and with_hint[0].records == 30
+    assert with_hint[0].walberg_lsn == "0/21" and with_hint[1] and with_hint[2]
+
+    (meta_dir / "version-hint.text").unlink()  # the moment inside a commit
+    assert (read_hadoop_table(warehouse, namespace, "t"),
+            read_hadoop_history(warehouse, namespace, "t"),
+            catalog_reads.table_metadata("hadoop", "lake", str(warehouse), None, {}, {},
+                                         namespace, "t")) == with_hint
+    # Where the file system cannot be listed, the versions are probed.
+    newest = max(int(p.name[1:].split(".")[0]) for p in meta_dir.glob("v*.metadata.json"))
+    assert catalog_reads._probed_names(load_file_io({}, str(meta_dir)), str(meta_dir)) == [
+        f"v{newest}.metadata.json"]
+
+    # A table that does not exist is still none.
+    assert read_hadoop_table(warehouse, namespace, "absent") is None
+    assert catalog_reads.table_metadata("hadoop", "lake", str(warehouse), None, {}, {},
+                                        namespace, "absent") is None
+    assert catalog_reads._probed_names(load_file_io({}, str(meta_dir)),
+                                       str(meta_dir.parent.parent / "absent")) == []

@@ -17,6 +17,7 @@ import json
 from typing import Any, Optional
 from urllib.parse import parse_qs, quote, urlsplit
 
+from walberg.apply.catalog.metadata import newest_version
 from walberg.errors import EnvironmentProblem
 
 
@@ -102,14 +103,49 @@ def _hadoop_metadata(warehouse: str, io: dict[str, str], namespace: str,
 
     folder = f"{warehouse.rstrip('/')}/{namespace}/{table}/metadata"
     fileio = load_file_io(io, folder)
-    hint = fileio.new_input(f"{folder}/version-hint.text")
-    if not hint.exists():
-        return None
-    with hint.open() as f:
-        version = f.read().decode().strip()
+    try:
+        with fileio.new_input(f"{folder}/version-hint.text").open() as f:
+            version: Optional[int] = int(f.read().decode().strip())
+    except FileNotFoundError:
+        # Missing for a moment while a commit replaces it (deleted, then the new one renamed
+        # in), or the table does not exist: the metadata files the folder holds tell which.
+        version = newest_version(_names_in(fileio, folder))
+        if version is None:
+            return None
     with fileio.new_input(f"{folder}/v{version}.metadata.json").open() as f:
         meta: dict[str, Any] = json.loads(f.read())
     return meta
+
+
+def _names_in(fileio: Any, folder: str) -> list[str]:
+    """The names of the files directly in ``folder`` (none if it does not exist). PyIceberg's
+    FileIO has no listing; its PyArrow one hands out the file system it reads through."""
+    from pyarrow.fs import FileSelector
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    if not isinstance(fileio, PyArrowFileIO):
+        return _probed_names(fileio, folder)
+    scheme, netloc, path = PyArrowFileIO.parse_location(folder)
+    infos = fileio.fs_by_scheme(scheme, netloc).get_file_info(
+        FileSelector(path, allow_not_found=True))
+    return [info.base_name for info in infos]
+
+
+def _probed_names(fileio: Any, folder: str) -> list[str]:
+    """Without a listing: the metadata versions found by probing v1, v2, v4, ... then halving
+    (a hadoop catalog numbers them from 1 with no gap while it keeps them all)."""
+    def there(n: int) -> bool:
+        return bool(fileio.new_input(f"{folder}/v{n}.metadata.json").exists())
+
+    if not there(1):
+        return []
+    low, high = 1, 2
+    while there(high):
+        low, high = high, high * 2
+    while high - low > 1:  # v<low> is there, v<high> is not
+        middle = (low + high) // 2
+        low, high = (middle, high) if there(middle) else (low, middle)
+    return [f"v{low}.metadata.json"]
 
 
 # The REST endpoint that commits several tables all or nothing (see apply.together).

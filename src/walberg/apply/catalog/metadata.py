@@ -8,10 +8,11 @@ second where a Spark session takes several."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from walberg.apply.session import LSN_PROPERTY, OFFSET_PROPERTY
 from walberg.model import Lsn
@@ -33,12 +34,27 @@ class TableSummary:
     properties: dict[str, str] = field(default_factory=dict)
 
 
+def newest_version(names: Iterable[str]) -> Optional[int]:
+    """The highest N among metadata file names ``v<N>.metadata.json``, or None if none is one."""
+    versions = [int(m.group(1)) for m in map(_VERSION_FILE.fullmatch, names) if m]
+    return max(versions, default=None)
+
+
+_VERSION_FILE = re.compile(r"v(\d+)\.metadata\.json")
+
+
 def _current_metadata(warehouse: Path, namespace: str, table: str) -> Optional[dict[str, Any]]:
     meta_dir = warehouse / namespace / table / "metadata"
-    hint = meta_dir / "version-hint.text"
-    if not hint.exists():
-        return None
-    version = hint.read_text().strip()
+    try:
+        version: Optional[int] = int((meta_dir / "version-hint.text").read_text().strip())
+    except FileNotFoundError:
+        # A hadoop catalog's commit deletes the hint and then renames the new one in: read in
+        # between, it is missing for a moment. The metadata files say the same (Iceberg's own
+        # reader takes the highest when there is no hint).
+        names = [p.name for p in meta_dir.iterdir()] if meta_dir.is_dir() else []
+        version = newest_version(names)
+        if version is None:
+            return None
     meta: dict[str, Any] = json.loads((meta_dir / f"v{version}.metadata.json").read_text())
     return meta
 
