@@ -29,7 +29,10 @@ from walberg.apply.session import (
     COPY_PREFIX,
     LSN_PROPERTY,
     OFFSET_PROPERTY,
+    OFFSETS_PAST_PROPERTY,
     LakeSession,
+    offsets_past,
+    offsets_past_value,
     quote_target,
 )
 from walberg.apply.snapshots import Snapshots, highest_marks
@@ -247,7 +250,32 @@ class IcebergSink:
         self.lake.server = server
 
     def committed_offsets(self, target: str) -> dict[tuple[str, int], int]:
-        return self.snapshots.committed_offsets(target)
+        """The next Kafka offset of each partition the table holds: what its commits cover,
+        and past that what ``pass_offsets`` recorded while its snapshot stands."""
+        held = self.snapshots.committed_offsets(target)
+        if not held:  # (no table, or no Kafka commit)
+            return held
+        value = self.tables.properties(target, OFFSETS_PAST_PROPERTY).get(OFFSETS_PAST_PROPERTY)
+        if value:
+            ancestry = {i for i, _ in self.snapshots.lineage(target)}
+            for tp, o in offsets_past(value, ancestry).items():
+                held[tp] = max(held.get(tp, 0), o)
+        return held
+
+    def pass_offsets(self, target: str, offsets: dict[tuple[str, int], int]) -> None:
+        """Record that the table's offsets may pass ``offsets``, read after its last commit and
+        holding nothing to commit (a transaction's commit marker, a tombstone, dead letters),
+        in a table property rather than a commit without rows: retention that deletes them
+        then is not taken for records lost at the next start."""
+        lineage = self.snapshots.lineage(target)
+        if not lineage:
+            return
+        value = self.tables.properties(target, OFFSETS_PAST_PROPERTY).get(OFFSETS_PAST_PROPERTY)
+        merged = offsets_past(value, {i for i, _ in lineage})
+        for tp, o in offsets.items():
+            merged[tp] = max(merged.get(tp, 0), o)
+        self.tables.set_property(target, OFFSETS_PAST_PROPERTY,
+                                 offsets_past_value(lineage[-1][0], merged))
 
     def copy_marks(self, target: str) -> list[dict[str, str]]:
         return self.snapshots.copy_marks(target)

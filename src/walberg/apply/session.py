@@ -13,7 +13,7 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Container, Mapping, Optional, Sequence, TypeVar
 
 from walberg.apply.batch import value_column
 from walberg.apply.jvm.calls import spark_call
@@ -38,10 +38,34 @@ COPY_OWED_PROPERTY = "walberg.copy-owed"
 # walberg.offset.<topic>.<partition> = the next offset to read: what a Kafka source's commit
 # covers, in the same snapshot as its data.
 OFFSET_PROPERTY = "walberg.offset"
+# walberg.offsets-past (a table property, JSON: {"snapshot": id, "offsets": [[topic, partition,
+# offset], ...]}): Kafka offsets the table's commits need not cover, read after the commit
+# that covers the records before them and holding nothing to commit (a transaction's commit
+# marker, a tombstone, records sent to the dead letters). Valid while that snapshot is the
+# table's current one or an ancestor of it; no snapshot is made for them (no rows).
+OFFSETS_PAST_PROPERTY = "walberg.offsets-past"
 LSN_COLUMN = "_walberg_lsn"
 SOURCE_COLUMN = "_walberg_source"  # with several sources fanning in to one table
 OP_COLUMN = "_walberg_op"
 DLQ_SUFFIX = "__dlq"
+
+
+def offsets_past(value: Optional[str], ancestry: Container[int]) -> dict[tuple[str, int], int]:
+    """The offsets a ``walberg.offsets-past`` value passes, if the snapshot it was written at
+    is among ``ancestry`` (the table's current snapshot and its ancestors), else none (the
+    table was rolled back past it)."""
+    if not value:
+        return {}
+    past = json.loads(value)
+    if past.get("snapshot") not in ancestry:
+        return {}
+    return {(str(t), int(p)): int(o) for t, p, o in past.get("offsets", [])}
+
+
+def offsets_past_value(snapshot: int, offsets: dict[tuple[str, int], int]) -> str:
+    """The ``walberg.offsets-past`` value for ``offsets`` at ``snapshot``."""
+    return json.dumps({"snapshot": snapshot,
+                       "offsets": [[t, p, o] for (t, p), o in sorted(offsets.items())]})
 
 
 def quote_target(target: str) -> str:

@@ -14,7 +14,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from walberg.apply.session import LSN_PROPERTY, OFFSET_PROPERTY
+from walberg.apply.session import (
+    LSN_PROPERTY,
+    OFFSET_PROPERTY,
+    OFFSETS_PAST_PROPERTY,
+    offsets_past,
+)
 from walberg.model import Lsn
 
 
@@ -112,7 +117,9 @@ def summarize(meta: dict[str, Any], lsn_property: str = LSN_PROPERTY) -> TableSu
     # may carry an older one than the commit it raced), and when it was first committed (a
     # maintenance commit carries its parent's).
     walk = current
+    ancestry: set[int] = set()
     while walk is not None:
+        ancestry.add(walk["snapshot-id"])
         summary = walk.get("summary", {})
         if lsn_property in summary and (lsn is None or Lsn.parse(summary[lsn_property])
                                         >= Lsn.parse(lsn)):
@@ -125,6 +132,10 @@ def summarize(meta: dict[str, Any], lsn_property: str = LSN_PROPERTY) -> TableSu
                 if lsn is None and lsn_at is None:
                     lsn_at = walk.get("timestamp-ms")
         walk = snapshots.get(walk.get("parent-snapshot-id"))
+    properties = meta.get("properties") or {}
+    for tp, o in offsets_past(properties.get(OFFSETS_PAST_PROPERTY), ancestry).items():
+        if tp in offsets:  # (offsets that held no record, past the last commit: see the key)
+            offsets[tp] = max(offsets[tp], o)
 
     def total(key: str) -> Optional[int]:
         if current is None:
@@ -140,6 +151,6 @@ def summarize(meta: dict[str, Any], lsn_property: str = LSN_PROPERTY) -> TableSu
                  else (total("total-records") or 0) - (total("total-position-deletes") or 0)),
         data_files=total("total-data-files"),
         delete_files=total("total-delete-files"), snapshots=len(snapshots), offsets=offsets,
-        properties={k: str(v) for k, v in (meta.get("properties") or {}).items()
+        properties={k: str(v) for k, v in properties.items()
                     if k.startswith("walberg.")},
     )

@@ -24,7 +24,7 @@ from walberg.config import Config
 from walberg.runtime.applier import Batch, Partition, grow_batch
 from walberg.runtime.kafka.dead_letters import DeadLetters, refused
 from walberg.runtime.kafka.frames import read_segment
-from walberg.runtime.kafka.marks import OffsetMarks
+from walberg.runtime.kafka.marks import OffsetMarks, offsets_text
 from walberg.runtime.kafka.tables import NewColumns, Shape, TopicTables
 from walberg.runtime.state import RunState
 from walberg.source import debezium as dbz
@@ -60,6 +60,7 @@ class KafkaStager:
         self.names = {t: self.kafka.table_for(t) for t in self.topics}  # topic -> table name
         self.targets = targets  # topic -> Iceberg table
         self.report = report
+        self.sink = sink
         self.marks = OffsetMarks(state, {n: t for t, n in self.names.items()})
         self.tables = TopicTables(config, types, self.names, targets, sink)
         # The tables a batch is netted for: not those with a changelog (every mode but
@@ -306,9 +307,26 @@ class KafkaStager:
         self.report.dead_letters += self.dead.write(batch)
 
     def applied(self, batch: Batch) -> None:
+        self._pass(batch)
         self.state.advance_offsets(batch.offsets, lake=False)
         self.report.batches += 1
         self.report.records += batch.changes
+
+    def _pass(self, batch: Batch) -> None:
+        """The offsets the batch read past what a table's commits hold, with nothing to commit
+        (its topic's records were a transaction's commit marker, tombstones or dead letters):
+        recorded with the table, so a start after retention deleted them goes on."""
+        lake = self.state.lake_offsets()
+        passed: dict[str, dict[Partition, int]] = {}
+        for tp, o in batch.offsets.items():
+            if tp in lake and o > lake[tp] and tp[0] in self.names \
+                    and not self.state.is_halted(self.names[tp[0]]):
+                passed.setdefault(tp[0], {})[tp] = o
+        for topic, offsets in passed.items():
+            self.sink().pass_offsets(self.targets[topic], offsets)
+            self.state.advance_offsets(offsets, lake=True)
+            log.info("%s: offsets %s hold nothing to commit; the table passes them",
+                     self.names[topic], offsets_text(offsets))
 
     def done_with(self, batch: Batch) -> list[SegmentInfo]:
         # A batch cut before new columns leaves its last segment to the next one.
