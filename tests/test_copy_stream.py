@@ -278,16 +278,21 @@ def test_psql_that_cannot_connect_leaves_the_copy_to_psycopg2_and_a_failed_copy_
     query = f"COPY (SELECT * FROM {table}) TO STDOUT WITH (FORMAT csv)"
     with open(tmp_path / "none.csv", "wb") as out, \
             caplog.at_level(logging.WARNING, logger="walberg"):
-        assert not snapshot._copy_by_psql(psql, f"host=127.0.0.1 port={closed} dbname=app",
-                                          query, out, None, info)
+        dsn = f"host=127.0.0.1 port={closed} dbname=app"
+        assert not snapshot._copy_by_psql(psql, dsn, query, out, None, info)
     assert (tmp_path / "none.csv").read_bytes() == b""
-    assert f"the initial copy of {table} goes through psycopg2: psql could not connect" \
-        in caplog.text
+    assert f"the initial copy of {table} goes through psycopg2, as will the others this run: " \
+        "psql could not connect" in caplog.text
     # A psql that cannot be run at all (not there, not executable here): psycopg2 copies.
     with open(tmp_path / "driver.csv", "wb") as out:
         assert snapshot.copy_table(postgres.dsn, info, out, None, tmp_path / "no-psql") == 3
     assert (tmp_path / "driver.csv").read_bytes().count(b"\n") == 4
     assert "cannot be run" in caplog.text
+    # Said once a run, not once a table: the next copy goes straight to psycopg2.
+    caplog.clear()
+    with open(tmp_path / "again.csv", "wb") as out:
+        assert snapshot.copy_table(postgres.dsn, info, out, None, tmp_path / "no-psql") == 3
+    assert "cannot be run" not in caplog.text
     with pytest.raises(SourceError, match=f"initial copy of {table} failed: snapshot "
                                           '"00000003-0000001B-1" does not exist.*run walberg '
                                           "again") as failed, \

@@ -86,13 +86,18 @@ def copy_table(dsn: str, table: TableInfo, out: BinaryIO, snapshot_name: Optiona
     )
     try:
         with in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
-            if psql is not None and _in_the_clear(conn, dsn) and \
-                    _copy_by_psql(psql, dsn, query.as_string(conn), out, snapshot_name, table):
+            if psql is not None and (psql, dsn) not in _REFUSED and _in_the_clear(conn, dsn) \
+                    and _copy_by_psql(psql, dsn, query.as_string(conn), out, snapshot_name, table):
                 return None
             cur.copy_expert(query, out, size=1 << 20)
             return int(cur.rowcount)
     except psycopg2.Error as exc:
         raise _copy_failed(table, str(exc).strip()) from None
+
+
+# The psql programs that could not connect to a DSN as psycopg2 did, or not be run, this
+# process: not tried again (a copy of each of a thousand tables said so each time).
+_REFUSED: set[tuple[Path, str]] = set()
 
 
 def _copy_failed(table: TableInfo, reason: str) -> SourceError:
@@ -141,6 +146,7 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
         done = subprocess.run(command, input=script.encode(), stdout=out.fileno(),
                               stderr=subprocess.PIPE, env=env, process_group=0)
     except OSError as exc:  # (it could not be run at all)
+        _REFUSED.add((psql, dsn))
         log.warning("the initial copy of %s goes through psycopg2: %s cannot be run (%s)",
                     table.qualified_name, psql, exc)
         return False
@@ -150,8 +156,9 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
     # No connection, or the program could not start (the loader's exit code): nothing was
     # written.
     if said.startswith("psql: error:") or done.returncode == 127:
-        log.warning("the initial copy of %s goes through psycopg2: psql could not connect as "
-                    "it did (%s)", table.qualified_name, said)
+        _REFUSED.add((psql, dsn))
+        log.warning("the initial copy of %s goes through psycopg2, as will the others this "
+                    "run: psql could not connect as it did (%s)", table.qualified_name, said)
         return False
     said = said.split("ERROR:", 1)[-1].strip() if "ERROR:" in said else said
     raise _copy_failed(table, said or f"psql ended with code {done.returncode}")
