@@ -423,6 +423,53 @@ def test_ddl_between_transactions(ctx: dict[str, Any]) -> None:
     s.verified("d", "a = 10")
 
 
+def test_defaults_read_from_the_rows_after_a_rewrite(ctx: dict[str, Any]) -> None:
+    """A default set after a plain ADD COLUMN, and a column added with a default that is then
+    changed, both before a rewrite (ALTER ... TYPE of another column) and all before walberg
+    applies the ADDs: the catalog records no value for the existing rows, and the rewrite made
+    every row as new as itself. The rows keep NULL in the first (it was the default only from
+    then on) and the first default in the second; the lake had the current defaults. The rows
+    as old as the table's oldest say it; where they disagree, the table stops instead of
+    guessing (see test_mixed_oldest_rows_are_not_guessed)."""
+    s = Scenario(ctx, "CREATE TABLE {t_w} (a int PRIMARY KEY, c int);", {"w": "a"})
+    s.source("INSERT INTO {t_w} SELECT g, g FROM generate_series(1, 20) g")
+    s.sync()
+    t = s.t("w")
+    s.sub.caught_up(insert_lsn(ctx["pg_conn"]))
+    for statement in (f"ALTER TABLE {t} ADD COLUMN f text",
+                      f"ALTER TABLE {t} ALTER COLUMN f SET DEFAULT 'v'",
+                      f"ALTER TABLE {t} ADD COLUMN g text DEFAULT 'x'",
+                      f"ALTER TABLE {t} ALTER COLUMN c TYPE bigint",
+                      f"ALTER TABLE {t} ALTER COLUMN g SET DEFAULT 'y'"):
+        s.source(statement)
+        s.sub.execute(statement)
+    s.source(f"INSERT INTO {t} (a, c) VALUES (21, 1)",
+             f"UPDATE {t} SET c = c + 1 WHERE a % 4 = 0")
+    s.sync()
+    rows = s.lake("w")
+    assert {(r["f"], r["g"]) for r in rows if r["a"] <= 20} == {(None, "x")}
+    assert [(r["f"], r["g"]) for r in rows if r["a"] == 21] == [("v", "y")]
+
+
+def test_mixed_oldest_rows_are_not_guessed(pg_conn: Any, unique: str) -> None:
+    """The same after rows were written between the SET DEFAULT and the rewrite: the rewrite's
+    rows hold NULL (those before) and the default (those after), which no longer says which
+    rows the lake holds. walberg stops the table (resync is the way out), not guesses."""
+    from walberg.source import postgres as pg
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (a int PRIMARY KEY, c int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 5) g")
+        cur.execute(f"ALTER TABLE {table} ADD COLUMN f text")
+        cur.execute(f"ALTER TABLE {table} ALTER COLUMN f SET DEFAULT 'v'")
+        cur.execute(f"INSERT INTO {table} (a, c) VALUES (6, 6)")
+        assert pg.column_default(pg_conn, table, "f") == (False, None)  # (by the rows' age)
+        cur.execute(f"ALTER TABLE {table} ALTER COLUMN c TYPE bigint")
+    with pytest.raises(pg.ExistingValuesUnknown, match=f"column f of {table} .* rewritten"):
+        pg.column_default(pg_conn, table, "f")
+
+
 @pytest.mark.parametrize("seed", [7, 28])
 def test_randomized_key_changes_and_toast(ctx: dict[str, Any], seed: int) -> None:
     """A randomized soak in small: inserts, updates that leave a TOASTed value unsent, key

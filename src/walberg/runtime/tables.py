@@ -341,7 +341,10 @@ class PgTables(Tables):
                 if step.kind == "add":
                     self._record_fill(conn, source, target, columns, step.name)
 
-        self._catalog(f"the added columns' defaults of {source}", record_fills)
+        try:
+            self._catalog(f"the added columns' defaults of {source}", record_fills)
+        except pg.ExistingValuesUnknown as exc:
+            raise self.schema_error(source, columns, lsn, str(exc)) from None
         self.sink.evolve(target, steps, after)
         log.info("evolved the schema of %s to follow %s (before LSN %s): %s", target, source,
                  lsn, "; ".join(s.describe() for s in steps))

@@ -362,8 +362,52 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
         output = plan[0]["Plan"].get("Output", [""])[0]
         if not _CONSTANT.match(output):
             return True, None
+        held = _what_the_oldest_rows_hold(cur, table, column)
+        if held is not None:
+            return held
         cur.execute(f"SELECT ARRAY[({row[3]})]::text")
         return True, cur.fetchone()[0]
+
+
+class ExistingValuesUnknown(Exception):
+    """What the rows that existed when a column was added hold there cannot be told from the
+    catalog or the rows (see ``_what_the_oldest_rows_hold``)."""
+
+
+def _what_the_oldest_rows_hold(cur: Any, table: str, column: str
+                               ) -> Optional[tuple[bool, Optional[str]]]:
+    """A constant default without a recorded value, where no row older than the default holds
+    NULL there: either the column was added with a default and the table rewritten since
+    (ALTER ... TYPE: the rows hold the value now), or it was added without one, given one
+    (SET DEFAULT), and then the table was rewritten (the rows hold NULL, and the rewrite made
+    every row as new as itself, so their age no longer tells). The rows as old as the table's
+    oldest (those the rewrite wrote and nothing changed since) hold the answer: all NULL (the
+    existing rows kept NULL), or all one value (they have it; the default may have changed
+    since). None when the table has no rows (the default, as before); ExistingValuesUnknown
+    when they disagree (rows changed between the ADD and the rewrite). Reads the table twice."""
+    schema, name = split_name(table)
+    cur.execute(
+        sql.SQL("""WITH oldest AS (
+                       SELECT t.{column}::text AS v FROM {table} t
+                       WHERE age(t.xmin) = (SELECT max(age(xmin)) FROM {table}))
+                   SELECT count(*), count(*) FILTER (WHERE v IS NULL), count(DISTINCT v),
+                          (SELECT ARRAY[{column}]::text FROM {table} t
+                           WHERE t.{column} IS NOT NULL
+                             AND age(t.xmin) = (SELECT max(age(xmin)) FROM {table}) LIMIT 1)
+                   FROM oldest""").format(
+            table=sql.Identifier(schema, name), column=sql.Identifier(column)))
+    rows, nulls, values, value = cur.fetchone()
+    if rows == 0:
+        return None
+    if nulls == rows:
+        return False, None
+    if nulls == 0 and values == 1:
+        return True, value
+    raise ExistingValuesUnknown(
+        f"column {column} of {table} has a default that no value recorded for the rows before "
+        f"it, and the table was rewritten since (ALTER TABLE ... TYPE): its oldest rows hold "
+        f"{'NULL and ' if nulls else ''}{values} different value(s) there, so what each row "
+        "the lake holds has there in Postgres cannot be told")
 
 
 def _default_set_later(cur: Any, table: str, column: str) -> bool:
