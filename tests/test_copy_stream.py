@@ -216,6 +216,64 @@ def test_a_table_rewritten_while_an_earlier_one_is_copied_is_copied_in_a_snapsho
     assert iceberg_rows(warehouse, config.target_for(second)) == postgres_rows(pg_conn, second)
 
 
+def test_a_copy_never_waits_for_good_behind_an_alter_that_waits_for_it(
+        pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A table is locked on one connection while its copy runs on another (the COPY's own
+    connection, or psql's). An ALTER TABLE that came in between waits for the first; the COPY
+    then queued behind the ALTER, which waited for the copy: neither ever went on (nor did
+    the application's queries on the table, queued behind the ALTER). The COPY now gives up
+    after a short wait, the lock is let go, the ALTER goes on, and the table is copied in a
+    snapshot of its own."""
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        cur.execute(f"INSERT INTO {table} SELECT g, g * 10 FROM generate_series(1, 50) g")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    original = initial_copy.InitialCopy._copy_whole_in
+    altered: list[BaseException | None] = []
+
+    def alter(conn: Any) -> None:
+        try:
+            with conn, conn.cursor() as cur:
+                cur.execute(f"ALTER TABLE {table} ALTER COLUMN v TYPE bigint")
+            altered.append(None)
+        except BaseException as exc:
+            altered.append(exc)
+        finally:
+            conn.close()
+
+    def alter_under_the_lock(self: Any, info: Any, created: Any, folder: Path) -> int:
+        if not getattr(alter_under_the_lock, "started", False):
+            alter_under_the_lock.started = True  # type: ignore[attr-defined]
+            other = psycopg2.connect(postgres.dsn)
+            pid = other.get_backend_pid()
+            threading.Thread(target=alter, args=(other,), daemon=True).start()
+            with psycopg2.connect(postgres.dsn) as conn, conn.cursor() as cur:
+                for _ in range(600):  # until the ALTER waits for the copy's lock
+                    cur.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                (pid,))
+                    if cur.fetchone()[0] == "Lock" or altered:
+                        break
+                    threading.Event().wait(0.1)
+            assert not altered, f"the ALTER did not wait for the copy's lock: {altered}"
+        return original(self, info, created, folder)
+
+    monkeypatch.setattr(initial_copy.InitialCopy, "_copy_whole_in", alter_under_the_lock)
+    with caplog.at_level(logging.WARNING, logger="walberg"):
+        run_once_within(120, config, spark)
+    assert altered == [None]
+    assert f"the initial copy of {table} waited {snapshot.LOCK_WAIT} behind another session's" \
+        in caplog.text
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+    monkeypatch.setattr(initial_copy.InitialCopy, "_copy_whole_in", original)
+    with pg_conn.cursor() as cur:  # and the stream goes on from the newer snapshot
+        cur.execute(f"INSERT INTO {table} VALUES (51, 5000000000)")
+        cur.execute(f"UPDATE {table} SET v = -1 WHERE id = 3")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
+
+
 def _tricky_table(pg_conn: Any, name: str) -> None:
     """Values whose text depends on the session's settings or on CSV's quoting rules."""
     with pg_conn.cursor() as cur:

@@ -32,7 +32,7 @@ from walberg.source import chunks
 from walberg.source import postgres as pg
 from walberg.source.chunks import Span
 from walberg.source.embedded_pg import psql_client
-from walberg.source.snapshot import copy_table, hold_and_check, in_snapshot
+from walberg.source.snapshot import CopyBlocked, copy_table, hold_and_check, in_snapshot
 from walberg.source.stream import CreatedSlot, ReplicationStream
 
 log = logging.getLogger("walberg")
@@ -96,7 +96,15 @@ class InitialCopy:
                             info, created,
                             slot_flushed if temp is not None and not reshaped else None)
                     else:
-                        rows = self._copy_whole_in(info, created, workdir / f"t{n}")
+                        try:
+                            rows = self._copy_whole_in(info, created, workdir / f"t{n}")
+                        except CopyBlocked as exc:
+                            # Let go of the lock (leaving this block), so the other session
+                            # goes on; then copied as a rewritten table is.
+                            log.warning("%s. It is copied in a snapshot of its own once that "
+                                        "session is through", exc)
+                            rewritten.append(info)
+                            return
                         point = created.consistent_point
                 self.state.set_committed(source, point)
                 crash_point("copied", source=self.config.source_name)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 import psycopg2
+import psycopg2.errorcodes
 import psycopg2.extensions
 from psycopg2 import sql
 
@@ -86,13 +87,36 @@ def copy_table(dsn: str, table: TableInfo, out: BinaryIO, snapshot_name: Optiona
     )
     try:
         with in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
+            cur.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
             if psql is not None and (psql, dsn) not in _REFUSED and _in_the_clear(conn, dsn) \
                     and _copy_by_psql(psql, dsn, query.as_string(conn), out, snapshot_name, table):
                 return None
             cur.copy_expert(query, out, size=1 << 20)
             return int(cur.rowcount)
     except psycopg2.Error as exc:
+        if exc.pgcode == psycopg2.errorcodes.LOCK_NOT_AVAILABLE:
+            raise CopyBlocked(table.qualified_name) from None
         raise _copy_failed(table, str(exc).strip()) from None
+
+
+# How long a copy's COPY waits for its lock on the table. The copy holds that lock already on
+# another connection (``hold_and_check``), so COPY waits only behind a request that conflicts
+# with it, which came since and waits for the copy's own lock: an ALTER TABLE, TRUNCATE,
+# VACUUM FULL or LOCK. Neither would ever go on, and the application's queries on the table
+# would queue behind the ALTER.
+LOCK_WAIT = "5s"
+
+
+class CopyBlocked(SourceError):
+    """A table's COPY waited ``LOCK_WAIT`` behind a request for a lock that conflicts with the
+    one the copy holds (see ``LOCK_WAIT``): nothing was copied."""
+
+    def __init__(self, table: str) -> None:
+        super().__init__(
+            f"the initial copy of {table} waited {LOCK_WAIT} behind another session's request "
+            "for a lock on it (an ALTER TABLE, TRUNCATE, VACUUM FULL or LOCK TABLE) that waits "
+            "for the copy's own lock: neither could go on")
+        self.table = table
 
 
 # The psql programs that could not connect to a DSN as psycopg2 did, or not be run, this
@@ -137,7 +161,7 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
     if snapshot_name:
         quoted = snapshot_name.replace("'", "''")
         script += f"SET TRANSACTION SNAPSHOT '{quoted}';\n"
-    script += f"{query};\nROLLBACK;\n"
+    script += f"SET LOCAL lock_timeout = '{LOCK_WAIT}';\n{query};\nROLLBACK;\n"
     out.flush()
     log.debug("the initial copy of %s goes through %s", table.qualified_name, psql)
     # In a process group of its own: a Ctrl-C meant for walberg (which stops after the
@@ -161,6 +185,8 @@ def _copy_by_psql(psql: Path, dsn: str, query: str, out: Any, snapshot_name: Opt
                     "run: psql could not connect as it did (%s)", table.qualified_name, said)
         return False
     said = said.split("ERROR:", 1)[-1].strip() if "ERROR:" in said else said
+    if said.startswith("canceling statement due to lock timeout"):
+        raise CopyBlocked(table.qualified_name)
     raise _copy_failed(table, said or f"psql ended with code {done.returncode}")
 
 
