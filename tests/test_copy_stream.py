@@ -216,21 +216,30 @@ def test_a_table_rewritten_while_an_earlier_one_is_copied_is_copied_in_a_snapsho
     assert iceberg_rows(warehouse, config.target_for(second)) == postgres_rows(pg_conn, second)
 
 
+@pytest.mark.parametrize("method,comes", [("copy", "locked"), ("jdbc", "locked"),
+                                          ("jdbc", "measured")])
 def test_a_copy_never_waits_for_good_behind_an_alter_that_waits_for_it(
         pg_conn: Any, postgres: Any, spark: Any, warehouse: Path, tmp_path: Path, unique: str,
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A table is locked on one connection while its copy runs on another (the COPY's own
-    connection, or psql's). An ALTER TABLE that came in between waits for the first; the COPY
-    then queued behind the ALTER, which waited for the copy: neither ever went on (nor did
-    the application's queries on the table, queued behind the ALTER). The COPY now gives up
-    after a short wait, the lock is let go, the ALTER goes on, and the table is copied in a
-    snapshot of its own."""
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, method: str,
+        comes: str) -> None:
+    """A table is locked on one connection while it is read on others (the COPY's own, or
+    psql's; a chunked copy's JDBC readers). An ALTER TABLE that came in between waits for the
+    first; the read then queued behind the ALTER, which waited for the copy: neither ever went
+    on (nor did the application's queries on the table, queued behind the ALTER). The read now
+    gives up after a short wait, the lock is let go, the ALTER goes on, and the table is copied
+    in a snapshot of its own. The ALTER comes once the table is locked, or (a chunked copy)
+    once its key range is measured: then the JDBC readers meet it."""
+    from walberg.source import chunks
+
     table = f"public.{unique}"
     with pg_conn.cursor() as cur:
         cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
         cur.execute(f"INSERT INTO {table} SELECT g, g * 10 FROM generate_series(1, 50) g")
-    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
-    original = initial_copy.InitialCopy._copy_whole_in
+    raw = as_file(make_config(postgres, warehouse, tmp_path / "segments", unique, [table]))
+    if method == "jdbc":
+        raw["source"]["postgres"]["initial_copy"] = {"method": "jdbc", "chunk_rows": 1000,
+                                                     "parallelism": 1}
+    config = parse_config(raw, tmp_path)
     altered: list[BaseException | None] = []
 
     def alter(conn: Any) -> None:
@@ -243,13 +252,13 @@ def test_a_copy_never_waits_for_good_behind_an_alter_that_waits_for_it(
         finally:
             conn.close()
 
-    def alter_under_the_lock(self: Any, info: Any, created: Any, folder: Path) -> int:
+    def alter_under_the_lock() -> None:
         if not getattr(alter_under_the_lock, "started", False):
             alter_under_the_lock.started = True  # type: ignore[attr-defined]
             other = psycopg2.connect(postgres.dsn)
             pid = other.get_backend_pid()
             threading.Thread(target=alter, args=(other,), daemon=True).start()
-            with psycopg2.connect(postgres.dsn) as conn, conn.cursor() as cur:
+            with psycopg2.connect(postgres.dsn) as watch, watch.cursor() as cur:
                 for _ in range(600):  # until the ALTER waits for the copy's lock
                     cur.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
                                 (pid,))
@@ -257,16 +266,24 @@ def test_a_copy_never_waits_for_good_behind_an_alter_that_waits_for_it(
                         break
                     threading.Event().wait(0.1)
             assert not altered, f"the ALTER did not wait for the copy's lock: {altered}"
-        return original(self, info, created, folder)
 
-    monkeypatch.setattr(initial_copy.InitialCopy, "_copy_whole_in", alter_under_the_lock)
+    module, name = (initial_copy, "hold_and_check") if comes == "locked" else \
+        (chunks, "table_extent")
+    original = getattr(module, name)
+
+    def then_the_alter(*args: Any) -> Any:
+        done = original(*args)
+        alter_under_the_lock()
+        return done
+
+    monkeypatch.setattr(module, name, then_the_alter)
     with caplog.at_level(logging.WARNING, logger="walberg"):
         run_once_within(120, config, spark)
     assert altered == [None]
     assert f"the initial copy of {table} waited {snapshot.LOCK_WAIT} behind another session's" \
         in caplog.text
     assert iceberg_rows(warehouse, config.target_for(table)) == postgres_rows(pg_conn, table)
-    monkeypatch.setattr(initial_copy.InitialCopy, "_copy_whole_in", original)
+    monkeypatch.setattr(module, name, original)
     with pg_conn.cursor() as cur:  # and the stream goes on from the newer snapshot
         cur.execute(f"INSERT INTO {table} VALUES (51, 5000000000)")
         cur.execute(f"UPDATE {table} SET v = -1 WHERE id = 3")

@@ -20,9 +20,11 @@ from walberg import metrics
 from walberg.apply.batch import DeadLetters, csv_tables, csv_to_parquet
 from walberg.apply.iceberg import COPY_PREFIX, IcebergSink
 from walberg.apply.initial import jdbc
+from walberg.apply.jvm.calls import spark_call
 from walberg.apply.session import side_by_side
 from walberg.apply.types import TextPrep
 from walberg.config import Config
+from walberg.errors import ApplyError
 from walberg.faults import crash_point
 from walberg.model import Lsn, Relation
 from walberg.progress import CopyProgress
@@ -90,22 +92,26 @@ class InitialCopy:
                     reshaped = self.tables.reshape(source, info)
                     if reshaped:
                         crash_point("reshaped")  # (its schema committed, its copy not yet)
-                    if self._chunked(info):
-                        # (a copy cut short under the old columns is not resumed under the new)
-                        rows, point = self._copy_chunked(
-                            info, created,
-                            slot_flushed if temp is not None and not reshaped else None)
-                    else:
-                        try:
+                    try:
+                        if self._chunked(info):
+                            # (a copy cut short under the old columns is not resumed under
+                            # the new)
+                            rows, point = self._copy_chunked(
+                                info, created,
+                                slot_flushed if temp is not None and not reshaped else None)
+                        else:
                             rows = self._copy_whole_in(info, created, workdir / f"t{n}")
-                        except CopyBlocked as exc:
-                            # Let go of the lock (leaving this block), so the other session
-                            # goes on; then copied as a rewritten table is.
-                            log.warning("%s. It is copied in a snapshot of its own once that "
-                                        "session is through", exc)
-                            rewritten.append(info)
-                            return
-                        point = created.consistent_point
+                            point = created.consistent_point
+                    except (CopyBlocked, ApplyError) as exc:
+                        if not isinstance(exc, CopyBlocked) and \
+                                "due to lock timeout" not in str(exc):
+                            raise
+                        # Let go of the lock (leaving this block), so the other session goes
+                        # on; then copied as a rewritten table is.
+                        log.warning("%s. It is copied in a snapshot of its own once that "
+                                    "session is through", CopyBlocked(source))
+                        rewritten.append(info)
+                        return
                 self.state.set_committed(source, point)
                 crash_point("copied", source=self.config.source_name)
                 self.report.copied[source] = rows
@@ -311,7 +317,8 @@ class InitialCopy:
         kind = "key" if key else "ctid"
         point = created.consistent_point
         resume = self._resume_point(info, key, slot_flushed)
-        with in_snapshot(self.pg.dsn, created.snapshot_name) as conn, conn.cursor() as cur:
+        with in_snapshot(self.pg.dsn, created.snapshot_name, source) as conn, \
+                conn.cursor() as cur:
             extent = chunks.table_extent(cur, info, key)
             xmin = resume.xmin if resume is not None else chunks.snapshot_xmin(cur)
         done = resume.done if resume is not None else []
@@ -383,8 +390,8 @@ class InitialCopy:
     def _read(self, info: pg.TableInfo, queries: list[str], init: str) -> Any:
         """The rows ``queries`` return, read by Spark over JDBC, one partition each."""
         url, props = chunks.jdbc_target(self.pg.dsn)
-        return jdbc.read_text(self._session(), url, props, queries, init,
-                              self.pg.initial_copy.fetch_size)
+        return spark_call(f"reading {info.qualified_name} over JDBC", lambda: jdbc.read_text(
+            self._session(), url, props, queries, init, self.pg.initial_copy.fetch_size))
 
     def catchup_after_resume(self, source: str) -> None:
         """A table whose copy an older walberg resumed (marked with the copy's start, the rows

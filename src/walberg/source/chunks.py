@@ -23,6 +23,7 @@ import psycopg2.extensions
 
 from walberg.errors import ConfigError
 from walberg.source.postgres import SESSION_OPTIONS, TableInfo, quote_table, sql_identifier
+from walberg.source.snapshot import LOCK_WAIT
 
 # int2, int4, int8: keys whose ranges can be cut arithmetically.
 _INTEGER_KEYS = frozenset({21, 23, 20})
@@ -214,7 +215,11 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     port = params.get("port", "5432").split(",")[0]
     database = params.get("dbname", params.get("user", "postgres"))
     url = f"jdbc:postgresql://{host}:{port}/{url_quote(database, safe='')}"
-    props = {"driver": "org.postgresql.Driver", "ApplicationName": "walberg-copy"}
+    # Every connection (Spark's look at the query's columns too, which runs before any
+    # reader's first statement) waits for a lock no longer than a COPY does: see
+    # snapshot.LOCK_WAIT.
+    props = {"driver": "org.postgresql.Driver", "ApplicationName": "walberg-copy",
+             "options": f"-c lock_timeout={LOCK_WAIT}"}
     # The driver takes these under libpq's names.
     for name in ("user", "password", "sslmode", "sslrootcert", "sslcert", "sslkey"):
         if params.get(name):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 import psycopg2
-import psycopg2.errorcodes
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
@@ -28,16 +28,26 @@ log = logging.getLogger("walberg")
 
 
 @contextmanager
-def in_snapshot(dsn: str, snapshot_name: Optional[str]) -> Iterator[Any]:
+def in_snapshot(dsn: str, snapshot_name: Optional[str], reading: Optional[str] = None
+                ) -> Iterator[Any]:
     """A read-only connection whose transaction sees exactly the snapshot ``snapshot_name``
-    (a slot's exported snapshot; None: a snapshot of its own), rolled back and closed after."""
+    (a slot's exported snapshot; None: a snapshot of its own), rolled back and closed after.
+    ``reading``: the table the copy reads through it while another connection holds its lock
+    (``hold_and_check``): a lock waited for ``LOCK_WAIT`` raises CopyBlocked."""
     conn: Any = connect(dsn, autocommit=False)
     try:
         conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
-        if snapshot_name:
-            with conn.cursor() as cur:
+        with conn.cursor() as cur:
+            if snapshot_name:
                 cur.execute("SET TRANSACTION SNAPSHOT %s", (snapshot_name,))
-        yield conn
+            if reading is not None:
+                cur.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
+        try:
+            yield conn
+        except psycopg2.errors.LockNotAvailable:
+            if reading is None:
+                raise
+            raise CopyBlocked(reading) from None
         conn.rollback()
     finally:
         conn.close()
@@ -86,16 +96,14 @@ def copy_table(dsn: str, table: TableInfo, out: BinaryIO, snapshot_name: Optiona
         sql.SQL(table.rows_sql()),
     )
     try:
-        with in_snapshot(dsn, snapshot_name) as conn, conn.cursor() as cur:
-            cur.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT}'")
+        with in_snapshot(dsn, snapshot_name, table.qualified_name) as conn, \
+                conn.cursor() as cur:
             if psql is not None and (psql, dsn) not in _REFUSED and _in_the_clear(conn, dsn) \
                     and _copy_by_psql(psql, dsn, query.as_string(conn), out, snapshot_name, table):
                 return None
             cur.copy_expert(query, out, size=1 << 20)
             return int(cur.rowcount)
     except psycopg2.Error as exc:
-        if exc.pgcode == psycopg2.errorcodes.LOCK_NOT_AVAILABLE:
-            raise CopyBlocked(table.qualified_name) from None
         raise _copy_failed(table, str(exc).strip()) from None
 
 
