@@ -428,9 +428,11 @@ def test_defaults_read_from_the_rows_after_a_rewrite(ctx: dict[str, Any]) -> Non
     changed, both before a rewrite (ALTER ... TYPE of another column) and all before walberg
     applies the ADDs: the catalog records no value for the existing rows, and the rewrite made
     every row as new as itself. The rows keep NULL in the first (it was the default only from
-    then on) and the first default in the second; the lake had the current defaults. The rows
-    as old as the table's oldest say it; where they disagree, the table stops instead of
-    guessing (see test_mixed_oldest_rows_are_not_guessed)."""
+    then on) and the first default in the second; the lake had the current defaults. A third
+    column added with a default that was dropped again (as Django adds a NOT NULL column)
+    holds it in every row, where the lake had NULL. The rows as old as the table's oldest say
+    it; where they disagree about a default, the table stops instead of guessing (see
+    test_mixed_oldest_rows_are_not_guessed)."""
     s = Scenario(ctx, "CREATE TABLE {t_w} (a int PRIMARY KEY, c int);", {"w": "a"})
     s.source("INSERT INTO {t_w} SELECT g, g FROM generate_series(1, 20) g")
     s.sync()
@@ -439,16 +441,18 @@ def test_defaults_read_from_the_rows_after_a_rewrite(ctx: dict[str, Any]) -> Non
     for statement in (f"ALTER TABLE {t} ADD COLUMN f text",
                       f"ALTER TABLE {t} ALTER COLUMN f SET DEFAULT 'v'",
                       f"ALTER TABLE {t} ADD COLUMN g text DEFAULT 'x'",
+                      f"ALTER TABLE {t} ADD COLUMN h int NOT NULL DEFAULT 0",
+                      f"ALTER TABLE {t} ALTER COLUMN h DROP DEFAULT",
                       f"ALTER TABLE {t} ALTER COLUMN c TYPE bigint",
                       f"ALTER TABLE {t} ALTER COLUMN g SET DEFAULT 'y'"):
         s.source(statement)
         s.sub.execute(statement)
-    s.source(f"INSERT INTO {t} (a, c) VALUES (21, 1)",
+    s.source(f"INSERT INTO {t} (a, c, h) VALUES (21, 1, 5)",
              f"UPDATE {t} SET c = c + 1 WHERE a % 4 = 0")
     s.sync()
     rows = s.lake("w")
-    assert {(r["f"], r["g"]) for r in rows if r["a"] <= 20} == {(None, "x")}
-    assert [(r["f"], r["g"]) for r in rows if r["a"] == 21] == [("v", "y")]
+    assert {(r["f"], r["g"], r["h"]) for r in rows if r["a"] <= 20} == {(None, "x", 0)}
+    assert [(r["f"], r["g"], r["h"]) for r in rows if r["a"] == 21] == [("v", "y", 5)]
 
 
 def test_mixed_oldest_rows_are_not_guessed(pg_conn: Any, unique: str) -> None:

@@ -340,7 +340,9 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
     replication stream never carries: (True, None). A constant default without a recorded
     value: the table was rewritten since the column was added (ALTER ... TYPE, VACUUM FULL:
     the rows hold it now), or the default was set after the column was added, when they kept
-    NULL (``_default_set_later`` tells them apart by the rows)."""
+    NULL (``_default_set_later`` tells them apart by the rows). No default and no recorded
+    value: NULL, unless the table was rewritten since the column's last change (a default
+    dropped after the ADD, then a rewrite): the rows hold the value then."""
     with conn.cursor() as cur:
         cur.execute(
             """SELECT a.atthasdef, a.atthasmissing, a.attmissingval::text,
@@ -355,7 +357,18 @@ def column_default(conn: Any, table: str, column: str) -> tuple[bool, Optional[s
             return True, row[2]
         if row is not None and row[4]:
             return True, None  # an identity (no pg_attrdef row): numbered by the rewrite
-        if row is None or not row[0] or _default_set_later(cur, table, column):
+        if row is not None and not row[0]:
+            # No default now. A column added with one, which was dropped later (as Django
+            # does), has no recorded value either once the table was rewritten since; the
+            # rows hold it then.
+            if _rows_older_than_the_column(cur, table, column):
+                return False, None
+            try:
+                held = _what_the_oldest_rows_hold(cur, table, column)
+            except ExistingValuesUnknown:
+                return False, None  # (changed since the ADD: the stream carries them)
+            return held if held is not None and held[0] else (False, None)
+        if row is None or _default_set_later(cur, table, column):
             return False, None
         cur.execute(f"EXPLAIN (VERBOSE, FORMAT JSON) SELECT {row[3]}")
         plan = cur.fetchone()[0]
@@ -408,6 +421,22 @@ def _what_the_oldest_rows_hold(cur: Any, table: str, column: str
         f"it, and the table was rewritten since (ALTER TABLE ... TYPE): its oldest rows hold "
         f"{'NULL and ' if nulls else ''}{values} different value(s) there, so what each row "
         "the lake holds has there in Postgres cannot be told")
+
+
+def _rows_older_than_the_column(cur: Any, table: str, column: str) -> bool:
+    """Whether a row is older than ``column``'s last change in the catalog (its ADD, or the
+    rewrite that cleared its recorded value): no rewrite came since, and without a default or
+    a recorded value the rows existing then kept NULL. Reads the table until the first such
+    row (mostly the first page)."""
+    schema, name = split_name(table)
+    cur.execute(
+        sql.SQL("""SELECT EXISTS (
+                       SELECT 1 FROM {table} t WHERE age(t.xmin) > (
+                           SELECT age(a.xmin) FROM pg_attribute a
+                           WHERE a.attrelid = %s::regclass AND a.attname = %s))""").format(
+            table=sql.Identifier(schema, name)),
+        (quote_table(table), column))
+    return bool(cur.fetchone()[0])
 
 
 def _default_set_later(cur: Any, table: str, column: str) -> bool:
