@@ -401,12 +401,11 @@ def _what_the_oldest_rows_hold(cur: Any, table: str, column: str
     schema, name = split_name(table)
     cur.execute(
         sql.SQL("""WITH oldest AS (
-                       SELECT t.{column}::text AS v FROM {table} t
+                       SELECT t.{column}::text AS v, ARRAY[t.{column}]::text AS a
+                       FROM {table} t
                        WHERE age(t.xmin) = (SELECT max(age(xmin)) FROM {table}))
                    SELECT count(*), count(*) FILTER (WHERE v IS NULL), count(DISTINCT v),
-                          (SELECT ARRAY[{column}]::text FROM {table} t
-                           WHERE t.{column} IS NOT NULL
-                             AND age(t.xmin) = (SELECT max(age(xmin)) FROM {table}) LIMIT 1)
+                          min(a) FILTER (WHERE v IS NOT NULL)
                    FROM oldest""").format(
             table=sql.Identifier(schema, name), column=sql.Identifier(column)))
     rows, nulls, values, value = cur.fetchone()
@@ -428,15 +427,8 @@ def _rows_older_than_the_column(cur: Any, table: str, column: str) -> bool:
     rewrite that cleared its recorded value): no rewrite came since, and without a default or
     a recorded value the rows existing then kept NULL. Reads the table until the first such
     row (mostly the first page)."""
-    schema, name = split_name(table)
-    cur.execute(
-        sql.SQL("""SELECT EXISTS (
-                       SELECT 1 FROM {table} t WHERE age(t.xmin) > (
-                           SELECT age(a.xmin) FROM pg_attribute a
-                           WHERE a.attrelid = %s::regclass AND a.attname = %s))""").format(
-            table=sql.Identifier(schema, name)),
-        (quote_table(table), column))
-    return bool(cur.fetchone()[0])
+    return _a_row_older_than(cur, table, column, "SELECT age(a.xmin) FROM pg_attribute a "
+                             "WHERE a.attrelid = %s::regclass AND a.attname = %s")
 
 
 def _default_set_later(cur: Any, table: str, column: str) -> bool:
@@ -446,15 +438,22 @@ def _default_set_later(cur: Any, table: str, column: str) -> bool:
     hold the default: the rows of a table rewritten since (VACUUM FULL, CLUSTER) keep their
     xmin and hold the value, and a rewrite by ALTER TABLE makes every row as new as itself.
     Reads the table until the first such row (the whole table when there is none)."""
+    return _a_row_older_than(
+        cur, table, column, "SELECT age(d.xmin) FROM pg_attrdef d JOIN pg_attribute a "
+        "ON a.attrelid = d.adrelid AND a.attnum = d.adnum "
+        "WHERE d.adrelid = %s::regclass AND a.attname = %s", null_there=True)
+
+
+def _a_row_older_than(cur: Any, table: str, column: str, catalog_age: str,
+                      null_there: bool = False) -> bool:
+    """Whether a row of ``table`` (with NULL in ``column``, if ``null_there``) is older than
+    the catalog row whose age ``catalog_age`` selects (parameters: the table, the column)."""
     schema, name = split_name(table)
+    null = sql.SQL("t.{} IS NULL AND ").format(sql.Identifier(column)) if null_there \
+        else sql.SQL("")
     cur.execute(
-        sql.SQL("""SELECT EXISTS (
-                       SELECT 1 FROM {table} t
-                       WHERE t.{column} IS NULL AND age(t.xmin) > (
-                           SELECT age(d.xmin) FROM pg_attrdef d
-                           JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-                           WHERE d.adrelid = %s::regclass AND a.attname = %s))""").format(
-            table=sql.Identifier(schema, name), column=sql.Identifier(column)),
+        sql.SQL("SELECT EXISTS (SELECT 1 FROM {table} t WHERE {null}age(t.xmin) > ({age}))")
+        .format(table=sql.Identifier(schema, name), null=null, age=sql.SQL(catalog_age)),
         (quote_table(table), column))
     return bool(cur.fetchone()[0])
 
