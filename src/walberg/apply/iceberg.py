@@ -164,8 +164,9 @@ class IcebergSink:
 
     def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
               void: Sequence[tuple[int, int]] = (),
-              marks: Optional[Mapping[str, str]] = None, upsert: bool = False) -> None:
-        self.writes.apply(target, staged, lsn, max_seq, void, marks, upsert)
+              marks: Optional[Mapping[str, str]] = None, upsert: bool = False,
+              since: Optional[Lsn] = None) -> None:
+        self.writes.apply(target, staged, lsn, max_seq, void, marks, upsert, since)
 
     def append_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
                     lsn: Lsn) -> None:
@@ -291,6 +292,9 @@ class IcebergSink:
 
     def lineage(self, target: str) -> list[tuple[int, Optional[str]]]:
         return self.snapshots.lineage(target)
+
+    def spans(self, target: str) -> list[tuple[int, Optional[str], Optional[str]]]:
+        return self.snapshots.spans(target)
 
     def files(self, target: str) -> dict[str, int]:
         return self.snapshots.files(target)

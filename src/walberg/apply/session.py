@@ -28,6 +28,11 @@ LSN_PROPERTY = "walberg.lsn"
 # The source server a commit's LSN belongs to: "<system identifier>/<timeline>" (a promoted
 # standby shares the system, on a later timeline).
 SERVER_PROPERTY = "walberg.server"
+# The commit LSN of the first source transaction whose changes a streamed commit holds: all it
+# holds ended after this position, so the table's snapshot before it holds the table as the
+# source was at every position from that snapshot's LSN up to this one (lake.query's
+# consistent cut reads it; a commit without it is known only at its own LSN).
+FROM_PROPERTY = "walberg.from-lsn"
 # Marks of a chunked initial copy (see source.chunks): first, xmin, point, span (and
 # catchup, in a copy an older walberg resumed).
 COPY_PREFIX = "walberg.copy."
@@ -154,6 +159,7 @@ class LakeSession:
         self.lsn_property = LSN_PROPERTY if source is None else f"{LSN_PROPERTY}.{source}"
         self.server_property = (SERVER_PROPERTY if source is None
                                 else f"{SERVER_PROPERTY}.{source}")
+        self.from_property = FROM_PROPERTY if source is None else f"{FROM_PROPERTY}.{source}"
         self.owed_property = (COPY_OWED_PROPERTY if source is None
                               else f"{COPY_OWED_PROPERTY}.{source}")
         self.server: Optional[str] = None  # recorded with each LSN, once the source is met
@@ -184,14 +190,19 @@ class LakeSession:
 
         return lit(True) if self.source is None else col(SOURCE_COLUMN) == lit(self.source)
 
-    def marks(self, lsn: Lsn, marks: Optional[Mapping[str, str]]) -> Mapping[str, str]:
+    def marks(self, lsn: Lsn, marks: Optional[Mapping[str, str]],
+              since: Optional[Lsn] = None) -> Mapping[str, str]:
         """What a commit records of its source position: ``marks`` when given (a Kafka
-        source's offsets), else this sink's LSN property."""
+        source's offsets), else this sink's LSN property (and ``since``, the commit LSN of the
+        first transaction it holds: see ``FROM_PROPERTY``)."""
         if marks is not None:
             return marks
-        if self.server is None:
-            return {self.lsn_property: str(lsn)}
-        return {self.lsn_property: str(lsn), self.server_property: self.server}
+        found = {self.lsn_property: str(lsn)}
+        if self.server is not None:
+            found[self.server_property] = self.server
+        if since is not None:
+            found[self.from_property] = str(since)
+        return found
 
     def writer(self, df: Any, target: str, lsn: Lsn,
                marks: Optional[Mapping[str, str]] = None) -> Any:

@@ -72,13 +72,19 @@ class Snapshots:
         """The table's current snapshot and its ancestors still held, oldest first: (snapshot
         id, this source's LSN mark or None), read afresh from the table's metadata in one
         call."""
+        return [(snapshot, mark) for snapshot, mark, _ in self.spans(target)]
+
+    def spans(self, target: str) -> list[tuple[int, Optional[str], Optional[str]]]:
+        """``lineage`` with each snapshot's ``walberg.from-lsn`` (or None): what each streamed
+        commit says of the positions its parent holds the table at (see FROM_PROPERTY)."""
         from walberg.apply.jvm.helper import batch_helper
 
-        def read() -> list[tuple[int, Optional[str]]]:
+        def read() -> list[tuple[int, Optional[str], Optional[str]]]:
             table = self.iceberg_table(target)
-            found = json.loads(batch_helper(self.lake.spark).lineage(table,
-                                                                      self.lake.lsn_property))
-            return [(int(i), None if v is None else str(v)) for i, v in found]
+            found = json.loads(batch_helper(self.lake.spark).lineage(
+                table, self.lake.lsn_property, self.lake.from_property))
+            return [(int(i), None if v is None else str(v), None if f is None else str(f))
+                    for i, v, f in found]
 
         return spark_call(f"reading the snapshot history of {target}", read)
 

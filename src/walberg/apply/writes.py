@@ -367,11 +367,15 @@ class Writes:
 
     def apply(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
               void: Sequence[tuple[int, int]] = (),
-              marks: Optional[Mapping[str, str]] = None, upsert: bool = False) -> None:
+              marks: Optional[Mapping[str, str]] = None, upsert: bool = False,
+              since: Optional[Lsn] = None) -> None:
         """Apply one table's staged changes in one commit marked ``lsn`` (or ``marks``, see
         ``LakeSession.marks``): the rows with ``_wb_seq <= max_seq`` outside the ``void``
         ranges, after the last TRUNCATE that counts. ``upsert``: inserts are merged by key even
-        when the batch only inserts (the table may hold some of them already)."""
+        when the batch only inserts (the table may hold some of them already). ``since``: the
+        commit LSN of the first transaction the rows come from (recorded with ``lsn``)."""
+        if marks is None and since is not None:
+            marks = self.lake.marks(lsn, None, since)
         truncate = effective_truncate(max_seq, void, staged.truncates)
         self.lake.last_summaries.pop(target, None)  # (this commit's, if a row delta's)
 

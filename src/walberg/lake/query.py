@@ -77,14 +77,15 @@ class Cut:
 def consistent_cut(lake: Lake) -> Cut:
     """The newest position P of the (one, Postgres) source at which every table of the
     pipeline can be read as the source was: a reader of these snapshots never sees part of a
-    source transaction, whatever the catalog.
+    source transaction, whatever the catalog; and a later cut is never older than an earlier.
 
     Each commit walberg makes covers a batch up to its LSN, the same LSN in every table the
-    batch changed. A table holds what the source held at P if its newest snapshot is at or
-    before P and it has nothing after P waiting (everything up to the slot's confirmed
-    position is in every table: the slot moves only past what the lake holds), or if it has
-    a snapshot at P exactly. P starts at the least of what each table holds whole and comes
-    down to a position every table with later commits has a snapshot at."""
+    batch changed. A table holds what the source held at P (see ``_Known``) at its commits'
+    LSNs; between a commit at L and the next at N, up to the first transaction the next one
+    holds (its ``walberg.from-lsn``); and from its newest commit up to the slot's confirmed
+    position (the slot moves only past what the lake holds). P starts at the least of how far
+    each table is known and comes down, table by table, to the newest position every one is
+    known at."""
     if len(lake.sources) != 1 or lake.sources[0].kind != "postgres":
         raise Terminal("--consistent reads the tables of one PostgreSQL source: with several "
                        "sources give --source NAME (their positions are not comparable), and a "
@@ -94,37 +95,62 @@ def consistent_cut(lake: Lake) -> Cut:
     # The slot first, the tables' histories after: each history then holds every commit up to
     # the slot's confirmed position.
     confirmed = _confirmed(source)
-    lines: dict[str, list[tuple[Lsn, int]]] = {}
-    for target in source.targets.values():
-        if not sink.table_exists(target):
-            continue
-        covered = Lsn(0)
-        line: list[tuple[Lsn, int]] = []
-        for snapshot, mark in sink.lineage(target):
-            if mark is not None:
-                covered = max(covered, Lsn.parse(mark))
-            if covered:
-                line.append((covered, snapshot))
-        if line:
-            lines[target] = line
+    known = {target: _Known.of(sink.spans(target), confirmed)
+             for target in source.targets.values() if sink.table_exists(target)}
+    lines = {target: line for target, line in known.items() if line.marks}
     if not lines:
         raise Terminal("no table of this pipeline holds anything yet: nothing to read")
-    cut = min(max(line[-1][0], confirmed) for line in lines.values())
+    cut = min(line.spans[-1][1] for line in lines.values())
     while True:
         lower = cut
         for line in lines.values():
-            if line[-1][0] > cut and all(at != cut for at, _ in line):
-                before = [at for at, _ in line if at <= cut]
-                if not before:
-                    raise Terminal(f"no position is held whole by every table: one holds "
-                                   f"nothing at or before LSN {cut} (its first commit covers "
-                                   f"{line[0][0]}); run again once walberg has caught up")
-                lower = min(lower, max(before))
+            at = line.newest_at_or_before(cut)
+            if at is None:
+                raise Terminal(f"no position is held whole by every table: one holds "
+                               f"nothing at or before LSN {cut} (its first commit covers "
+                               f"{line.marks[0][0]}); run again once walberg has caught up")
+            lower = min(lower, at)
         if lower == cut:
             break
         cut = lower
-    return Cut(cut, {target: [snap for at, snap in line if at <= cut][-1]
-                     for target, line in lines.items()})
+    return Cut(cut, {target: line.snapshot_at(cut) for target, line in lines.items()})
+
+
+@dataclass(frozen=True)
+class _Known:
+    """Where one table's history is known to hold the table as the source was."""
+
+    marks: list[tuple[Lsn, int]]  # (LSN covered, snapshot), oldest first
+    spans: list[tuple[Lsn, Lsn]]  # (first, last) position held whole, by the snapshot at first
+
+    @classmethod
+    def of(cls, history: list[tuple[int, Optional[str], Optional[str]]],
+           confirmed: Lsn) -> "_Known":
+        """From the table's lineage: (snapshot id, LSN mark, from-LSN), oldest first."""
+        covered = Lsn(0)
+        marks: list[tuple[Lsn, int]] = []
+        spans: list[tuple[Lsn, Lsn]] = []
+        for snapshot, mark, since in history:
+            at = Lsn.parse(mark) if mark is not None else covered
+            if at > covered:
+                if covered:
+                    # Up to the first transaction this commit holds, its parent held the table
+                    # as it was (a commit without the mark, a copy, is known at its LSN only).
+                    upto = Lsn.parse(since) if since is not None else covered
+                    spans.append((covered, min(max(upto, covered), at)))
+                covered = at
+            if covered:
+                marks.append((covered, snapshot))
+        if covered:
+            spans.append((covered, max(covered, confirmed)))
+        return cls(marks, spans)
+
+    def newest_at_or_before(self, position: Lsn) -> Optional[Lsn]:
+        found = [min(last, position) for first, last in self.spans if first <= position]
+        return max(found) if found else None
+
+    def snapshot_at(self, position: Lsn) -> int:
+        return [snapshot for at, snapshot in self.marks if at <= position][-1]
 
 
 def _confirmed(source: LakeSource) -> Lsn:

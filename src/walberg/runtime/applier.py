@@ -59,6 +59,9 @@ class Batch:
     last_commit_ts: Optional[int] = None  # source commit time of its last transaction (µs, 2000)
     # Postgres: per table, the commit time of the batch's first transaction that changed it
     first_commit_ts: dict[str, int] = field(default_factory=dict)
+    # ... and that transaction's commit LSN: every change the table's commit holds came from
+    # a transaction that ended after it (see LsnMarks.marks)
+    first_commit_lsn: dict[str, Lsn] = field(default_factory=dict)
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
     unknown: bool = False  # Postgres, staged before the lake was read: met a table not known
     # Postgres, staged before the lake was read: tables pgoutput described again amid their
@@ -391,7 +394,8 @@ class Applier:
             crash_point("commit", delay=0.5)
             catchup = self.state.catchup(table)
             self.sink.apply(target, st, batch.lsn, batch.max_seq, batch.void, marks,
-                            upsert=catchup is not None or self.stager.replays_inserts(table))
+                            upsert=catchup is not None or self.stager.replays_inserts(table),
+                            since=batch.first_commit_lsn.get(table))
             if catchup is not None:
                 self.state.caught_up(table, batch.lsn)
 

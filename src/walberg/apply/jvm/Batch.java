@@ -441,15 +441,17 @@ public class Batch {
     }
 
     /** The table's current snapshot and each ancestor it still holds, oldest first, as a JSON
-     * list of [snapshot id, the summary's value at {@code key} (null if none)]. */
-    public String lineage(Table table, String key) throws Exception {
+     * list of [snapshot id, the summary's value at {@code key}, at {@code fromKey}] (null where
+     * the summary has none). */
+    public String lineage(Table table, String key, String fromKey) throws Exception {
         List out = new ArrayList();
         Snapshot snapshot = table.currentSnapshot();
         while (snapshot != null) {
-            List pair = new ArrayList();
-            pair.add(Long.valueOf(snapshot.snapshotId()));
-            pair.add(snapshot.summary().get(key));
-            out.add(0, pair);
+            List entry = new ArrayList();
+            entry.add(Long.valueOf(snapshot.snapshotId()));
+            entry.add(snapshot.summary().get(key));
+            entry.add(snapshot.summary().get(fromKey));
+            out.add(0, entry);
             Long parent = snapshot.parentId();
             snapshot = parent == null ? null : table.snapshot(parent.longValue());
         }
