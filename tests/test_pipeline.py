@@ -536,3 +536,31 @@ def test_segments_sealed_after_the_lake_was_read_with_nothing_to_apply_are_let_g
     state.advance_applied(Lsn(0x1300))
     assert stager.prepare_next(None) is None
     assert [state.segment(info.seq) for info in store.sealed()] == [SegmentMeta(None, False)]
+
+
+def test_a_buffer_dir_that_holds_a_kafka_pipelines_segments_is_refused(
+        postgres: Any, pg_conn: Any, spark: Any, warehouse: Path, tmp_path: Path,
+        unique: str) -> None:
+    """Two pipelines given one buffer.dir in turn: a Postgres pipeline that finds a Kafka
+    pipeline's segments left there says so and what to do, at start, instead of reading Kafka
+    records as pgoutput messages (the Kafka pipeline already refused a Postgres one's)."""
+    from walberg.buffer.kinds import FrameKind
+    from walberg.buffer.store import SegmentStore
+    from walberg.source import kafka
+
+    table = f"public.{unique}"
+    with pg_conn.cursor() as cur:
+        cur.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    config = make_config(postgres, warehouse, tmp_path / "segments", unique, [table])
+    with SegmentStore(config.segment_dir, config.buffer.max_segment_bytes) as store:
+        store.recover()
+        store.append(1, int(FrameKind.KAFKA_RUN),
+                     next(frame for _, frame in kafka.runs([kafka.Record("t", 0, 0, 0, b"k",
+                                                                         b"v")])))
+        leftover = store.seal()
+    assert leftover is not None
+    with pytest.raises(Terminal) as refused:
+        run_once(config, spark)
+    said = str(refused.value)
+    assert str(leftover.path) in said and "KAFKA_RUN" in said, said
+    assert "which a Postgres pipeline never writes" in said and "its own buffer.dir" in said

@@ -30,6 +30,15 @@ class FrameKind(IntEnum):
 KNOWN = frozenset(int(k) for k in FrameKind)
 
 
+def refuse_foreign(path: Path, kind: int, pipeline: str) -> Terminal:
+    """The error for a frame of a kind another kind of pipeline writes (``pipeline``: the kind
+    that reads this one, "Postgres" or "Kafka"): two pipelines were given one buffer.dir."""
+    return Terminal(
+        f"the segment file {path} holds a frame of kind {kind} ({FrameKind(kind).name}), "
+        f"which a {pipeline} pipeline never writes: buffer.dir {path.parent} belongs to "
+        "another pipeline. Give each pipeline its own buffer.dir")
+
+
 class UnknownFrameKind(Terminal):
     """A segment file holds a frame of a kind this walberg does not know."""
 

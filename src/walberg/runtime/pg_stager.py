@@ -22,7 +22,7 @@ from walberg.apply.batch import (
 )
 from walberg.apply.iceberg import IcebergSink
 from walberg.apply.types import UnsupportedType
-from walberg.buffer.kinds import FrameKind
+from walberg.buffer.kinds import FrameKind, refuse_foreign
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.errors import DecodeError
@@ -111,11 +111,14 @@ class PgStager:
     # ---- which segments ----------------------------------------------------------------------
 
     def scan(self, info: SegmentInfo) -> SegmentMeta:
-        """What a segment left by an earlier run holds: its last commit, whether it ends clean."""
+        """What a segment left by an earlier run holds: its last commit, whether it ends clean.
+        A frame a Kafka pipeline writes is refused: this directory is not this pipeline's."""
         last: Optional[Lsn] = None
         clean = False
         for lsn, kind, payload in self.store.read(info):
             if kind != FRAME_PGOUTPUT:
+                if kind != FRAME_PREAMBLE:
+                    raise refuse_foreign(info.path, kind, "Postgres")
                 continue
             if payload[0] == Tag.COMMIT:
                 last, clean = Lsn(lsn), True

@@ -3,9 +3,8 @@ read back as its records and the offsets it found to hold no record."""
 
 from __future__ import annotations
 
-from walberg.buffer.kinds import FrameKind
+from walberg.buffer.kinds import FrameKind, refuse_foreign
 from walberg.buffer.store import SegmentInfo, SegmentStore
-from walberg.errors import Terminal
 from walberg.runtime.applier import Partition
 from walberg.source import kafka
 
@@ -33,10 +32,6 @@ def read_segment(store: SegmentStore, info: SegmentInfo, below: dict[Partition, 
                     past[tp] = max(past.get(tp, 0), offset)
             continue
         else:
-            raise Terminal(
-                f"the segment file {info.path} holds a frame of kind {kind} "
-                f"({FrameKind(kind).name}), which a Kafka pipeline never writes: buffer.dir "
-                f"{info.path.parent} belongs to another pipeline. Give each pipeline its own "
-                "buffer.dir")
+            raise refuse_foreign(info.path, kind, "Kafka")
         records += [r for r in run if r.offset >= below.get((r.topic, r.partition), 0)]
     return records, past
