@@ -131,6 +131,7 @@ class PgReader:
             opened.append(stream)
             stream.open()
             server = stream.identify()
+            self.server.first_met(server)
             created = self._make_slot(conn, stream, slot, server)
             target = pg.current_wal_lsn(conn) if once else None
             if created is None:

@@ -6,6 +6,7 @@ another system, an old primary back, or a standby without the slot may not)."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Mapping, Optional
 
 from walberg.apply.session import jvm_map
@@ -28,16 +29,27 @@ class ServerCheck:
         self.state = state
         self.tables = tables
         self.recopy = recopy  # tables `resync` copies again
-        # The source server as first met (system identifier, timeline): a reconnect that
-        # finds another system, or a promoted standby, is checked against it.
+        # The source server as last met (system identifier, timeline): a reconnect that
+        # finds another system, or a promoted standby, is checked against it. Set by the
+        # start's thread and by the stream's (which reconnects while the start reads the lake).
         self._server: Optional[tuple[str, int]] = None
+        self._lock = threading.Lock()
+
+    def first_met(self, server: tuple[str, int]) -> None:
+        """At start, as soon as the stream's first connection names its server: a reconnect
+        while the lake is still being read (and judged against it) is judged against this."""
+        with self._lock:
+            if self._server is None:
+                self._server = server
 
     def same_server(self, stream: ReplicationStream, slot_exists: bool) -> None:
         """After a reconnect: the server ``stream`` reached, judged against the one this run
-        met first (see ``_judge``), with what the run holds (segments and lake) at stake."""
+        met before (see ``_judge``), with what the run holds (segments and lake) at stake."""
         system, timeline = stream.identify()
-        if self._server is not None:
-            self._judge(self._server, (system, timeline), slot_exists, self._held(),
+        with self._lock:
+            known = self._server
+        if known is not None:
+            self._judge(known, (system, timeline), slot_exists, self._held(),
                         "what walberg read before")
         self._met(system, timeline)
 
@@ -69,6 +81,8 @@ class ServerCheck:
             held = self.state.committed_at(t) or sink.committed_lsn(target) or Lsn(0)
             self._judge((known_system, int(known_timeline or 0)), (system, timeline),
                         slot_exists, held, f"the lake's {target}")
+        with self._lock:  # (a reconnect since the start met a server judged already: newer)
+            system, timeline = self._server or server
         self._met(system, timeline)
 
     def moved_without_slot(self) -> Optional[Terminal]:
@@ -76,7 +90,9 @@ class ServerCheck:
         without it, another system): ``_judge``'s word for it, which says so and what to do.
         Asked before the slot is said to be dropped: the DSN may already reach the new primary
         when the lost connection is looked into."""
-        if self._server is None:
+        with self._lock:
+            known = self._server
+        if known is None:
             return None
         probe = ReplicationStream(self.pg.dsn, self.pg.slot, self.pg.publication)
         try:
@@ -86,16 +102,17 @@ class ServerCheck:
             return None
         finally:
             probe.close()
-        if now == self._server:
+        if now == known:
             return None
         try:
-            self._judge(self._server, now, False, self._held(), "what walberg read before")
+            self._judge(known, now, False, self._held(), "what walberg read before")
         except Terminal as exc:
             return exc
         return None
 
     def _met(self, system: str, timeline: int) -> None:
-        self._server = (system, timeline)
+        with self._lock:
+            self._server = (system, timeline)
         self.tables.sink.record_server(f"{system}/{timeline}")
 
     def _judge(self, known: tuple[str, int], now: tuple[str, int], slot_exists: bool,
