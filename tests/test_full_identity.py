@@ -5,6 +5,7 @@ TRUNCATE."""
 from __future__ import annotations
 
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,15 @@ def test_a_delete_whose_old_row_holds_a_value_the_lake_cannot_store(
     # delete and the new row's insert, which cannot be written; the lake holds neither.
     assert [r["id"] for r in iceberg_rows(warehouse, target)] == [4]
     assert _rows(pg_conn, table, "id")[0]["id"] == 3
+    # The change that makes a row writable again puts it back (docs/types.md, dead letters),
+    # and a key change away from a value the lake could not hold deletes nothing it holds.
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET n = 3.5 WHERE id = 3")
+        cur.execute(f"UPDATE {table} SET ts = 'infinity' WHERE id = 4")
+    run_once(config, spark)
+    assert [(r["id"], r["n"]) for r in iceberg_rows(warehouse, target)] == [(3, Decimal("3.50"))]
+    with pg_conn.cursor() as cur:
+        cur.execute(f"UPDATE {table} SET id = 6, ts = '2021-01-01' WHERE id = 4")
+    run_once(config, spark)
+    assert iceberg_rows(warehouse, target) == _rows(pg_conn, table, "id")
+    assert [r["id"] for r in iceberg_rows(warehouse, target)] == [3, 6]
