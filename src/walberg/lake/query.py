@@ -95,8 +95,16 @@ def consistent_cut(lake: Lake) -> Cut:
     # The slot first, the tables' histories after: each history then holds every commit up to
     # the slot's confirmed position.
     confirmed = _confirmed(source)
-    known = {target: _Known.of(sink.spans(target), confirmed)
-             for target in source.targets.values() if sink.table_exists(target)}
+    return cut_of({target: sink.spans(target) for target in source.targets.values()
+                   if sink.table_exists(target)}, confirmed)
+
+
+def cut_of(histories: dict[str, list[tuple[int, Optional[str], Optional[str]]]],
+           confirmed: Lsn) -> Cut:
+    """``consistent_cut`` of tables whose lineages (snapshot id, ``walberg.lsn``,
+    ``walberg.from-lsn``, oldest first) were read after the slot was confirmed up to
+    ``confirmed``."""
+    known = {target: _Known.of(history, confirmed) for target, history in histories.items()}
     lines = {target: line for target, line in known.items() if line.marks}
     if not lines:
         raise Terminal("no table of this pipeline holds anything yet: nothing to read")
