@@ -16,6 +16,7 @@ from walberg.config import parse_config
 from walberg.errors import ApplyError
 from walberg.lake.maintain import maintain
 from walberg.lake.services import Lake
+from walberg.model import Lsn
 from walberg.pipeline import Pipeline
 
 
@@ -71,6 +72,15 @@ def test_changelog_next_to_the_mirror_and_alone(pg_conn: Any, postgres: Any, spa
     assert iceberg_rows(warehouse, mirror) == postgres_rows(pg_conn, both)
     assert [(r["_walberg_op"], r["id"]) for r in _rows(warehouse, log_only)] == [
         ("snapshot", 1), ("insert", 2), ("truncate", None), ("insert", 3)]
+    # Each streamed commit names the first transaction it holds changes of (its commit LSN, as
+    # the rows carry it), which `query --consistent` reads: the mirror's and both changelogs'.
+    for target, rows_of in ((log_only, log_only), (changelog, changelog), (mirror, changelog)):
+        first = Lsn(min(r["_walberg_lsn"] for r in _rows(warehouse, rows_of)
+                        if r["_walberg_op"] != "snapshot"))
+        said = [Lsn.parse(s) for s in (
+            snap.summary.additional_properties.get("walberg.from-lsn")
+            for snap in hadoop_table(warehouse, target).snapshots()) if s is not None]
+        assert said and said[0] == first, (target, said, first)
 
     # The mirror's commit fails after the changelog's (its metadata directory made immutable):
     # the next run applies the batch again, and the changelog must not get its rows twice.

@@ -174,8 +174,9 @@ class IcebergSink:
 
     def append_changes(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
                        void: Sequence[tuple[int, int]],
-                       txns: Sequence[tuple[int, int, int, int]], held: Optional[Lsn]) -> int:
-        return self.writes.append_changes(target, staged, lsn, max_seq, void, txns, held)
+                       txns: Sequence[tuple[int, int, int, int]], held: Optional[Lsn],
+                       since: Optional[Lsn] = None) -> int:
+        return self.writes.append_changes(target, staged, lsn, max_seq, void, txns, held, since)
 
     def load_copy(self, target: str, columns: Sequence[Column], files: Sequence[Path],
                   lsn: Lsn, on_driver: bool = True) -> None:

@@ -79,10 +79,12 @@ class Writes:
 
     def append_changes(self, target: str, staged: StagedTable, lsn: Lsn, max_seq: int,
                        void: Sequence[tuple[int, int]],
-                       txns: Sequence[tuple[int, int, int, int]], held: Optional[Lsn]) -> int:
+                       txns: Sequence[tuple[int, int, int, int]], held: Optional[Lsn],
+                       since: Optional[Lsn] = None) -> int:
         """Append one row per change (and per TRUNCATE) to a changelog table, in one commit
-        marked ``lsn``. ``txns``: (commit LSN, xid, commit time in µs since 2000, first seq) of
-        the batch's transactions; rows of transactions up to ``held`` are already there."""
+        marked ``lsn`` (and ``since``, as ``apply``). ``txns``: (commit LSN, xid, commit time
+        in µs since 2000, first seq) of the batch's transactions; rows of transactions up to
+        ``held`` are already there."""
         from pyspark.sql.functions import broadcast
 
         columns = staged.columns
@@ -126,7 +128,8 @@ class Writes:
             if count:
                 spark_call(f"appending changes to {target}",
                            lambda: one_commit_at_a_time(
-                               target, lambda: self.lake.writer(rows, target, lsn).append()))
+                               target, lambda: self.lake.writer(
+                               rows, target, lsn, self.lake.marks(lsn, None, since)).append()))
         finally:
             rows.unpersist()
         return count

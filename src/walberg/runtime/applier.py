@@ -374,7 +374,8 @@ class Applier:
 
             def append() -> None:
                 self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq,
-                                         batch.void + skip, batch.txns, held)
+                                         batch.void + skip, batch.txns, held,
+                                         batch.first_commit_lsn.get(table))
 
             try:
                 if marks:
