@@ -518,4 +518,3 @@ def test_dead_letters_are_said_again_when_their_batch_is_replayed(
         == [1]
     dead = hadoop_table(warehouse, f"{target}__dlq").scan().to_arrow().to_pylist()
     assert sorted(int(r["id"]) for r in dead) == [2, 3]
-

@@ -29,7 +29,7 @@ from walberg.apply.together import CatalogTransactions, CommitGroup, member_of
 from walberg.buffer.store import SegmentInfo, SegmentStore
 from walberg.config import Config
 from walberg.faults import crash_point, failure_point
-from walberg.model import Lsn, Op, pg_epoch
+from walberg.model import Commit, Lsn, Op, pg_epoch
 from walberg.runtime.lakeside import commit_with_retries, count_files
 from walberg.runtime.parking import Parking
 from walberg.runtime.state import RunState
@@ -57,11 +57,10 @@ class Batch:
     void: list[tuple[int, int]] = field(default_factory=list)
     txns: list[tuple[int, int, int, int]] = field(default_factory=list)  # for changelogs
     last_commit_ts: Optional[int] = None  # source commit time of its last transaction (µs, 2000)
-    # Postgres: per table, the commit time of the batch's first transaction that changed it
-    first_commit_ts: dict[str, int] = field(default_factory=dict)
-    # ... and that transaction's commit LSN: every change the table's commit holds came from
-    # a transaction that ended after it (see LsnMarks.marks)
-    first_commit_lsn: dict[str, Lsn] = field(default_factory=dict)
+    # Postgres: per table, the Commit of the batch's first transaction that changed it: its
+    # time (when the table's changes became visible) and its commit LSN (every change the
+    # table's commit holds ended after it: apply.session.FROM_PROPERTY)
+    first_commit: dict[str, Commit] = field(default_factory=dict)
     cut: bool = False  # ended early, before a table's new columns: its segments are read again
     unknown: bool = False  # Postgres, staged before the lake was read: met a table not known
     # Postgres, staged before the lake was read: tables pgoutput described again amid their
@@ -74,6 +73,12 @@ class Batch:
     records: list[tuple[int, str, int, int]] = field(default_factory=list)
     # Set once its commit is over (or failed): the next batch stops growing then.
     committed: threading.Event = field(default_factory=threading.Event)
+
+    def since(self, table: str) -> Optional[Lsn]:
+        """The commit LSN of the first transaction of this batch that changed ``table`` (None:
+        none known, as in a Kafka batch): what the table's commit records as walberg.from-lsn."""
+        first = self.first_commit.get(table)
+        return None if first is None else first.commit_lsn
 
 
 class Marks(Protocol):
@@ -336,7 +341,8 @@ class Applier:
             metrics.COMMITS.labels(table, "failure").inc()
             raise
         metrics.COMMITS.labels(table, "success").inc()
-        oldest = batch.first_commit_ts.get(table, batch.last_commit_ts)
+        first = batch.first_commit.get(table)
+        oldest = first.commit_ts if first is not None else batch.last_commit_ts
         if oldest is not None:  # the moment its changes became visible
             metrics.END_TO_END_SECONDS.labels(table).observe(
                 max(time.time() - pg_epoch(oldest), 0.0))
@@ -375,7 +381,7 @@ class Applier:
             def append() -> None:
                 self.sink.append_changes(changelog, st, batch.lsn, batch.max_seq,
                                          batch.void + skip, batch.txns, held,
-                                         batch.first_commit_lsn.get(table))
+                                         batch.since(table))
 
             try:
                 if marks:
@@ -396,7 +402,7 @@ class Applier:
             catchup = self.state.catchup(table)
             self.sink.apply(target, st, batch.lsn, batch.max_seq, batch.void, marks,
                             upsert=catchup is not None or self.stager.replays_inserts(table),
-                            since=batch.first_commit_lsn.get(table))
+                            since=batch.since(table))
             if catchup is not None:
                 self.state.caught_up(table, batch.lsn)
 

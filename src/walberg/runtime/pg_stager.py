@@ -367,9 +367,8 @@ class PgStager:
                      run.last_seq if run.cut else run.seq, run.changes,
                      time.monotonic() - started, lsn=end, start=floor, void=run.void,
                      txns=[(lsn, *t) for lsn, t in run.txns.items()],
-                     last_commit_ts=run.last_commit_ts, first_commit_ts=run.first_commit_ts,
-                     first_commit_lsn=run.first_commit_lsn, cut=run.cut, unknown=run.unknown,
-                     described_early=run.described_early)
+                     last_commit_ts=run.last_commit_ts, first_commit=run.first_commit,
+                     cut=run.cut, unknown=run.unknown, described_early=run.described_early)
 
     def wanted(self, rel: Relation, txn: Begin, early: bool = False) -> bool:
         if early:
@@ -461,8 +460,7 @@ class _Staging:
         self.changes = 0
         self.cut = False
         self.last_commit_ts: Optional[int] = None
-        self.first_commit_ts: dict[str, int] = {}  # per table, its first transaction's
-        self.first_commit_lsn: dict[str, Lsn] = {}  # ... and that transaction's commit LSN
+        self.first_commit: dict[str, Commit] = {}  # per table, its first transaction's
         self.last_end: Optional[Lsn] = None  # end of the last transaction staged whole
         self.last_seq = 0  # ... and its last seq
         self.txn_lsn = 0
@@ -508,8 +506,7 @@ class _Staging:
                 elif isinstance(msg, Commit):
                     self.live |= self.touched
                     for table in self.touched:
-                        self.first_commit_ts.setdefault(table, msg.commit_ts)
-                        self.first_commit_lsn.setdefault(table, msg.commit_lsn)
+                        self.first_commit.setdefault(table, msg)
                     self.txn = None
                     self.last_commit_ts = msg.commit_ts
                     self.last_end, self.last_seq = msg.end_lsn, self.seq
