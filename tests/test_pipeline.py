@@ -542,8 +542,9 @@ def test_a_buffer_dir_that_holds_a_kafka_pipelines_segments_is_refused(
         postgres: Any, pg_conn: Any, spark: Any, warehouse: Path, tmp_path: Path,
         unique: str) -> None:
     """Two pipelines given one buffer.dir in turn: a Postgres pipeline that finds a Kafka
-    pipeline's segments left there says so and what to do, at start, instead of reading Kafka
-    records as pgoutput messages (the Kafka pipeline already refused a Postgres one's)."""
+    pipeline's segments left there says so and what to do, at start, instead of leaving them
+    pending for good (a --once run never ended; the Kafka pipeline already refused a Postgres
+    one's)."""
     from walberg.buffer.kinds import FrameKind
     from walberg.buffer.store import SegmentStore
     from walberg.source import kafka
